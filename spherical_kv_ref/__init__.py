@@ -1,0 +1,1 @@
+"""Spherical KV — NumPy reference (the specification). See docs/format.md and DESIGN."""
