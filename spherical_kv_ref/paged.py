@@ -1,0 +1,539 @@
+"""Tier-homogeneous page pool and CSR page tables (DESIGN §4, docs/format.md "Pages").
+
+One pool of ``num_pages`` fixed-size pages of ``page_bytes`` bytes serves every tier, so one
+free list is enough; a page holds states of one row (one (sequence, layer, kv-head)) and one
+tier. Page metadata (``page_tier``, ``page_count``, ``page_pos``) lives in arrays beside the
+page bytes, which is what a kernel reads before it streams a page.
+
+Inside a page (structure of arrays, ``P`` = states per page of the tier):
+
+    key codes   [P][kb]   at 0
+    value codes [P][vb]   at P·kb
+    key scales  fp16 [P]  at P·(kb + vb)            (only if key_bits < 16)
+    value scales fp16 [P] right after the key scales (only if value_bits < 16)
+
+States are stored exactly as the codec writes them: the rotated, centred vector's packed
+codes and its fp16 scale (docs/format.md "Encoded vector"). The row's means μ_K, μ_V sit
+beside the page table (the cache keeps them), not in the pages.
+
+Re-tiering (RDR's decision) only ever lowers a tier. A demoted state is re-encoded from what
+is stored: its rotated vector ŷ = s·ĉ (the fp16 values themselves at 16 bits) is quantised
+again at the lower bit width *in the same rotated frame*. That is correct because the
+rotation Π depends on (seed, layer, kv-head, key/value) only, never on the tier, so every
+tier of a row shares one accumulation space and no un-rotation is needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Hashable, List, Optional, Sequence
+
+import numpy as np
+
+from . import codebooks
+from .codec import FP16_MAX, Encoded, SphericalCodec, _pack_fp16, pack_codes, vector_bytes
+from .tiers import TierLadder
+
+__all__ = ["TierLayout", "page_layout", "PoolExhaustedError", "PagePool", "PagedKV",
+           "PageTable", "RowStates", "encode_rotated", "stored_rotated", "mixed_tier_attention"]
+
+
+class PoolExhaustedError(ValueError):
+    """The page pool has fewer free pages than an operation needs (nothing was changed)."""
+
+
+# ------------------------------------------------------------------------------ layout
+
+@dataclass(frozen=True)
+class TierLayout:
+    """Byte layout of one tier's pages (docs/format.md "Pages"). Offsets in bytes from the
+    start of the page; a scale offset is -1 where that half of the state has no scale."""
+    tier: int
+    key_bits: int
+    value_bits: int
+    states_per_page: int
+    key_code_bytes: int
+    value_code_bytes: int
+    value_codes_offset: int
+    key_scales_offset: int
+    value_scales_offset: int
+
+    @property
+    def key_words(self) -> int:
+        return self.key_code_bytes // 4
+
+    @property
+    def value_words(self) -> int:
+        return self.value_code_bytes // 4
+
+
+def _code_bytes(bits: int, dim: int) -> int:
+    return vector_bytes(bits, dim) - (0 if bits == 16 else 2)
+
+
+def page_layout(ladder: TierLadder, dim: int, page_bytes: int) -> tuple:
+    """Layouts of tiers 1..T as a tuple indexed by tier (entry 0 is None)."""
+    out: List[Optional[TierLayout]] = [None]
+    for t in range(1, len(ladder) + 1):
+        kb_bits, vb_bits = ladder.bits(t)
+        p = ladder.states_per_page(t, dim, page_bytes)
+        kb, vb = _code_bytes(kb_bits, dim), _code_bytes(vb_bits, dim)
+        ks_off = p * (kb + vb) if kb_bits != 16 else -1
+        vs_off = -1
+        if vb_bits != 16:
+            vs_off = p * (kb + vb) + (2 * p if kb_bits != 16 else 0)
+        out.append(TierLayout(t, kb_bits, vb_bits, p, kb, vb, p * kb, ks_off, vs_off))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------ re-encoding
+
+def stored_rotated(codec: SphericalCodec, enc: Encoded) -> np.ndarray:
+    """ŷ = s·ĉ (n, d) float64: the rotated, centred vector a stored state stands for."""
+    return enc.scale.astype(np.float64)[:, None] * codec.rotated_points(enc)
+
+
+def encode_rotated(codec: SphericalCodec, y: np.ndarray, mean=None) -> Encoded:
+    """Encode vectors already in the codec's rotated (and centred) frame, (n, d) float.
+
+    The same steps as ``SphericalCodec.encode`` after its rotation (docs/format.md): radius,
+    nearest level per coordinate, scale s = r/‖ĉ‖ in fp16, packing. Used to demote a stored
+    state without leaving the rotated frame."""
+    y = np.asarray(y, dtype=np.float64)
+    n, d = y.shape
+    mean32 = None if mean is None else np.asarray(mean, np.float32)
+    if codec.bits == 16:
+        if np.any(np.abs(y) > FP16_MAX):
+            raise ValueError("a rotated coordinate exceeds the fp16 range (65504)")
+        return Encoded(np.ones(n, np.float16), _pack_fp16(y.astype(np.float16)), 16, d, mean32)
+    r = np.sqrt(np.sum(y * y, axis=1))
+    zero = r == 0.0
+    u = y / np.where(zero, 1.0, r)[:, None]
+    codes = codebooks.quantize(np.sqrt(d) * u, codec.levels)
+    codes[zero] = 0
+    chat_norm = np.sqrt(np.sum(codec.levels[codes] ** 2, axis=1) / d)
+    scale = np.where(zero, 0.0, r / chat_norm)
+    if np.any(scale > FP16_MAX):
+        raise ValueError("a re-encoded scale exceeds the fp16 range (65504)")
+    return Encoded(scale.astype(np.float16), pack_codes(codes, codec.bits), codec.bits, d, mean32)
+
+
+# ------------------------------------------------------------------------------ pool
+
+class PagePool:
+    """``num_pages`` pages of ``page_bytes`` bytes, with their metadata and one free list.
+
+    data: uint8 (num_pages, page_bytes). page_tier: int32 (num_pages,), 0 = free.
+    page_count: int32 (num_pages,) valid states (slots 0..count-1). page_pos: int32
+    (num_pages, P_max) token position of each slot (-1 where empty), bookkeeping only."""
+
+    def __init__(self, ladder: TierLadder, dim: int, page_bytes: int, num_pages: int):
+        if int(page_bytes) != page_bytes or page_bytes <= 0 or page_bytes % 16:
+            raise ValueError(f"page_bytes must be a positive multiple of 16, got {page_bytes!r}")
+        if int(num_pages) != num_pages or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
+        self.ladder, self.dim = ladder, int(dim)
+        self.page_bytes, self.num_pages = int(page_bytes), int(num_pages)
+        self.layout = page_layout(ladder, self.dim, self.page_bytes)
+        self.max_states_per_page = max(lay.states_per_page for lay in self.layout[1:])
+        self.data = np.zeros((self.num_pages, self.page_bytes), np.uint8)
+        self.page_tier = np.zeros(self.num_pages, np.int32)
+        self.page_count = np.zeros(self.num_pages, np.int32)
+        self.page_pos = np.full((self.num_pages, self.max_states_per_page), -1, np.int32)
+        # a stack popped from the end: page 0 is handed out first (deterministic)
+        self._free: List[int] = list(range(self.num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self, n: int, tier: int) -> List[int]:
+        """Take n pages for a tier (count 0). PoolExhaustedError, changing nothing, if short."""
+        if n > len(self._free):
+            raise PoolExhaustedError(f"page pool exhausted: need {n} free pages, have "
+                                     f"{len(self._free)} of {self.num_pages} "
+                                     f"({self.page_bytes} bytes each)")
+        ids = [self._free.pop() for _ in range(n)]
+        self.page_tier[ids] = tier
+        self.page_count[ids] = 0
+        return ids
+
+    def release(self, ids: Sequence[int]) -> None:
+        for p in ids:
+            if self.page_tier[p] == 0:
+                raise RuntimeError(f"page {p} released twice; this is a bug")
+            self.page_tier[p] = 0
+            self.page_count[p] = 0
+            self.page_pos[p] = -1
+            self._free.append(int(p))
+
+    def write(self, page: int, slot: int, keys: Encoded, values: Encoded, pos) -> None:
+        """Store states at slots slot.. of a page of the keys'/values' tier; count grows to cover them."""
+        lay = self.layout[int(self.page_tier[page])]
+        n = len(keys)
+        if slot + n > lay.states_per_page:
+            raise RuntimeError("write past the end of a page; this is a bug")
+        row = self.data[page]
+        kb, vb = lay.key_code_bytes, lay.value_code_bytes
+        row[slot * kb:(slot + n) * kb] = np.ascontiguousarray(keys.codes, np.uint32).view(np.uint8).reshape(-1)
+        o = lay.value_codes_offset
+        row[o + slot * vb:o + (slot + n) * vb] = \
+            np.ascontiguousarray(values.codes, np.uint32).view(np.uint8).reshape(-1)
+        if lay.key_scales_offset >= 0:
+            o = lay.key_scales_offset
+            row[o + 2 * slot:o + 2 * (slot + n)] = np.ascontiguousarray(keys.scale, np.float16).view(np.uint8)
+        if lay.value_scales_offset >= 0:
+            o = lay.value_scales_offset
+            row[o + 2 * slot:o + 2 * (slot + n)] = np.ascontiguousarray(values.scale, np.float16).view(np.uint8)
+        self.page_pos[page, slot:slot + n] = pos
+        self.page_count[page] = max(int(self.page_count[page]), slot + n)
+
+    def read(self, page: int):
+        """(keys Encoded, values Encoded, positions) of a page's valid states (mean None)."""
+        tier = int(self.page_tier[page])
+        lay = self.layout[tier]
+        n = int(self.page_count[page])
+        row = self.data[page]
+        kb, vb = lay.key_code_bytes, lay.value_code_bytes
+        kc = row[:n * kb].copy().view(np.uint32).reshape(n, kb // 4)
+        o = lay.value_codes_offset
+        vc = row[o:o + n * vb].copy().view(np.uint32).reshape(n, vb // 4)
+        ks = np.ones(n, np.float16)
+        vs = np.ones(n, np.float16)
+        if lay.key_scales_offset >= 0:
+            o = lay.key_scales_offset
+            ks = row[o:o + 2 * n].copy().view(np.float16)
+        if lay.value_scales_offset >= 0:
+            o = lay.value_scales_offset
+            vs = row[o:o + 2 * n].copy().view(np.float16)
+        return (Encoded(ks, kc, lay.key_bits, self.dim), Encoded(vs, vc, lay.value_bits, self.dim),
+                self.page_pos[page, :n].copy())
+
+
+def _concat(encs: List[Encoded], bits: int, dim: int, words: int) -> Encoded:
+    if not encs:
+        return Encoded(np.zeros(0, np.float16), np.zeros((0, words), np.uint32), bits, dim)
+    return Encoded(np.concatenate([e.scale for e in encs]), np.concatenate([e.codes for e in encs]),
+                   bits, dim)
+
+
+# ------------------------------------------------------------------------------ rows
+
+@dataclass(frozen=True)
+class PageTable:
+    """CSR page table over rows (docs/format.md): indptr int32 [rows+1], indices int32,
+    last_page_len int32 [rows] (0 for a row without pages)."""
+    indptr: np.ndarray
+    indices: np.ndarray
+    last_page_len: np.ndarray
+
+
+@dataclass(frozen=True)
+class RowStates:
+    """Every kept state of a row in page-table order: tier, token position, page, slot."""
+    tier: np.ndarray
+    pos: np.ndarray
+    page: np.ndarray
+    slot: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.tier.shape[0])
+
+
+CodecFor = Callable[[int, int], SphericalCodec]    # (bits, salt) -> codec of the row
+
+
+class PagedKV:
+    """A page pool plus one page list per row (any hashable key, e.g. (seq, layer, head)).
+
+    Operations validate everything before they change anything, so an error (a
+    ``ValueError``, or ``PoolExhaustedError`` which is one) leaves pool and rows as they were.
+    Invariant kept by every operation: each (row, tier) has at most one partly filled page,
+    so it occupies exactly ⌈n/P⌉ pages — the page count RDR charges."""
+
+    def __init__(self, ladder: TierLadder, dim: int, page_bytes: int = 4096, num_pages: int = 1024):
+        self.ladder = ladder
+        self.top = ladder.top
+        self.pool = PagePool(ladder, dim, page_bytes, num_pages)
+        self.rows: Dict[Hashable, List[int]] = {}
+
+    # -------------------------------------------------------------- rows
+    @property
+    def dim(self) -> int:
+        return self.pool.dim
+
+    def add_row(self, key: Hashable) -> None:
+        if key in self.rows:
+            raise ValueError(f"row {key!r} already exists")
+        self.rows[key] = []
+
+    def _row(self, key) -> List[int]:
+        if key not in self.rows:
+            raise ValueError(f"no row {key!r} (never added, or freed)")
+        return self.rows[key]
+
+    def pages(self, key) -> List[int]:
+        """Page ids of a row (a copy), in page-table order."""
+        return list(self._row(key))
+
+    def num_states(self, key) -> int:
+        return int(self.pool.page_count[self._row(key)].sum()) if self._row(key) else 0
+
+    def states(self, key) -> RowStates:
+        pages = np.asarray(self._row(key), np.int64)
+        cnt = self.pool.page_count[pages].astype(np.int64)
+        page = np.repeat(pages, cnt)
+        slot = np.arange(page.size) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        return RowStates(self.pool.page_tier[page].astype(np.int64),
+                         self.pool.page_pos[page, slot].astype(np.int64), page, slot)
+
+    def gather(self, key) -> Dict[int, tuple]:
+        """{tier: (keys, values, positions)} of a row's kept states, tiers present only,
+        each in page-table order (the order of ``states``)."""
+        by_tier: Dict[int, list] = {}
+        for p in self._row(key):
+            by_tier.setdefault(int(self.pool.page_tier[p]), []).append(self.pool.read(p))
+        out = {}
+        for t, parts in sorted(by_tier.items()):
+            lay = self.pool.layout[t]
+            out[t] = (_concat([a for a, _, _ in parts], lay.key_bits, self.dim, lay.key_words),
+                      _concat([b for _, b, _ in parts], lay.value_bits, self.dim, lay.value_words),
+                      np.concatenate([c for _, _, c in parts]))
+        return out
+
+    def bytes(self, key) -> int:
+        """Bytes the pool holds for a row: pages × page_bytes (padding of partial pages included)."""
+        return len(self._row(key)) * self.pool.page_bytes
+
+    # -------------------------------------------------------------- append
+    def append(self, key, keys: Encoded, values: Encoded, pos) -> None:
+        """Store new states at the top tier (a prefill chunk or one decode token).
+
+        keys, values: Encoded at the top tier's key/value bits; pos (n,) token positions.
+        Fills the row's partly filled top-tier page first, then fresh pages."""
+        row = self._row(key)
+        kb, vb = self.ladder.bits(self.top)
+        pos = np.asarray(pos, np.int64).reshape(-1)
+        if keys.bits != kb or values.bits != vb or keys.dim != self.dim or values.dim != self.dim:
+            raise ValueError(f"new states must be encoded at the top tier ({kb}, {vb}) bits, "
+                             f"dim {self.dim}; got ({keys.bits}, {values.bits}), dim {keys.dim}")
+        n = len(keys)
+        if len(values) != n or pos.shape[0] != n:
+            raise ValueError(f"{n} keys, {len(values)} values and {pos.shape[0]} positions")
+        if n == 0:
+            return
+        per = self.pool.layout[self.top].states_per_page
+        open_pages = [p for p in row if self.pool.page_tier[p] == self.top and self.pool.page_count[p] < per]
+        room = sum(per - int(self.pool.page_count[p]) for p in open_pages)
+        need = -(-max(0, n - room) // per)
+        fresh = self.pool.allocate(need, self.top)     # raises before any change
+        row.extend(fresh)
+        done = 0
+        for p in open_pages + fresh:
+            c = int(self.pool.page_count[p])
+            m = min(per - c, n - done)
+            if m <= 0:
+                continue
+            sl = slice(done, done + m)
+            self.pool.write(p, c, keys.take(sl), values.take(sl), pos[sl])
+            done += m
+
+    def truncate_last(self, key, n: int) -> None:
+        """Undo the last append of n states to a row (the states most recently written)."""
+        row = self._row(key)
+        while n > 0:
+            p = row[-1] if row else None
+            if p is None:
+                raise RuntimeError("truncate past the start of a row; this is a bug")
+            c = int(self.pool.page_count[p])
+            m = min(c, n)
+            self.pool.page_count[p] = c - m
+            self.pool.page_pos[p, c - m:c] = -1
+            n -= m
+            if c - m == 0:
+                row.pop()
+                self.pool.release([p])
+            elif n > 0:
+                raise RuntimeError("undo of an append that did not end the row; this is a bug")
+
+    # -------------------------------------------------------------- re-tier, compact, free
+    def _plan(self, key, new_tier, codec_for: CodecFor):
+        """Validate an allocation for one row; return what to rewrite (no change made)."""
+        st = self.states(key)
+        new_tier = np.asarray(new_tier)
+        if new_tier.shape != (len(st),) or (len(st) and not np.issubdtype(new_tier.dtype, np.integer)):
+            raise ValueError(f"row {key!r}: allocation must be ({len(st)},) integers, one per kept "
+                             f"state in page-table order, got {new_tier.shape} {new_tier.dtype}")
+        new_tier = new_tier.astype(np.int64)
+        if len(st) and (new_tier.min() < 0 or new_tier.max() > self.top):
+            raise ValueError(f"row {key!r}: tiers must lie in 0..{self.top}")
+        up = new_tier > st.tier
+        if np.any(up):
+            i = int(np.flatnonzero(up)[0])
+            raise ValueError(f"row {key!r}: state at position {int(st.pos[i])} would be promoted "
+                             f"from tier {int(st.tier[i])} to {int(new_tier[i])}; a demoted state "
+                             f"cannot regain bits, promotion is never allowed")
+        changed = sorted({int(t) for t in st.tier[new_tier != st.tier]}
+                         | {int(t) for t in new_tier[(new_tier != st.tier) & (new_tier > 0)]})
+        return st, new_tier, changed
+
+    def retier(self, items) -> None:
+        """Apply allocations: items = [(key, new_tier (n,), codec_for)], new_tier aligned with
+        ``states(key)``; 0 evicts, a lower tier demotes (re-encoded from what is stored, see the
+        module docstring), equal keeps. Every (row, tier) that changes is rewritten densely.
+        All rows are validated and the pool capacity checked before anything changes."""
+        plans = [(key, codec_for) + self._plan(key, nt, codec_for) for key, nt, codec_for in items]
+        keys_seen = [key for key, *_ in plans]
+        if len(set(keys_seen)) != len(keys_seen):
+            raise ValueError("a row appears twice in one retier call")
+        # build the new content of every changed (row, tier) in memory first
+        work = []
+        released = 0
+        needed = 0
+        for key, codec_for, st, new_tier, changed in plans:
+            if not changed:
+                continue
+            content = self.gather(key)
+            old_pages = [p for p in self._row(key) if int(self.pool.page_tier[p]) in changed]
+            released += len(old_pages)
+            new_content = {}
+            for t in changed:
+                if t == 0:
+                    continue
+                parts_k, parts_v, parts_p = [], [], []
+                kb, vb = self.ladder.bits(t)
+                for src, (k_enc, v_enc, pos) in content.items():
+                    sel = new_tier[st.tier == src] == t
+                    if not np.any(sel):
+                        continue
+                    k_sel, v_sel = k_enc.take(sel), v_enc.take(sel)
+                    if src != t:     # demotion: re-encode from the stored rotated vector
+                        skb, svb = self.ladder.bits(src)
+                        k_sel = encode_rotated(codec_for(kb, 0), stored_rotated(codec_for(skb, 0), k_sel))
+                        v_sel = encode_rotated(codec_for(vb, 1), stored_rotated(codec_for(svb, 1), v_sel))
+                    parts_k.append(k_sel)
+                    parts_v.append(v_sel)
+                    parts_p.append(pos[sel])
+                lay = self.pool.layout[t]
+                ke = _concat(parts_k, kb, self.dim, lay.key_words)
+                ve = _concat(parts_v, vb, self.dim, lay.value_words)
+                new_content[t] = (ke, ve, np.concatenate(parts_p) if parts_p else np.zeros(0, np.int64))
+                needed += -(-len(ke) // lay.states_per_page)
+            work.append((key, old_pages, new_content))
+        if needed > self.pool.num_free + released:
+            raise PoolExhaustedError(f"page pool exhausted: the allocation needs {needed} pages, "
+                                     f"{self.pool.num_free + released} would be free")
+        for key, old_pages, new_content in work:
+            row = self._row(key)
+            old = set(old_pages)
+            row[:] = [p for p in row if p not in old]
+            self.pool.release(old_pages)
+            for t, (ke, ve, pos) in new_content.items():
+                self._write_dense(row, t, ke, ve, pos)
+
+    def _write_dense(self, row: List[int], tier: int, ke: Encoded, ve: Encoded, pos) -> None:
+        per = self.pool.layout[tier].states_per_page
+        n = len(ke)
+        ids = self.pool.allocate(-(-n // per), tier)
+        for j, p in enumerate(ids):
+            sl = slice(j * per, min(n, (j + 1) * per))
+            self.pool.write(p, 0, ke.take(sl), ve.take(sl), pos[sl])
+        row.extend(ids)
+
+    def compact(self, key, tier: int) -> int:
+        """Re-pack a row's pages of one tier densely (⌈n/P⌉ pages); returns pages freed."""
+        row = self._row(key)
+        if not 1 <= tier <= self.top:
+            raise ValueError(f"tier must be in 1..{self.top}, got {tier}")
+        mine = [p for p in row if self.pool.page_tier[p] == tier]
+        per = self.pool.layout[tier].states_per_page
+        n = int(self.pool.page_count[mine].sum()) if mine else 0
+        if len(mine) == -(-n // per):
+            return 0
+        ke, ve, pos = self.gather(key)[tier]
+        old = set(mine)
+        row[:] = [p for p in row if p not in old]
+        self.pool.release(mine)            # frees at least as many pages as are rewritten
+        self._write_dense(row, tier, ke, ve, pos)
+        return len(mine) - -(-n // per)
+
+    def free_row(self, key) -> None:
+        row = self._row(key)
+        self.pool.release(row)
+        del self.rows[key]
+
+    # -------------------------------------------------------------- page tables
+    def page_table(self, keys: Sequence[Hashable]) -> PageTable:
+        """CSR page table over the given rows, in that order."""
+        lists = [self._row(k) for k in keys]
+        indptr = np.zeros(len(lists) + 1, np.int32)
+        indptr[1:] = np.cumsum([len(x) for x in lists])
+        indices = np.array([p for x in lists for p in x], np.int32)
+        last = np.array([self.pool.page_count[x[-1]] if x else 0 for x in lists], np.int32)
+        return PageTable(indptr, indices, last)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a DESIGN §4 invariant is broken (tests and debugging)."""
+        seen = {}
+        for key, row in self.rows.items():
+            for p in row:
+                assert p not in seen, f"page {p} in rows {seen.get(p)!r} and {key!r}"
+                seen[p] = key
+                assert self.pool.page_tier[p] != 0, f"row {key!r} holds free page {p}"
+                assert self.pool.page_count[p] > 0, f"row {key!r} holds empty page {p}"
+            for t in range(1, self.top + 1):
+                mine = [p for p in row if self.pool.page_tier[p] == t]
+                n = int(self.pool.page_count[mine].sum()) if mine else 0
+                per = self.pool.layout[t].states_per_page
+                assert len(mine) == -(-n // per), f"row {key!r} tier {t}: {len(mine)} pages for {n} states"
+            pos = self.states(key).pos
+            assert np.unique(pos).size == pos.size, f"row {key!r} holds a position twice"
+        free = set(self.pool._free)
+        assert len(free) == len(self.pool._free), "a page is on the free list twice"
+        assert not (free & set(seen)), "a page is both free and in a row"
+        assert len(free) + len(seen) == self.pool.num_pages, "page leak"
+        assert np.all(self.pool.page_tier[list(free)] == 0) if free else True
+
+
+# ------------------------------------------------------------------------------ reference
+
+def mixed_tier_attention(q, parts, key_mean=None, value_mean=None, softmax_scale=None,
+                         value_rotation=None, return_lse=False):
+    """Flat reference decode over kept states of several tiers, (m, d) float64.
+
+    parts: list of (keys Encoded, values Encoded, key_codec, value_codec), one per tier; all
+    codecs of one row share the key rotation and the value rotation. Logits per tier from
+    codes (codec.logits, with q·μ_K when key_mean is given), one softmax over all states,
+    Σ p_i·s_i·ĉ_i in rotated coordinates per tier, Π_Vᵀ once, + μ_V. With one part this
+    is ``ada.attention``."""
+    from .ada import rotated_value_sum
+    q = np.asarray(q, np.float64)
+    d = q.shape[1]
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    z = []
+    for k_enc, _, kc, _ in parts:
+        k_enc = Encoded(k_enc.scale, k_enc.codes, k_enc.bits, k_enc.dim,
+                        None if key_mean is None else np.asarray(key_mean, np.float32))
+        z.append(scale * kc.logits(q, k_enc))
+    z = np.concatenate(z, axis=1)
+    if z.shape[1] == 0:
+        raise ValueError("attention over zero kept states is undefined")
+    zmax = z.max(axis=1, keepdims=True)
+    e = np.exp(z - zmax)
+    denom = e.sum(axis=1, keepdims=True)
+    p = e / denom
+    acc = np.zeros((q.shape[0], d))
+    a = 0
+    for k_enc, v_enc, _, vc in parts:
+        acc += rotated_value_sum(p[:, a:a + len(k_enc)], v_enc, vc)
+        a += len(k_enc)
+    rot = parts[0][3].rotation if value_rotation is None else value_rotation
+    out = rot.inverse(acc)
+    if value_mean is not None:
+        out = out + np.asarray(value_mean, np.float32).astype(np.float64)[None, :]
+    if return_lse:
+        return out, (zmax + np.log(denom))[:, 0]
+    return out

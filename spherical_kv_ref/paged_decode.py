@@ -1,0 +1,203 @@
+"""CPU paged decode (numba) that walks page headers and pages the way the CUDA kernel does.
+
+Implements DESIGN §6 "ADA paged decode" on the host, for testing the algorithm and as the
+CPU fast path of ``SphericalKVCache.decode``. Work decomposition, mirroring the kernel:
+
+    one work item per (row, split); a row is one (sequence, kv-head) of one layer and its
+    G query heads (the GQA group: one KV read serves all of them); split s walks the pages
+    indptr[row] + s·pages_per_split … of the row's CSR list.
+    For each page: read the header (page_tier, page_count), look up the tier's layout, then
+    for each valid slot form the logit from the key codes and scale, update the split's
+    online softmax (running max m, sum l) and accumulate s^V·ĉ^V in rotated value
+    coordinates. Then merge the splits of a row (m = max m_s, l = Σ l_s·e^{m_s−m},
+    acc = Σ acc_s·e^{m_s−m}) and normalise.
+
+Π_K q (once per query head) and Π_Vᵀ acc + μ_V (once per query head) are applied outside,
+in float64 NumPy, as the kernel does in its prologue/epilogue. No dense key or value
+matrix is formed. All arithmetic is float64, so the result equals the flat reference
+(``paged.mixed_tier_attention``, ``ada.attention``) to rounding.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from . import codebooks
+from .paged import PagedKV, PageTable
+
+__all__ = ["PagedDecodeTables", "paged_decode"]
+
+#: fp16 bit pattern → float64, the kernel's half-to-float conversion as a table.
+_HALF = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float64)
+
+
+class PagedDecodeTables:
+    """Per-pool constants the kernel receives: per-tier layout arrays (indexed by tier
+    0..T) and codebook levels C_b/√d per bit width (rows indexed by bits, 256 columns)."""
+
+    def __init__(self, paged: PagedKV, codebook: str = "lloyd-max"):
+        lay = paged.pool.layout
+        t = len(lay)
+        self.key_bits = np.zeros(t, np.int64)
+        self.value_bits = np.zeros(t, np.int64)
+        self.per_page = np.zeros(t, np.int64)
+        self.key_words = np.zeros(t, np.int64)
+        self.value_words = np.zeros(t, np.int64)
+        self.value_codes_off = np.zeros(t, np.int64)     # in uint32 words
+        self.key_scales_off = np.full(t, -1, np.int64)   # in uint16 halves
+        self.value_scales_off = np.full(t, -1, np.int64)
+        for i in range(1, t):
+            x = lay[i]
+            self.key_bits[i], self.value_bits[i] = x.key_bits, x.value_bits
+            self.per_page[i] = x.states_per_page
+            self.key_words[i], self.value_words[i] = x.key_words, x.value_words
+            self.value_codes_off[i] = x.value_codes_offset // 4
+            if x.key_scales_offset >= 0:
+                self.key_scales_off[i] = x.key_scales_offset // 2
+            if x.value_scales_offset >= 0:
+                self.value_scales_off[i] = x.value_scales_offset // 2
+        d = paged.dim
+        self.levels = np.zeros((17, 256), np.float64)
+        for b in {int(v) for v in np.concatenate([self.key_bits[1:], self.value_bits[1:]])}:
+            if b != 16:
+                lv = codebooks.codebook(b, d, codebook)
+                self.levels[b, :lv.size] = lv / np.sqrt(d)
+
+
+@numba.njit(cache=True, inline="always")
+def _coord(words, base, j, bits, d, half):
+    """Coordinate j of a packed vector starting at words[base]: the code (bits < 16) or,
+    at 16 bits, the fp16 value as float64 (docs/format.md "Packing")."""
+    if bits == 16:
+        w = np.int64(words[base + (j >> 1)])
+        h = (w >> 16) if (j & 1) else (w & 0xFFFF)
+        return half[h]
+    if bits == 3:
+        w2 = (2 * d + 31) // 32
+        lo = (np.int64(words[base + (j >> 4)]) >> (2 * (j & 15))) & 3
+        hi = (np.int64(words[base + w2 + (j >> 5)]) >> (j & 31)) & 1
+        return float(lo | (hi << 2))
+    bitpos = j * bits
+    return float((np.int64(words[base + (bitpos >> 5)]) >> (bitpos & 31)) & ((1 << bits) - 1))
+
+
+@numba.njit(cache=True)
+def _decode_rows(qr, qmu, scale, indptr, indices, pool32, pool16, page_tier, page_count,
+                 key_bits, value_bits, key_words, value_words, value_codes_off,
+                 key_scales_off, value_scales_off, levels, half, num_splits,
+                 acc_out, lse_out):
+    rows, g, d = qr.shape
+    m_s = np.empty((num_splits, g))
+    l_s = np.empty((num_splits, g))
+    a_s = np.empty((num_splits, g, d))
+    kvec = np.empty(d)
+    vvec = np.empty(d)
+    for r in range(rows):
+        start, stop = indptr[r], indptr[r + 1]
+        npages = stop - start
+        per_split = (npages + num_splits - 1) // num_splits
+        for s in range(num_splits):
+            for h in range(g):
+                m_s[s, h] = -np.inf
+                l_s[s, h] = 0.0
+                for j in range(d):
+                    a_s[s, h, j] = 0.0
+            lo = start + s * per_split
+            hi = min(stop, lo + per_split)
+            for pi in range(lo, hi):
+                page = indices[pi]
+                tier = page_tier[page]
+                cnt = page_count[page]
+                kb, vb = key_bits[tier], value_bits[tier]
+                kw, vw = key_words[tier], value_words[tier]
+                voff = value_codes_off[tier]
+                kso, vso = key_scales_off[tier], value_scales_off[tier]
+                words = pool32[page]
+                halves = pool16[page]
+                for slot in range(cnt):
+                    ks = half[np.int64(halves[kso + slot])] if kso >= 0 else 1.0
+                    vs = half[np.int64(halves[vso + slot])] if vso >= 0 else 1.0
+                    kbase = slot * kw
+                    vbase = voff + slot * vw
+                    # one read of the state's codes serves every query head of the group
+                    for j in range(d):
+                        c = _coord(words, kbase, j, kb, d, half)
+                        kvec[j] = c if kb == 16 else levels[kb, int(c)]
+                        c = _coord(words, vbase, j, vb, d, half)
+                        vvec[j] = c if vb == 16 else levels[vb, int(c)]
+                    for h in range(g):
+                        dot = 0.0
+                        for j in range(d):
+                            dot += qr[r, h, j] * kvec[j]
+                        z = scale * (ks * dot + qmu[r, h])
+                        m_old = m_s[s, h]
+                        m_new = max(m_old, z)
+                        corr = np.exp(m_old - m_new)   # 0 for the first state (m_old = -inf)
+                        p = np.exp(z - m_new)
+                        l_s[s, h] = l_s[s, h] * corr + p
+                        m_s[s, h] = m_new
+                        w = p * vs
+                        for j in range(d):
+                            a_s[s, h, j] = a_s[s, h, j] * corr + w * vvec[j]
+        # merge the splits of this row
+        for h in range(g):
+            m = -np.inf
+            for s in range(num_splits):
+                m = max(m, m_s[s, h])
+            l_tot = 0.0
+            for j in range(d):
+                acc_out[r, h, j] = 0.0
+            for s in range(num_splits):
+                if l_s[s, h] == 0.0:
+                    continue
+                f = np.exp(m_s[s, h] - m)
+                l_tot += l_s[s, h] * f
+                for j in range(d):
+                    acc_out[r, h, j] += a_s[s, h, j] * f
+            for j in range(d):
+                acc_out[r, h, j] /= l_tot
+            lse_out[r, h] = m + np.log(l_tot)
+
+
+def paged_decode(paged: PagedKV, table: PageTable, q_rot, q_mu, tables: PagedDecodeTables,
+                 softmax_scale: float, num_splits: int = 4):
+    """Attention accumulators for rows of a CSR page table.
+
+    q_rot: (rows, G, d) float64, Π_K q of the G query heads of each row (each row's own key
+    rotation). q_mu: (rows, G) float64, q·μ_K (0 without centring; it only shifts the
+    logits, kept so the log-sum-exp matches the reference). Returns (acc, lse): acc
+    (rows, G, d) = Σ_i p_i·s^V_i·ĉ^V_i in rotated value coordinates (apply Π_Vᵀ and add μ_V),
+    lse (rows, G) the log-sum-exp of the scaled logits. Every row must hold a state."""
+    q_rot = np.ascontiguousarray(q_rot, np.float64)
+    q_mu = np.ascontiguousarray(q_mu, np.float64)
+    rows = table.indptr.shape[0] - 1
+    if q_rot.ndim != 3 or q_rot.shape[0] != rows or q_rot.shape[2] != paged.dim:
+        raise ValueError(f"q_rot must be (rows={rows}, G, d={paged.dim}), got {q_rot.shape}")
+    if q_mu.shape != q_rot.shape[:2]:
+        raise ValueError(f"q_mu must be {q_rot.shape[:2]}, got {q_mu.shape}")
+    if int(num_splits) != num_splits or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
+    pool = paged.pool
+    idx = np.asarray(table.indices)
+    if idx.size and (idx.min() < 0 or idx.max() >= pool.num_pages):
+        bad = idx[(idx < 0) | (idx >= pool.num_pages)][0]
+        raise ValueError(f"page table holds page id {int(bad)}, outside 0..{pool.num_pages - 1}")
+    if idx.size and np.any(pool.page_tier[idx] == 0):
+        bad = idx[pool.page_tier[idx] == 0][0]
+        raise ValueError(f"page table refers to free page {int(bad)}")
+    indptr = np.asarray(table.indptr)
+    if indptr[0] != 0 or np.any(np.diff(indptr) < 0) or indptr[-1] != idx.size:
+        raise ValueError("page table indptr must start at 0, be non-decreasing and end at len(indices)")
+    cum = np.concatenate([[0], np.cumsum(pool.page_count[idx], dtype=np.int64)])
+    empty = cum[indptr[1:]] == cum[indptr[:-1]]
+    if np.any(empty):
+        raise ValueError(f"row {int(np.flatnonzero(empty)[0])} of the page table holds no kept "
+                         f"state; attention over zero states is undefined")
+    acc = np.empty(q_rot.shape)
+    lse = np.empty(q_rot.shape[:2])
+    _decode_rows(q_rot, q_mu, float(softmax_scale), indptr.astype(np.int64), idx.astype(np.int64),
+                 pool.data.view(np.uint32), pool.data.view(np.uint16), pool.page_tier,
+                 pool.page_count, tables.key_bits, tables.value_bits, tables.key_words,
+                 tables.value_words, tables.value_codes_off, tables.key_scales_off,
+                 tables.value_scales_off, tables.levels, _HALF, int(num_splits), acc, lse)
+    return acc, lse

@@ -1,0 +1,51 @@
+"""Hypothesis strategies and small builders shared by test_paged.py and test_cache.py."""
+import copy
+
+import numpy as np
+from hypothesis import strategies as st
+
+from spherical_kv_ref import SphericalCodec, TierLadder
+
+#: small ladders covering every bit width the format has (1, 2, 3, 4, 8, 16), a mixed
+#: (16, 8) tier (keys without a scale, values with one) and a top tier that is not fp16.
+LADDERS = (
+    ((2, 2), (3, 2), (4, 4), (8, 8), (16, 16)),
+    ((1, 1), (3, 3), (16, 8), (16, 16)),
+    ((2, 1), (4, 2), (8, 4)),
+)
+
+ladders = st.sampled_from(LADDERS).map(TierLadder)
+#: awkward state counts: one state, less than a page, not a multiple of any page size
+sizes = st.sampled_from([1, 2, 17, 31, 97])
+seeds = st.integers(0, 2 ** 16)
+
+
+def codec_factory(dim, seed=0, layer=0, head=0):
+    """(bits, salt) -> SphericalCodec of one row, memoised."""
+    memo = {}
+
+    def codec_for(bits, salt):
+        if (bits, salt) not in memo:
+            memo[bits, salt] = SphericalCodec(dim, bits, seed, layer=layer, head=head, salt=salt)
+        return memo[bits, salt]
+    return codec_for
+
+
+def kv_like(rng, n, d, offset=0.0):
+    """Keys/values with a common offset (what centring removes) and spread-out norms."""
+    x = rng.standard_normal((n, d)) * rng.lognormal(0.0, 0.4, (n, 1))
+    return x + offset
+
+
+def snapshot(paged):
+    """Everything a PagedKV holds, for 'unchanged after an error' checks."""
+    pool = paged.pool
+    return (pool.data.copy(), pool.page_tier.copy(), pool.page_count.copy(),
+            pool.page_pos.copy(), list(pool._free), copy.deepcopy(paged.rows))
+
+
+def assert_same(a, b):
+    for x, y in zip(a[:4], b[:4]):
+        np.testing.assert_array_equal(x, y)
+    assert a[4] == b[4]
+    assert a[5] == b[5]
