@@ -10,3 +10,5 @@ __all__ = ["Encoded", "SphericalCodec", "TierLadder", "attention", "dense_attent
            "softmax", "code_words", "pack_codes", "unpack_codes", "vector_bytes",
            "codebooks", "rotation"]
 __version__ = "0.1.0"
+from .cache import SphericalKVCache
+from . import paged

@@ -168,6 +168,7 @@ class PagePool:
             self.page_tier[p] = 0
             self.page_count[p] = 0
             self.page_pos[p] = -1
+            self.data[p] = 0          # a free page holds zeros: no stale states, reproducible bytes
             self._free.append(int(p))
 
     def write(self, page: int, slot: int, keys: Encoded, values: Encoded, pos) -> None:
@@ -309,11 +310,22 @@ class PagedKV:
         return len(self._row(key)) * self.pool.page_bytes
 
     # -------------------------------------------------------------- append
-    def append(self, key, keys: Encoded, values: Encoded, pos) -> None:
+    def _open_top_pages(self, row):
+        per = self.pool.layout[self.top].states_per_page
+        return [p for p in row if self.pool.page_tier[p] == self.top and self.pool.page_count[p] < per]
+
+    def pages_needed(self, key, n: int) -> int:
+        """Fresh pages an append of n states to a row would take."""
+        per = self.pool.layout[self.top].states_per_page
+        room = sum(per - int(self.pool.page_count[p]) for p in self._open_top_pages(self._row(key)))
+        return -(-max(0, n - room) // per)
+
+    def append(self, key, keys: Encoded, values: Encoded, pos):
         """Store new states at the top tier (a prefill chunk or one decode token).
 
         keys, values: Encoded at the top tier's key/value bits; pos (n,) token positions.
-        Fills the row's partly filled top-tier page first, then fresh pages."""
+        Fills the row's partly filled top-tier page first, then fresh pages. Returns an
+        undo token for ``undo_append``."""
         row = self._row(key)
         kb, vb = self.ladder.bits(self.top)
         pos = np.asarray(pos, np.int64).reshape(-1)
@@ -323,14 +335,11 @@ class PagedKV:
         n = len(keys)
         if len(values) != n or pos.shape[0] != n:
             raise ValueError(f"{n} keys, {len(values)} values and {pos.shape[0]} positions")
-        if n == 0:
-            return
         per = self.pool.layout[self.top].states_per_page
-        open_pages = [p for p in row if self.pool.page_tier[p] == self.top and self.pool.page_count[p] < per]
-        room = sum(per - int(self.pool.page_count[p]) for p in open_pages)
-        need = -(-max(0, n - room) // per)
-        fresh = self.pool.allocate(need, self.top)     # raises before any change
+        open_pages = self._open_top_pages(row)
+        fresh = self.pool.allocate(self.pages_needed(key, n), self.top)   # raises before any change
         row.extend(fresh)
+        token = ([(p, int(self.pool.page_count[p]), self.pool.data[p].copy()) for p in open_pages], fresh)
         done = 0
         for p in open_pages + fresh:
             c = int(self.pool.page_count[p])
@@ -340,24 +349,19 @@ class PagedKV:
             sl = slice(done, done + m)
             self.pool.write(p, c, keys.take(sl), values.take(sl), pos[sl])
             done += m
+        return token
 
-    def truncate_last(self, key, n: int) -> None:
-        """Undo the last append of n states to a row (the states most recently written)."""
+    def undo_append(self, key, token) -> None:
+        """Take back an append (its undo token), provided nothing else changed the row since."""
         row = self._row(key)
-        while n > 0:
-            p = row[-1] if row else None
-            if p is None:
-                raise RuntimeError("truncate past the start of a row; this is a bug")
-            c = int(self.pool.page_count[p])
-            m = min(c, n)
-            self.pool.page_count[p] = c - m
-            self.pool.page_pos[p, c - m:c] = -1
-            n -= m
-            if c - m == 0:
-                row.pop()
-                self.pool.release([p])
-            elif n > 0:
-                raise RuntimeError("undo of an append that did not end the row; this is a bug")
+        opened, fresh = token
+        for p, c, raw in opened:
+            self.pool.data[p] = raw
+            self.pool.page_pos[p, c:] = -1
+            self.pool.page_count[p] = c
+        gone = set(fresh)
+        row[:] = [p for p in row if p not in gone]
+        self.pool.release(fresh)
 
     # -------------------------------------------------------------- re-tier, compact, free
     def _plan(self, key, new_tier, codec_for: CodecFor):

@@ -49,3 +49,28 @@ def assert_same(a, b):
         np.testing.assert_array_equal(x, y)
     assert a[4] == b[4]
     assert a[5] == b[5]
+
+
+def cache_snapshot(cache):
+    """Everything a SphericalKVCache holds (pool, rows, per-sequence bookkeeping)."""
+    seqs = {}
+    for sid, s in cache._seqs.items():
+        seqs[sid] = (s.length.copy(), s.mean_k.copy(), s.mean_v.copy(), s.has_mean.copy(),
+                     list(s.spans), [[x.copy() for x in dq] for dq in s.queries], s.since_compress)
+    return snapshot(cache.paged), seqs, sorted(cache._freed), cache._next_seq
+
+
+def assert_cache_same(a, b):
+    assert_same(a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+    for sid in a[1]:
+        x, y = a[1][sid], b[1][sid]
+        for u, w in zip(x[:4], y[:4]):
+            np.testing.assert_array_equal(u, w)
+        assert x[4] == y[4] and x[6] == y[6]
+        assert len(x[5]) == len(y[5])
+        for qa, qb in zip(x[5], y[5]):
+            assert len(qa) == len(qb)
+            for u, w in zip(qa, qb):
+                np.testing.assert_array_equal(u, w)
+    assert a[2:] == b[2:]

@@ -1,0 +1,530 @@
+"""SphericalKVCache: the compressed KV cache an engine holds per model (DESIGN §4, §5, §7).
+
+A cache owns one page pool (``paged.PagedKV``) shared by all its sequences. A row of the
+pool is one (sequence, layer, kv-head). Per row the cache keeps, beside its page table,
+the centring means μ_K, μ_V (float32, fixed by the row's first appended chunk). New states
+enter at the top tier; ``compress`` runs RDR over every layer and kv-head of a sequence and
+applies the answer (evict, demote; never promote); ``decode`` runs the paged decode for
+the query heads of every kv-head of one layer (GQA: a group of query heads shares its
+kv-head's pages).
+
+Bytes. ``bytes_in_use(seq)`` is what the pool really holds for the sequence: pages ×
+page_bytes, padding of partly filled pages included (the means and page metadata are not
+counted). ``compress(seq, budget_bytes)`` guarantees ``bytes_in_use(seq) <= budget_bytes``
+afterwards, because RDR charges exactly that page count.
+
+Errors. Every public method validates before it changes anything; an error (ValueError,
+or ``paged.PoolExhaustedError`` which is one) leaves the cache as it was.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from .codec import SphericalCodec
+from .paged import PagedKV, PageTable, mixed_tier_attention, stored_rotated
+from .paged_decode import PagedDecodeTables, paged_decode
+from .rotation import KEY_SALT, VALUE_SALT
+from .tiers import TierLadder
+
+__all__ = ["CompressPolicy", "CompressReport", "LayerPageTable", "SphericalKVCache"]
+
+
+@dataclass(frozen=True)
+class CompressPolicy:
+    """How the cache protects states and when it re-runs RDR by itself.
+
+    sinks: the first ``sinks`` tokens of every layer are protected (attention sinks; with
+        centring on they are the largest-error vectors, DESIGN §3 step 0).
+    recent: the last ``recent`` tokens of every layer are protected (the recent window).
+    window: how many recent queries per (sequence, layer) are kept, from ``decode`` and
+        ``observe``, to estimate attention probabilities for RDR.
+    every: re-run ``compress(seq, budget_bytes)`` automatically once this many tokens have
+        been appended to the last layer since the previous compress (None: only when asked).
+    budget_bytes: the budget of the automatic runs (required with ``every``).
+    method: the RDR solver, "fast" or "milp".
+    """
+    sinks: int = 4
+    recent: int = 32
+    window: int = 8
+    every: Optional[int] = None
+    budget_bytes: Optional[int] = None
+    method: str = "fast"
+
+    def __post_init__(self):
+        for name in ("sinks", "recent", "window"):
+            v = getattr(self, name)
+            if int(v) != v or v < 0:
+                raise ValueError(f"policy.{name} must be a non-negative integer, got {v!r}")
+        if self.every is not None:
+            if int(self.every) != self.every or self.every < 1:
+                raise ValueError(f"policy.every must be a positive integer or None, got {self.every!r}")
+            if self.budget_bytes is None:
+                raise ValueError("policy.every needs policy.budget_bytes (the budget of the automatic runs)")
+        if self.budget_bytes is not None and (int(self.budget_bytes) != self.budget_bytes
+                                              or self.budget_bytes < 0):
+            raise ValueError(f"policy.budget_bytes must be a non-negative integer, got {self.budget_bytes!r}")
+        if self.method not in ("fast", "milp"):
+            raise ValueError(f"policy.method must be 'fast' or 'milp', got {self.method!r}")
+
+
+@dataclass(frozen=True)
+class CompressReport:
+    """What one ``compress`` did. Byte figures are pages × page_bytes."""
+    bytes_before: int
+    bytes_after: int
+    budget_bytes: int
+    states_before: int
+    states_kept: int
+    states_demoted: int
+    allocation: Optional["rdr.Allocation"]
+
+
+@dataclass(frozen=True)
+class LayerPageTable:
+    """The page table of one layer over rows (sequence, kv-head), the kernels' input.
+
+    indptr, indices, last_page_len: docs/format.md CSR; rows ordered sequence-major, then
+    kv-head. mean_k, mean_v: float32 (rows, d), zeros where centring is off."""
+    indptr: np.ndarray
+    indices: np.ndarray
+    last_page_len: np.ndarray
+    mean_k: np.ndarray
+    mean_v: np.ndarray
+
+
+class _Sequence:
+    def __init__(self, num_layers, num_kv_heads, dim, window):
+        self.length = np.zeros(num_layers, np.int64)
+        self.mean_k = np.zeros((num_layers, num_kv_heads, dim), np.float32)
+        self.mean_v = np.zeros((num_layers, num_kv_heads, dim), np.float32)
+        self.has_mean = np.zeros(num_layers, bool)
+        self.spans: List[tuple] = []
+        self.queries = [deque(maxlen=max(window, 1)) for _ in range(num_layers)]
+        self.since_compress = 0
+
+
+def _whole(name, v, lo=0, hi=None):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    v = int(v)
+    if v < lo or (hi is not None and v >= hi):
+        rng = f"{lo}..{hi - 1}" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be in {rng}, got {v}")
+    return v
+
+
+class SphericalKVCache:
+    """The compressed KV cache of one model (DESIGN §7).
+
+    num_layers, num_kv_heads, head_dim: the model's KV shape. ladder: TierLadder (default
+    ``TierLadder()``). page_bytes: page size (multiple of 16). pool_bytes: pool size, rounded
+    down to whole pages (default 64 MiB). seed: the model seed of the rotations.
+    num_q_heads: query heads (a multiple of num_kv_heads; default num_kv_heads).
+    centre: subtract per-row means μ_K, μ_V (DESIGN §3 step 0; on by default).
+    policy: CompressPolicy (default: 4 sinks and 32 recent tokens protected).
+    softmax_scale: default 1/√head_dim. codebook: "lloyd-max" or "uniform".
+    num_splits: page splits per row in the paged decode (split-K)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                 ladder: Optional[TierLadder] = None, page_bytes: int = 4096,
+                 pool_bytes: Optional[int] = None, seed: int = 0, *,
+                 num_q_heads: Optional[int] = None, centre: bool = True,
+                 policy: Optional[CompressPolicy] = None, softmax_scale: Optional[float] = None,
+                 codebook: str = "lloyd-max", num_splits: int = 4):
+        self.num_layers = _whole("num_layers", num_layers, 1)
+        self.num_kv_heads = _whole("num_kv_heads", num_kv_heads, 1)
+        self.head_dim = _whole("head_dim", head_dim, 4)
+        self.num_q_heads = self.num_kv_heads if num_q_heads is None else _whole("num_q_heads", num_q_heads, 1)
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        self.group_size = self.num_q_heads // self.num_kv_heads
+        self.ladder = TierLadder() if ladder is None else ladder
+        if not isinstance(self.ladder, TierLadder):
+            raise ValueError(f"ladder must be a TierLadder, got {type(self.ladder).__name__}")
+        page_bytes = _whole("page_bytes", page_bytes, 16)
+        pool_bytes = 64 << 20 if pool_bytes is None else _whole("pool_bytes", pool_bytes, page_bytes)
+        self.seed = _whole("seed", seed, 0)
+        self.centre = bool(centre)
+        self.policy = CompressPolicy() if policy is None else policy
+        if not isinstance(self.policy, CompressPolicy):
+            raise ValueError(f"policy must be a CompressPolicy, got {type(self.policy).__name__}")
+        self.softmax_scale = 1.0 / np.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
+        if not np.isfinite(self.softmax_scale) or self.softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale!r}")
+        self.codebook = codebook
+        self.num_splits = _whole("num_splits", num_splits, 1)
+        self.paged = PagedKV(self.ladder, self.head_dim, page_bytes, pool_bytes // page_bytes)
+        self._tables = PagedDecodeTables(self.paged, codebook)
+        self._codecs: Dict[tuple, SphericalCodec] = {}
+        self._seqs: Dict[int, _Sequence] = {}
+        self._next_seq = 0
+        self._freed = set()
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def page_bytes(self) -> int:
+        return self.paged.pool.page_bytes
+
+    @property
+    def num_pages(self) -> int:
+        return self.paged.pool.num_pages
+
+    def codec(self, layer: int, head: int, bits: int, salt: int) -> SphericalCodec:
+        """The codec of (layer, kv-head, bits, keys=KEY_SALT / values=VALUE_SALT), memoised."""
+        k = (layer, head, bits, salt)
+        if k not in self._codecs:
+            self._codecs[k] = SphericalCodec(self.head_dim, bits, self.seed, layer=layer,
+                                             head=head, salt=salt, codebook=self.codebook)
+        return self._codecs[k]
+
+    def _codec_for(self, layer, head):
+        return lambda bits, salt: self.codec(layer, head, bits, salt)
+
+    def _seq(self, seq) -> _Sequence:
+        if isinstance(seq, (int, np.integer)) and int(seq) in self._seqs:
+            return self._seqs[int(seq)]
+        if isinstance(seq, (int, np.integer)) and int(seq) in self._freed:
+            raise ValueError(f"sequence {int(seq)} has been freed")
+        raise ValueError(f"unknown sequence {seq!r}")
+
+    def _layer(self, layer) -> int:
+        return _whole("layer", layer, 0, self.num_layers)
+
+    def _queries(self, q) -> np.ndarray:
+        a = np.asarray(q)
+        if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+            raise ValueError(f"q must be a real float array, got dtype {a.dtype}")
+        if a.shape != (self.num_q_heads, self.head_dim):
+            raise ValueError(f"q must have shape (num_q_heads, head_dim) = "
+                             f"({self.num_q_heads}, {self.head_dim}), got {a.shape}")
+        a = a.astype(np.float64)
+        if not np.all(np.isfinite(a)):
+            raise ValueError("q contains NaN or Inf")
+        return a
+
+    def sequences(self) -> List[int]:
+        return sorted(self._seqs)
+
+    # ------------------------------------------------------------------ lifecycle
+    def new_sequence(self) -> int:
+        """Open a sequence; returns its id (0, 1, 2, … in order of creation)."""
+        sid = self._next_seq
+        self._next_seq += 1
+        self._seqs[sid] = _Sequence(self.num_layers, self.num_kv_heads, self.head_dim, self.policy.window)
+        for layer in range(self.num_layers):
+            for h in range(self.num_kv_heads):
+                self.paged.add_row((sid, layer, h))
+        return sid
+
+    def free(self, seq) -> None:
+        """Return every page of a sequence to the pool; the id cannot be used again."""
+        self._seq(seq)
+        sid = int(seq)
+        for layer in range(self.num_layers):
+            for h in range(self.num_kv_heads):
+                self.paged.free_row((sid, layer, h))
+        del self._seqs[sid]
+        self._freed.add(sid)
+
+    # ------------------------------------------------------------------ append / protect
+    def append(self, seq, layer, k, v) -> None:
+        """Append t new tokens of one layer: k, v (num_kv_heads, t, head_dim), post-RoPE.
+
+        They enter at the top tier at positions length..length+t−1 of that layer. The first
+        chunk of a layer fixes its means μ_K, μ_V (per kv-head, over the chunk's tokens).
+        May run an automatic compress (policy.every); if that fails, the append is undone too."""
+        s = self._seq(seq)
+        layer = self._layer(layer)
+        sid = int(seq)
+        H, d = self.num_kv_heads, self.head_dim
+        arrays = []
+        for name, x in (("k", k), ("v", v)):
+            a = np.asarray(x)
+            if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+                raise ValueError(f"{name} must be a real float array, got dtype {a.dtype}")
+            if a.ndim != 3 or a.shape[0] != H or a.shape[2] != d:
+                raise ValueError(f"{name} must have shape (num_kv_heads, t, head_dim) = ({H}, t, {d}), "
+                                 f"got {a.shape}")
+            arrays.append(a.astype(np.float64))
+        k, v = arrays
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+        t = k.shape[1]
+        if t == 0:
+            return
+        first = self.centre and not s.has_mean[layer]
+        if first:
+            mk, mv = k.mean(axis=1).astype(np.float32), v.mean(axis=1).astype(np.float32)
+        else:
+            mk, mv = s.mean_k[layer], s.mean_v[layer]
+        kb, vb = self.ladder.bits(self.ladder.top)
+        encoded = []
+        for h in range(H):      # encode all heads first: an encode error changes nothing
+            encoded.append((self.codec(layer, h, kb, KEY_SALT).encode(k[h], mean=mk[h] if self.centre else None),
+                            self.codec(layer, h, vb, VALUE_SALT).encode(v[h], mean=mv[h] if self.centre else None)))
+        need = sum(self.paged.pages_needed((sid, layer, h), t) for h in range(H))
+        if need > self.paged.pool.num_free:
+            from .paged import PoolExhaustedError
+            raise PoolExhaustedError(f"page pool exhausted: appending {t} token(s) to layer {layer} "
+                                     f"needs {need} free pages, {self.paged.pool.num_free} of "
+                                     f"{self.num_pages} are free")
+        pos = s.length[layer] + np.arange(t)
+        undo = [self.paged.append((sid, layer, h), ke, ve, pos) for h, (ke, ve) in enumerate(encoded)]
+        saved = (s.has_mean[layer], s.mean_k[layer].copy(), s.mean_v[layer].copy(), s.since_compress)
+        if first:
+            s.mean_k[layer], s.mean_v[layer], s.has_mean[layer] = mk, mv, True
+        s.length[layer] += t
+        if layer == self.num_layers - 1:
+            s.since_compress += t
+        pol = self.policy
+        if (pol.every is not None and s.since_compress >= pol.every
+                and np.all(s.length == s.length[0])):
+            try:
+                self.compress(sid, pol.budget_bytes, method=pol.method)
+            except ValueError:
+                for h in range(H):
+                    self.paged.undo_append((sid, layer, h), undo[h])
+                s.has_mean[layer], s.mean_k[layer], s.mean_v[layer], s.since_compress = saved
+                s.length[layer] -= t
+                raise
+
+    def protect(self, seq, start, stop) -> None:
+        """Keep the tokens at positions start..stop−1 (every layer) at the top tier from now
+        on. A state already demoted stays at its tier (nothing regains bits) but is no longer
+        demoted or evicted; one already evicted stays evicted."""
+        s = self._seq(seq)
+        start = _whole("start", start, 0)
+        stop = _whole("stop", stop, 0)
+        if stop <= start:
+            raise ValueError(f"protect needs start < stop, got [{start}, {stop})")
+        s.spans.append((start, stop))
+
+    def protected_mask(self, seq, layer, pos) -> np.ndarray:
+        """Which token positions of a layer are protected now (sinks, recent window, spans)."""
+        s = self._seq(seq)
+        pos = np.asarray(pos, np.int64)
+        pol = self.policy
+        m = (pos < pol.sinks) | (pos >= s.length[layer] - pol.recent)
+        for a, b in s.spans:
+            m |= (pos >= a) & (pos < b)
+        return m
+
+    # ------------------------------------------------------------------ queries
+    def observe(self, seq, layer, q) -> None:
+        """Record a query (num_q_heads, head_dim) for attention estimates without decoding."""
+        s = self._seq(seq)
+        layer = self._layer(layer)
+        s.queries[layer].append(self._queries(q))
+
+    def decode(self, seq, layer, q, record: bool = True) -> np.ndarray:
+        """Attention output (num_q_heads, head_dim) float64 of one decode step of one layer.
+
+        Query head j reads the pages of kv-head j // (num_q_heads/num_kv_heads) (GQA). The
+        paged decode (paged_decode) walks each kv-head's pages once for its whole group.
+        With ``record`` (default) the query is kept for RDR's attention estimates."""
+        s = self._seq(seq)
+        layer = self._layer(layer)
+        q = self._queries(q)
+        sid = int(seq)
+        H, G, d = self.num_kv_heads, self.group_size, self.head_dim
+        kb, vb = self.ladder.bits(self.ladder.top)
+        qg = q.reshape(H, G, d)
+        q_rot = np.stack([self.codec(layer, h, kb, KEY_SALT).rotate_query(qg[h]) for h in range(H)])
+        q_mu = (np.einsum("hgd,hd->hg", qg, s.mean_k[layer].astype(np.float64))
+                if self.centre else np.zeros((H, G)))
+        table = self.paged.page_table([(sid, layer, h) for h in range(H)])
+        try:
+            acc, _ = paged_decode(self.paged, table, q_rot, q_mu, self._tables,
+                                  self.softmax_scale, self.num_splits)
+        except ValueError as e:
+            raise ValueError(f"sequence {sid}, layer {layer}: {e}") from None
+        out = np.empty((H, G, d))
+        for h in range(H):
+            out[h] = self.codec(layer, h, vb, VALUE_SALT).rotation.inverse(acc[h])
+            if self.centre:
+                out[h] += s.mean_v[layer, h].astype(np.float64)
+        if record:
+            s.queries[layer].append(q)
+        return out.reshape(self.num_q_heads, d)
+
+    def reference_decode(self, seq, layer, q) -> np.ndarray:
+        """The flat reference decode (paged.mixed_tier_attention) over the same kept states,
+        (num_q_heads, head_dim) float64; for tests and analysis. Records nothing."""
+        s = self._seq(seq)
+        layer = self._layer(layer)
+        q = self._queries(q)
+        sid, G = int(seq), self.group_size
+        out = np.empty((self.num_q_heads, self.head_dim))
+        for h in range(self.num_kv_heads):
+            parts = []
+            for t, (ke, ve, _) in self.paged.gather((sid, layer, h)).items():
+                kb, vb = self.ladder.bits(t)
+                parts.append((ke, ve, self.codec(layer, h, kb, KEY_SALT), self.codec(layer, h, vb, VALUE_SALT)))
+            if not parts:
+                raise ValueError(f"sequence {sid}, layer {layer}, kv-head {h} holds no kept state")
+            out[h * G:(h + 1) * G] = mixed_tier_attention(
+                q[h * G:(h + 1) * G], parts, s.mean_k[layer, h] if self.centre else None,
+                s.mean_v[layer, h] if self.centre else None, self.softmax_scale)
+        return out
+
+    # ------------------------------------------------------------------ bytes, tables
+    def bytes_in_use(self, seq=None) -> int:
+        """Bytes the pool holds for a sequence (all sequences if None): pages × page_bytes."""
+        if seq is None:
+            return self.paged.pool.num_used * self.page_bytes
+        self._seq(seq)
+        sid = int(seq)
+        return sum(self.paged.bytes((sid, l, h)) for l in range(self.num_layers)
+                   for h in range(self.num_kv_heads))
+
+    def num_states(self, seq, layer=None) -> int:
+        """Kept states of a sequence (one layer, or all)."""
+        self._seq(seq)
+        layers = range(self.num_layers) if layer is None else [self._layer(layer)]
+        return sum(self.paged.num_states((int(seq), l, h)) for l in layers for h in range(self.num_kv_heads))
+
+    def page_table(self, seqs, layer) -> LayerPageTable:
+        """The CSR page table of one layer over the rows (seq, kv-head) of the given
+        sequences (an id or a list), with the rows' means: what the GPU kernel receives."""
+        seqs = [seqs] if isinstance(seqs, (int, np.integer)) else list(seqs)
+        layer = self._layer(layer)
+        ss = [self._seq(x) for x in seqs]
+        t: PageTable = self.paged.page_table([(int(x), layer, h) for x in seqs
+                                              for h in range(self.num_kv_heads)])
+        mk = np.concatenate([s.mean_k[layer] for s in ss]) if ss else np.zeros((0, self.head_dim), np.float32)
+        mv = np.concatenate([s.mean_v[layer] for s in ss]) if ss else np.zeros((0, self.head_dim), np.float32)
+        return LayerPageTable(t.indptr, t.indices, t.last_page_len, mk, mv)
+
+    # ------------------------------------------------------------------ compress
+    def _row_statistics(self, sid, s, layer, h, st):
+        """Per-state surrogate inputs of one row: (p, Q², r, ‖v‖, ‖v − o‖), DESIGN §5.
+
+        The controller reads the stored states as rotated float64 vectors on the host
+        (decode never does). p: mean over the recorded queries of the GQA group of the
+        softmax over the row's kept states (uniform 1/n without queries); Q²: their mean
+        ‖q‖² (without queries the mean squared key radius of the row); o = Σ p_i·v̂_i."""
+        n = len(st)
+        d = self.head_dim
+        yk = np.empty((n, d))
+        yv = np.empty((n, d))
+        for t, (ke, ve, _) in self.paged.gather((sid, layer, h)).items():
+            kb, vb = self.ladder.bits(t)
+            sel = st.tier == t
+            yk[sel] = stored_rotated(self.codec(layer, h, kb, KEY_SALT), ke)
+            yv[sel] = stored_rotated(self.codec(layer, h, vb, VALUE_SALT), ve)
+        r = np.linalg.norm(yk, axis=1)
+        vn = np.linalg.norm(yv, axis=1)
+        G = self.group_size
+        if s.queries[layer]:
+            qs = np.stack(list(s.queries[layer]))[:, h * G:(h + 1) * G].reshape(-1, d)
+            qr = self.codec(layer, h, 16, KEY_SALT).rotation.apply(qs)
+            z = self.softmax_scale * (qr @ yk.T)
+            z -= z.max(axis=1, keepdims=True)
+            e = np.exp(z)
+            p = (e / e.sum(axis=1, keepdims=True)).mean(axis=0)
+            q2 = float(np.mean(np.sum(qs * qs, axis=1)))
+        else:
+            p = np.full(n, 1.0 / n)
+            q2 = float(np.mean(r * r))
+        o = p @ yv
+        res = np.linalg.norm(yv - o[None, :], axis=1)
+        return p, q2, r, vn, res
+
+    def compress(self, seq, budget_bytes, method: Optional[str] = None) -> CompressReport:
+        """RDR over every layer and kv-head of a sequence, applied (DESIGN §5, §7).
+
+        Gathers per-state statistics, builds one rdr.Problem (groups = (layer, kv-head),
+        page padding charged with page_bytes), solves it and applies the tiers: evict,
+        demote (re-encoded from the stored state), never promote. Protected states (policy
+        sinks and recent window, ``protect`` spans) stay where they are; at the top tier
+        they are RDR's protected states. Afterwards bytes_in_use(seq) <= budget_bytes.
+        ValueError naming the bytes needed if the protected states alone exceed the budget."""
+        from . import rdr       # imported here so that importing the package never needs the solver
+        s = self._seq(seq)
+        sid = int(seq)
+        if isinstance(budget_bytes, (bool, np.bool_)) or not np.isscalar(budget_bytes) \
+                or not np.isfinite(budget_bytes) or budget_bytes < 0 or int(budget_bytes) != budget_bytes:
+            raise ValueError(f"budget_bytes must be a non-negative whole number, got {budget_bytes!r}")
+        budget = int(budget_bytes)
+        method = self.policy.method if method is None else method
+        if method not in ("fast", "milp"):
+            raise ValueError(f"method must be 'fast' or 'milp', got {method!r}")
+        T, d, pb = self.ladder.top, self.head_dim, self.page_bytes
+        cost = self.ladder.costs(d)
+        per = np.array([0] + [self.ladder.states_per_page(t, d, pb) for t in range(1, T + 1)])
+        ek, ev = rdr.tier_error_constants(self.ladder.tiers, d, kind=self.codebook)
+        rows, dist, grp, prot, cur_all = [], [], [], [], []
+        fixed_pages = 0
+        for layer in range(self.num_layers):
+            for h in range(self.num_kv_heads):
+                key = (sid, layer, h)
+                st = self.paged.states(key)
+                if len(st) == 0:
+                    rows.append((key, st, None, None))
+                    continue
+                p, q2, r, vn, res = self._row_statistics(sid, s, layer, h, st)
+                D = rdr.distortion(p, q2, r, vn, res, ek, ev, d, softmax_scale=self.softmax_scale)
+                cur = st.tier
+                # options above the current tier would be promotions: make them strictly
+                # dominated by the current tier, so no solver picks them
+                up = np.arange(T + 1)[None, :] > cur[:, None]
+                dcur = D[np.arange(len(st)), cur]
+                D = np.where(up, (dcur * (1 + 1e-6) + D[:, 0] + 1e-300)[:, None], D)
+                pmask = self.protected_mask(sid, layer, st.pos)
+                fixed = pmask & (cur < T)    # protected but already demoted: stays as it is
+                if np.any(fixed):
+                    c = np.bincount(cur[fixed], minlength=T + 1)[1:]
+                    fixed_pages += int(np.sum(-(-c // per[1:])))
+                free = ~fixed
+                rows.append((key, st, free, cur))
+                dist.append(D[free])
+                grp.append(np.full(int(free.sum()), layer * self.num_kv_heads + h, np.int64))
+                prot.append(pmask[free])
+                cur_all.append(cur[free])
+        before = self.bytes_in_use(sid)
+        n_before = sum(len(st) for _, st, _, _ in rows)
+        fixed_bytes = fixed_pages * pb
+        if n_before == 0:
+            return CompressReport(before, before, budget, 0, 0, 0, None)
+        D = np.concatenate(dist) if dist else np.zeros((0, T + 1))
+        group = np.concatenate(grp) if grp else np.zeros(0, np.int64)
+        protected = np.concatenate(prot) if prot else np.zeros(0, bool)
+        cur_free = np.concatenate(cur_all) if cur_all else np.zeros(0, np.int64)
+        # bytes the protected states need by themselves (top-tier ones share pages per group)
+        top_counts = np.bincount(group[protected], minlength=self.num_layers * self.num_kv_heads)
+        need = fixed_bytes + int(np.sum(-(-top_counts // per[T]))) * pb
+        if need > budget:
+            raise ValueError(f"the protected states of sequence {sid} alone need {need} bytes "
+                             f"(sinks, recent window and protected spans, page padding included), "
+                             f"more than budget_bytes = {budget}")
+        problem = rdr.Problem(D, cost, group, protected, budget - fixed_bytes, pb)
+        alloc = rdr.solve(problem, method=method)
+        tier = np.minimum(alloc.tier, cur_free)          # a no-op unless a solver misbehaves
+        items, a, demoted = [], 0, 0
+        for key, st, free, cur in rows:
+            if free is None:
+                continue
+            new = cur.copy()
+            m = int(free.sum())
+            new[free] = tier[a:a + m]
+            a += m
+            demoted += int(np.sum((new > 0) & (new < cur)))
+            items.append((key, new, self._codec_for(key[1], key[2])))
+        # check the page count before touching the pool (ceil is subadditive, so charging the
+        # fixed states' pages separately can only over-count)
+        pages = 0
+        for key, new, _ in items:
+            c = np.bincount(new, minlength=T + 1)[1:]
+            pages += int(np.sum(-(-c // per[1:])))
+        if pages * pb > budget:
+            raise RuntimeError(f"RDR allocation needs {pages * pb} bytes for budget {budget}; this is a bug")
+        self.paged.retier(items)
+        s.since_compress = 0
+        after = self.bytes_in_use(sid)
+        kept = self.num_states(sid)
+        return CompressReport(before, after, budget, n_before, kept, demoted, alloc)
