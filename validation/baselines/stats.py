@@ -1,0 +1,94 @@
+"""Attention statistics the eviction baselines rank states by (H2O, SnapKV).
+
+From the prefill's post-RoPE queries ``(q_heads, T, d)`` and keys ``(kv_heads, T, d)``
+of each layer, with causal softmax attention ``p[h, i, j]`` (scale ``1/sqrt(d)``):
+
+* ``accumulated[l][g, j] = mean over the GQA group of g of  sum_i p[h, i, j]``
+  (H2O's accumulated attention; every query row i that can see j contributes);
+* ``observation[l][g, j] = mean over the group of  sum_{i >= T - window} p[h, i, j]``
+  (SnapKV's votes from the observation window of the last ``window`` queries).
+
+Query head h belongs to kv-head ``h // group`` (the transformers GQA convention).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["AttentionStats", "attention_stats"]
+
+
+@dataclass
+class AttentionStats:
+    """Per layer, (kv_heads, T) float64 arrays; ``window`` the observation length."""
+
+    accumulated: list[np.ndarray]
+    observation: list[np.ndarray]
+    window: int
+
+    def check(self, keys) -> None:
+        if len(self.accumulated) != len(keys) or len(self.observation) != len(keys):
+            raise ValueError(f"stats cover {len(self.accumulated)} layers, the cache has "
+                             f"{len(keys)}")
+        want = keys[0].shape[:2]
+        for l, (a, o) in enumerate(zip(self.accumulated, self.observation)):
+            if a.shape != want or o.shape != want:
+                raise ValueError(f"layer {l}: stats shapes {a.shape}, {o.shape} do not match "
+                                 f"the cache's (kv_heads, T) = {want}")
+
+
+def _layer_stats(q: np.ndarray, k: np.ndarray, window: int, block: int):
+    hq, T, d = q.shape
+    hk = k.shape[0]
+    if hq % hk:
+        raise ValueError(f"{hq} query heads do not split into groups over {hk} kv-heads")
+    group = hq // hk
+    scale = 1.0 / np.sqrt(d)
+    acc = np.zeros((hk, T))
+    obs = np.zeros((hk, T))
+    w0 = T - window
+    for g in range(hk):
+        qg = q[g * group:(g + 1) * group].astype(np.float32)  # (group, T, d)
+        kg = k[g].astype(np.float32)                           # (T, d)
+        for start in range(0, T, block):
+            stop = min(T, start + block)
+            # rows start..stop-1 see columns 0..row: only columns < stop matter
+            logits = (qg[:, start:stop] @ kg[:stop].T) * np.float32(scale)
+            rows = np.arange(start, stop)[:, None]
+            logits = np.where(np.arange(stop)[None, :] <= rows, logits, -np.inf)
+            logits -= logits.max(axis=-1, keepdims=True)
+            p = np.exp(logits)
+            p /= p.sum(axis=-1, keepdims=True)                 # (group, b, stop)
+            acc[g, :stop] += p.sum(axis=(0, 1), dtype=np.float64) / group
+            if stop > w0:
+                lo = max(start, w0) - start
+                obs[g, :stop] += p[:, lo:].sum(axis=(0, 1), dtype=np.float64) / group
+    return acc, obs
+
+
+def attention_stats(queries, keys, *, window: int = 32, block: int = 256) -> AttentionStats:
+    """Accumulated and observation-window attention per (layer, kv-head, token).
+
+    ``queries[l]``: (q_heads, T, d); ``keys[l]``: (kv_heads, T, d), post-RoPE.
+    ``window``: SnapKV's observation window (the last ``window`` queries, at most T).
+    ``block``: query rows per softmax block (memory: group·block·T floats).
+    """
+    if len(queries) == 0 or len(queries) != len(keys):
+        raise ValueError(f"need one query and one key array per layer, got {len(queries)} "
+                         f"and {len(keys)}")
+    T = np.shape(keys[0])[1]
+    if not 1 <= window <= T:
+        raise ValueError(f"observation window must be in [1, T={T}], got {window}")
+    if block < 1:
+        raise ValueError(f"block must be positive, got {block}")
+    acc, obs = [], []
+    for l, (q, k) in enumerate(zip(queries, keys)):
+        q, k = np.asarray(q), np.asarray(k)
+        if q.ndim != 3 or k.ndim != 3 or q.shape[1:] != k.shape[1:] or k.shape[1] != T:
+            raise ValueError(f"layer {l}: queries {q.shape} and keys {k.shape} must be "
+                             f"(heads, T={T}, d) with the same T and d")
+        a, o = _layer_stats(q, k, window, block)
+        acc.append(a)
+        obs.append(o)
+    return AttentionStats(acc, obs, window)
