@@ -1,0 +1,53 @@
+"""Loads the kernel sources once per device through a cached ``cupy.RawModule``.
+
+CuPy is imported lazily so that ``import cupy_kernels`` works where CuPy is absent (CI).
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+DIMS = (64, 128)
+KERNELS = ("ada_decode_kernel", "ada_merge_kernel", "encode_kernel", "retier_kernel")
+OPTIONS = ("--std=c++17", "-default-device")
+
+
+def template_name(kernel: str, dim: int) -> str:
+    """The C++ name of one template instance, e.g. ``skv::ada_decode_kernel<128>``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
+    if dim not in DIMS:
+        raise ValueError(f"head dim {dim} has no kernel instance; supported: {DIMS}")
+    return f"skv::{kernel}<{int(dim)}>"
+
+
+def cupy():
+    """The cupy module, or a clear error where it is missing."""
+    try:
+        import cupy as cp
+    except ImportError as e:  # pragma: no cover - exercised only without CuPy
+        raise RuntimeError("cupy_kernels needs CuPy (pip install spherical-kv[cuda13])") from e
+    return cp
+
+
+def source() -> str:
+    """Translation unit handed to NVRTC: every op's .cuh, in dependency order."""
+    return "\n".join(f'#include "{name}"' for name in ("ada_decode.cuh", "encode.cuh", "retier.cuh"))
+
+
+@functools.lru_cache(maxsize=None)
+def _module(device_id: int):
+    cp = cupy()
+    names = [template_name(k, d) for k in KERNELS for d in DIMS]
+    with cp.cuda.Device(device_id):
+        mod = cp.RawModule(code=source(), options=OPTIONS + (f"-I{CSRC}",),
+                           name_expressions=names)
+        mod.compile()
+    return mod
+
+
+def kernel(name: str, dim: int):
+    """The compiled kernel ``name`` for head dim ``dim`` on the current device."""
+    cp = cupy()
+    return _module(cp.cuda.Device().id).get_function(template_name(name, dim))

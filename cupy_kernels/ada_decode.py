@@ -1,0 +1,206 @@
+"""ADA paged decode launcher (DESIGN §6; kernel in csrc/ada_decode.cuh).
+
+``ada_decode`` runs one decode step of one layer: q (batch, num_q_heads, d) against the
+paged cache of rows (sequence b, kv-head h) -> row b*num_kv_heads + h. It allocates only
+the output and split-K partials of size O(splits * rows * group * d); pass ``out`` and a
+``DecodeWorkspace`` (and ``validate=False``) to make a step free of allocations and host
+syncs, e.g. inside a CUDA graph capture.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._module import cupy, kernel
+from .pages import KernelTables, as_device, device_tables
+
+THREADS = 128          # 4 warps, csrc/ada_decode.cuh DEC_WARPS
+MAX_GROUP = 8          # query heads per kv-head served by one mma tile
+CTAS_PER_SM = 3        # residency of the decode kernel (ptxas: <= 168 registers)
+
+
+@dataclass
+class DecodeWorkspace:
+    """Split-K partial outputs (splits, rows, group, d) float32 and their log2-sum-exp."""
+    num_splits: int
+    part_o: object
+    part_lse: object
+
+
+def _sm_count() -> int:
+    cp = cupy()
+    return int(cp.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def choose_splits(rows: int, total_pages: int, min_pages_per_split: int = 8) -> int:
+    """Split count that gives ~2 waves of CTAs, from shapes only (no device read)."""
+    target = 2 * CTAS_PER_SM * _sm_count()
+    avg = max(1, total_pages // max(1, rows))
+    return int(max(1, min(math.ceil(target / max(1, rows)), avg // min_pages_per_split, 256)))
+
+
+def make_workspace(rows: int, group: int, dim: int, num_splits: int) -> DecodeWorkspace:
+    cp = cupy()
+    if num_splits <= 1:
+        return DecodeWorkspace(1, None, None)
+    return DecodeWorkspace(int(num_splits),
+                           cp.empty((num_splits, rows, group, dim), cp.float32),
+                           cp.empty((num_splits, rows, group), cp.float32))
+
+
+def validate_page_table(page_tier, page_count, indptr, indices, tables: KernelTables, rows: int):
+    """Checks the page table on the device, then raises ValueError (one host sync).
+
+    indptr starts at 0, never decreases and ends at len(indices); every index names a page
+    of the pool; every referenced page has a tier in 1..T and 1..P(tier) valid states."""
+    cp = cupy()
+    num_pages = page_tier.shape[0]
+    geom = device_tables(tables)["geom"]
+    bad = cp.zeros(5, cp.int32)
+    bad[0] = indptr[0] != 0
+    bad[1] = (indptr[-1] != indices.shape[0])
+    if rows > 0:
+        bad[2] = cp.any(indptr[1:] < indptr[:-1])
+    if indices.shape[0]:
+        bad[3] = cp.any((indices < 0) | (indices >= num_pages))
+        idx = cp.clip(indices, 0, num_pages - 1)
+        tier = page_tier[idx]
+        tier_ok = (tier >= 1) & (tier <= tables.num_tiers)
+        cap = geom[cp.clip(tier, 0, tables.num_tiers), 2]
+        cnt = page_count[idx]
+        bad[4] = cp.any(~tier_ok | (cnt < 1) | (cnt > cap))
+    b = bad.get()   # the one host sync of validation
+    msgs = ("indptr[0] must be 0", "indptr[-1] must equal len(indices)",
+            "indptr must be non-decreasing", "a page index is outside the pool",
+            "a referenced page is free, has an unknown tier, or a count outside 1..P")
+    for flag, msg in zip(b, msgs):
+        if flag:
+            raise ValueError(f"bad page table: {msg}")
+
+
+def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelTables,
+               sigma_k, sigma_v, *, num_kv_heads: int, mean_k=None, mean_v=None,
+               softmax_scale: float | None = None, num_splits: int | None = None,
+               out=None, workspace: DecodeWorkspace | None = None, validate: bool = True):
+    """o (batch, num_q_heads, d) float32 = ADA attention over the paged, encoded cache.
+
+    q: (batch, Hq, d) float (any strides; copied to float32 only if it is not float32 with a
+    unit last stride). pages: uint8 (num_pages, page_bytes) or uint32 (num_pages,
+    page_bytes/4). page_tier, page_count: int32 (num_pages,). indptr: int32 (rows+1,),
+    indices: int32, rows = batch * num_kv_heads in (sequence, kv-head) order. sigma_k,
+    sigma_v: float32 (num_kv_heads, d) rotation signs. mean_k, mean_v: float32 (rows, d)
+    or None. Returns a CuPy array (a torch tensor if q is one)."""
+    cp = cupy()
+    if type(q).__module__.startswith("torch") and getattr(q, "dtype", None) is not None \
+            and str(q.dtype) != "torch.float32":
+        q = q.float()     # bf16/fp16 queries: (batch, Hq, d), a few KiB
+    qa, torch_in = as_device(q, "q", ndim=3)
+    if qa.dtype.kind != "f":
+        raise ValueError(f"q must be a float array, got {qa.dtype}")
+    batch, hq, d = qa.shape
+    if d != tables.dim:
+        raise ValueError(f"q has head dim {d}; the tables are for {tables.dim}")
+    hkv = int(num_kv_heads)
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"num_q_heads={hq} is not a multiple of num_kv_heads={hkv}")
+    group = hq // hkv
+    if group > MAX_GROUP:
+        raise ValueError(f"GQA group of {group} query heads; the kernel serves up to {MAX_GROUP}")
+    rows = batch * hkv
+    pg, _ = as_device(pages, "pages", ndim=2)
+    if pg.dtype == np.uint8:
+        if pg.shape[1] != tables.page_bytes:
+            raise ValueError(f"pages have {pg.shape[1]} bytes, tables say {tables.page_bytes}")
+        pg = pg.view(cp.uint32)
+    elif pg.dtype == np.uint32:
+        if pg.shape[1] != tables.page_words:
+            raise ValueError(f"pages have {pg.shape[1]} words, tables say {tables.page_words}")
+    else:
+        raise ValueError(f"pages must be uint8 or uint32, got {pg.dtype}")
+    if not pg.flags.c_contiguous:
+        raise ValueError("pages must be C-contiguous (it is the pool itself, never copied)")
+    num_pages = pg.shape[0]
+    pt, _ = as_device(page_tier, "page_tier", np.int32, 1)
+    pc, _ = as_device(page_count, "page_count", np.int32, 1)
+    ip, _ = as_device(indptr, "indptr", np.int32, 1)
+    ix, _ = as_device(indices, "indices", np.int32, 1)
+    if pt.shape[0] != num_pages or pc.shape[0] != num_pages:
+        raise ValueError(f"page_tier/page_count must have {num_pages} entries")
+    if ip.shape[0] != rows + 1:
+        raise ValueError(f"indptr must have batch*num_kv_heads+1 = {rows + 1} entries, got {ip.shape[0]}")
+    sk, _ = as_device(sigma_k, "sigma_k", np.float32, 2)
+    sv, _ = as_device(sigma_v, "sigma_v", np.float32, 2)
+    for name, s in (("sigma_k", sk), ("sigma_v", sv)):
+        if s.shape != (hkv, d):
+            raise ValueError(f"{name} must have shape ({hkv}, {d}), got {s.shape}")
+    sk, sv = cp.ascontiguousarray(sk), cp.ascontiguousarray(sv)
+    means = []
+    for name, m in (("mean_k", mean_k), ("mean_v", mean_v)):
+        if m is None:
+            means.append(None)
+            continue
+        ma, _ = as_device(m, name, np.float32, 2)
+        if ma.shape != (rows, d):
+            raise ValueError(f"{name} must have shape ({rows}, {d}), got {ma.shape}")
+        means.append(cp.ascontiguousarray(ma))
+    for name, a in (("page_tier", pt), ("page_count", pc), ("indptr", ip), ("indices", ix)):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be contiguous")
+    if qa.dtype != np.float32 or qa.strides[2] != 4:
+        qa = qa.astype(cp.float32)   # (batch, Hq, d): a few KiB, never O(tokens * d)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError("softmax_scale must be finite")
+    if workspace is not None:
+        splits = workspace.num_splits
+        if num_splits is not None and num_splits != splits:
+            raise ValueError("num_splits disagrees with the workspace")
+        if splits > 1 and workspace.part_o.shape != (splits, rows, group, d):
+            raise ValueError("workspace shape does not match this call")
+    else:
+        splits = choose_splits(rows, ix.shape[0]) if num_splits is None else int(num_splits)
+        if splits < 1:
+            raise ValueError("num_splits must be >= 1")
+        workspace = make_workspace(rows, group, d, splits)
+    if out is None:
+        out = cp.empty((batch, hq, d), cp.float32)
+    else:
+        out, _ = as_device(out, "out", np.float32, 3)
+        if out.shape != (batch, hq, d) or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a contiguous float32 ({batch}, {hq}, {d}) array")
+    if validate:
+        validate_page_table(pt, pc, ip, ix, tables, rows)
+    if rows == 0:
+        return out
+    dev = device_tables(tables)
+    null = np.uint64(0)   # a NULL pointer argument
+    mk = means[0] if means[0] is not None else null
+    mv = means[1] if means[1] is not None else null
+    po = workspace.part_o if splits > 1 else null
+    pl = workspace.part_lse if splits > 1 else null
+    kern = kernel("ada_decode_kernel", d)
+    kern((splits, rows), (THREADS,),
+         (qa, np.int64(qa.strides[0] // 4), np.int64(qa.strides[1] // 4),
+          pg, np.int32(tables.page_words), pt, pc, ip, ix, dev["geom"], dev["levels32"],
+          sk, sv, mk, mv, np.int32(hkv), np.int32(group),
+          np.float32(scale * math.log2(math.e)), np.int32(splits), out, po, pl))
+    if splits > 1:
+        merge = kernel("ada_merge_kernel", d)
+        merge((rows,), (d,), (workspace.part_o, workspace.part_lse, np.int32(splits),
+                              np.int32(rows), np.int32(hkv), np.int32(group), sv, mv, out))
+    if torch_in:
+        import torch
+        return torch.from_dlpack(out)
+    return out
+
+
+def cache_bytes(page_count, indptr, indices, tables: KernelTables, page_tier) -> int:
+    """Bytes the decode kernel must read for a page table (host arrays): the codes and scales
+    of every valid state (full pages are streamed whole: they are the same bytes + padding)."""
+    pc = np.asarray(page_count)
+    pt = np.asarray(page_tier)
+    ix = np.asarray(indices)
+    per = np.array([0] + [tables.bytes_per_state(t) for t in range(1, tables.num_tiers + 1)])
+    return int(np.sum(pc[ix] * per[pt[ix]]))

@@ -1,0 +1,202 @@
+"""Random paged decode cases, declared once for the GPU tests, the benchmarks and the
+validation scripts (STYLE: "declare a case once").
+
+A case is one layer's cache: rows (sequence b, kv-head h) with ragged lengths, each row's
+states split into chunks of random tiers (mixed across pages), encoded by the reference
+codec and laid into pages by ``pack_pages``; plus queries and the float64 reference output
+from ``spherical_kv_ref.paged.mixed_tier_attention``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from .pages import KernelTables, PackedPages, kernel_tables, pack_pages, rotation_signs
+
+
+@dataclass
+class DecodeCase:
+    tables: KernelTables
+    packed: PackedPages
+    q: np.ndarray            # (batch, Hq, d) float32
+    sigma_k: np.ndarray      # (Hkv, d) float32
+    sigma_v: np.ndarray
+    mean_k: Optional[np.ndarray]   # (rows, d) float32 or None
+    mean_v: Optional[np.ndarray]
+    num_kv_heads: int
+    lengths: np.ndarray      # (rows,) states per row
+    parts: list              # per row: [(keys Encoded, values Encoded, kc, vc), ...]
+
+    def reference(self, softmax_scale=None) -> np.ndarray:
+        """float64 (batch, Hq, d) from the NumPy reference."""
+        from spherical_kv_ref.paged import mixed_tier_attention
+        b, hq, d = self.q.shape
+        g = hq // self.num_kv_heads
+        out = np.zeros((b, hq, d))
+        for r, parts in enumerate(self.parts):
+            bi, h = divmod(r, self.num_kv_heads)
+            qh = self.q[bi, h * g:(h + 1) * g].astype(np.float64)
+            out[bi, h * g:(h + 1) * g] = mixed_tier_attention(
+                qh, parts,
+                key_mean=None if self.mean_k is None else self.mean_k[r],
+                value_mean=None if self.mean_v is None else self.mean_v[r],
+                softmax_scale=softmax_scale)
+        return out
+
+    def error_scale(self, softmax_scale=None) -> np.ndarray:
+        """Per (batch, head) the scale of the kernel's rounding error (docs/PERF_NOTES.md):
+        (1 + 2*softmax_scale*|q|*max r_K) * max |v_hat| with r_K the stored key radius and
+        v_hat the stored values (centred; mu_V is added exactly) — fp16 operands carry 2^-11 relative error each."""
+        b, hq, d = self.q.shape
+        g = hq // self.num_kv_heads
+        sc = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
+        out = np.zeros((b, hq))
+        for r, parts in enumerate(self.parts):
+            bi, h = divmod(r, self.num_kv_heads)
+            rk = max(float(np.max(np.linalg.norm(kc.decode(ke) - (0 if ke.mean is None else ke.mean), axis=1)))
+                     for ke, _, kc, _ in parts)
+            vmax = max(float(np.max(np.linalg.norm(vc.decode(ve) - (0 if ve.mean is None else ve.mean),
+                                                    axis=1))) for _, ve, _, vc in parts)
+            qn = np.linalg.norm(self.q[bi, h * g:(h + 1) * g].astype(np.float64), axis=1)
+            out[bi, h * g:(h + 1) * g] = (1.0 + 2.0 * sc * qn * rk) * vmax
+        return out
+
+
+def build_case(batch: int, num_kv_heads: int, group: int, dim: int, lengths: Sequence[int],
+               ladder, tier_choices: Sequence[int], seed: int = 0, centred: bool = False,
+               page_bytes: int = 4096, chunks_per_row: int = 3, shuffle: bool = True,
+               fill_random: bool = True, reference_parts: bool = True) -> DecodeCase:
+    """lengths: states per row (rows = batch * num_kv_heads); every row gets up to
+    ``chunks_per_row`` chunks, each at a tier drawn from ``tier_choices``."""
+    from spherical_kv_ref import SphericalCodec, TierLadder
+    ladder = ladder if isinstance(ladder, TierLadder) else TierLadder(ladder)
+    tables = kernel_tables(ladder, dim, page_bytes)
+    rng = np.random.default_rng(seed)
+    rows = batch * num_kv_heads
+    if len(lengths) != rows:
+        raise ValueError(f"{rows} rows but {len(lengths)} lengths")
+    codecs = {}
+
+    def codec(h, bits, salt):
+        key = (h, bits, salt)
+        if key not in codecs:
+            codecs[key] = SphericalCodec(dim, bits, seed=seed, head=h, salt=salt)
+        return codecs[key]
+
+    sigma_k = rotation_signs([codec(h, 4, 0) for h in range(num_kv_heads)])
+    sigma_v = rotation_signs([codec(h, 4, 1) for h in range(num_kv_heads)])
+    mean_k = rng.normal(0, 1.0, (rows, dim)).astype(np.float32) if centred else None
+    mean_v = rng.normal(0, 1.0, (rows, dim)).astype(np.float32) if centred else None
+    packed_rows, parts = [], []
+    for r in range(rows):
+        h = r % num_kv_heads
+        n = int(lengths[r])
+        cuts = np.sort(rng.integers(0, n + 1, max(0, chunks_per_row - 1)))
+        bounds = [0, *cuts.tolist(), n]
+        chunks, rparts = [], []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b <= a:
+                continue
+            t = int(rng.choice(tier_choices))
+            kb, vb = ladder.bits(t)
+            k = rng.normal(0, 1.0, (b - a, dim)) * rng.uniform(0.5, 2.0, (b - a, 1))
+            v = rng.normal(0, 1.0, (b - a, dim))
+            if centred:
+                k += mean_k[r]
+                v += mean_v[r]
+            kc, vc = codec(h, kb, 0), codec(h, vb, 1)
+            ke = kc.encode(k, mean=None if mean_k is None else mean_k[r])
+            ve = vc.encode(v, mean=None if mean_v is None else mean_v[r])
+            chunks.append((t, ke, ve))
+            rparts.append((ke, ve, kc, vc))
+        packed_rows.append(chunks)
+        parts.append(rparts)
+    packed = pack_pages(packed_rows, tables, rng=rng if shuffle else None,
+                        fill=None if fill_random else 0)
+    q = rng.normal(0, 1.0, (batch, num_kv_heads * group, dim)).astype(np.float32)
+    return DecodeCase(tables, packed, q, sigma_k, sigma_v, mean_k, mean_v, num_kv_heads,
+                      np.asarray(lengths), parts if reference_parts else [])
+
+
+def to_device(case: DecodeCase) -> dict:
+    """CuPy arrays of a case, keyed like ``ada_decode``'s arguments."""
+    from ._module import cupy
+    cp = cupy()
+    p = case.packed
+    return dict(q=cp.asarray(case.q), pages=cp.asarray(p.pages), page_tier=cp.asarray(p.page_tier),
+                page_count=cp.asarray(p.page_count), indptr=cp.asarray(p.indptr),
+                indices=cp.asarray(p.indices), sigma_k=cp.asarray(case.sigma_k),
+                sigma_v=cp.asarray(case.sigma_v),
+                mean_k=None if case.mean_k is None else cp.asarray(case.mean_k),
+                mean_v=None if case.mean_v is None else cp.asarray(case.mean_v))
+
+
+def run_case(case: DecodeCase, dev: Optional[dict] = None, **kw):
+    from .ada_decode import ada_decode
+    dev = to_device(case) if dev is None else dev
+    return ada_decode(dev["q"], dev["pages"], dev["page_tier"], dev["page_count"], dev["indptr"],
+                      dev["indices"], case.tables, dev["sigma_k"], dev["sigma_v"],
+                      num_kv_heads=case.num_kv_heads, mean_k=dev["mean_k"], mean_v=dev["mean_v"],
+                      **kw)
+
+
+# ------------------------------------------------------------------ large synthetic layouts
+
+@dataclass
+class SyntheticLayout:
+    """A page table for benchmarks: every row holds ``context`` states split over tiers."""
+    tables: KernelTables
+    page_tier: np.ndarray
+    page_count: np.ndarray
+    indptr: np.ndarray
+    indices: np.ndarray
+    dst_page: np.ndarray     # (rows * context,) page of each state, row-major
+    dst_slot: np.ndarray
+    state_head: np.ndarray   # kv-head of each state
+    tier_of_state: np.ndarray
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the valid states (codes + scales) the decode must read."""
+        per = np.array([0] + [self.tables.bytes_per_state(t)
+                              for t in range(1, self.tables.num_tiers + 1)])
+        return int(np.sum(self.page_count[self.indices] * per[self.page_tier[self.indices]]))
+
+    @property
+    def page_bytes_total(self) -> int:
+        return int(self.indices.size) * self.tables.page_bytes
+
+
+def synthetic_layout(batch: int, num_kv_heads: int, context: int, tables: KernelTables,
+                     tier_counts, seed: int = 0) -> SyntheticLayout:
+    """tier_counts: {tier: states per row} summing to ``context``. Page ids are shuffled
+    over the pool (pages of a row are scattered, as after a real serving run)."""
+    rng = np.random.default_rng(seed)
+    rows = batch * num_kv_heads
+    if sum(tier_counts.values()) != context:
+        raise ValueError("tier_counts must sum to context")
+    per_row_pages = []
+    for t, n in sorted(tier_counts.items()):
+        p = tables.states_per_page(t)
+        full, rest = divmod(n, p)
+        per_row_pages += [(t, p)] * full + ([(t, rest)] if rest else [])
+    npr = len(per_row_pages)
+    num_pages = rows * npr
+    ids = rng.permutation(num_pages).astype(np.int32).reshape(rows, npr)
+    tiers = np.array([t for t, _ in per_row_pages], np.int32)
+    counts = np.array([c for _, c in per_row_pages], np.int32)
+    page_tier = np.zeros(num_pages, np.int32)
+    page_count = np.zeros(num_pages, np.int32)
+    page_tier[ids] = tiers[None, :]
+    page_count[ids] = counts[None, :]
+    indptr = (np.arange(rows + 1) * npr).astype(np.int32)
+    slot_in_page = np.concatenate([np.arange(c) for c in counts]).astype(np.int32)
+    page_of_state = np.repeat(np.arange(npr), counts)
+    dst_page = ids[:, page_of_state].reshape(-1).astype(np.int32)
+    dst_slot = np.tile(slot_in_page, rows)
+    state_head = np.repeat(np.arange(rows) % num_kv_heads, context).astype(np.int32)
+    tier_of_state = np.tile(np.repeat(tiers, counts), rows)
+    return SyntheticLayout(tables, page_tier, page_count, indptr, ids.reshape(-1).copy(),
+                           dst_page, dst_slot, state_head, tier_of_state)

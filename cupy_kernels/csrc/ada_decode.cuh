@@ -1,0 +1,382 @@
+// ADA paged decode: attention logits and values straight from spherical codes (DESIGN §6).
+//
+// Thread -> data map
+//   grid (num_splits, rows): one CTA per (sequence, kv-head) row and split of its page list;
+//   the split takes pages [s*ceil(n/S), (s+1)*ceil(n/S)) of the row's n pages.
+//   block = 4 warps; warp w walks the split's pages w, w+4, w+8, ... and, in each page, tiles
+//   of 16 states. The warp serves all G <= 8 query heads of the kv-head's GQA group from one
+//   read of the page (the heads are the n = 8 columns of the m16n8k16 tensor-core tile).
+//   lane = 4*g + t  (g = lane / 4, t = lane % 4, the mma "group" and "thread in group"):
+//   * logits  S^T[16 states, 8 heads] = K[16, D] . Q'^T[D, 8]: lane (g, t) decodes states
+//     g and g+8 of the tile, coordinate groups t, t+4, t+8, ... (8 coordinates = one word
+//     at 4 bits, so a warp load is 4 lanes x 4 bytes contiguous per state); every
+//     coordinate group feeds two k16 chunks. Q' is held by the same lane for head g and the
+//     same coordinates, so the permutation of the k axis is the same on both operands.
+//   * values  O^T[D, 8 heads] += V^T[D, 16 states] . P'^T[16, 8], P' = p * s_V: lane (g, t)
+//     decodes states 2t, 2t+1, 2t+8, 2t+9 and coordinate groups g, g+8 (D = 128); the
+//     pair (2c, 2c+1) of a group fills rows g and g+8 of one m16 block. P' goes through a
+//     256-byte shared tile per warp to change from the C layout to the B layout.
+//   Online softmax per head in registers (base 2); the 4 warps' (m, l, O) merge through
+//   shared memory at the end. One split: the CTA applies Pi_V^T (Walsh–Hadamard in shared
+//   memory), adds mu_V and writes the output. Several splits: it writes (O / l, lse) to the
+//   small partial buffers and ada_merge combines them. Nothing of size tokens x D exists.
+#pragma once
+#include "spherical_common.cuh"
+
+namespace skv {
+
+constexpr int DEC_WARPS = 4;
+constexpr int DEC_HEADS = 8;   // n of the mma tile: GQA groups up to 8 query heads
+
+template <int D>
+struct DecodeSmem {
+  PairLuts lut;
+  float buf[DEC_WARPS][DEC_HEADS][D];   // per-warp O for the merge; also the query staging
+  float m[DEC_WARPS][DEC_HEADS];
+  float l[DEC_WARPS][DEC_HEADS];
+  __half ptile[DEC_WARPS][DEC_HEADS][16];  // P' of the current tile, [head][state]
+  float qfac[DEC_HEADS];   // logit factor per head: max|q'| (q' stored / max|q'| in fp16)
+  float qmu[DEC_HEADS];    // q . mu_K per head (0 without centring)
+  float lse[DEC_HEADS];    // combined log2-sum-exp per head
+};
+
+// Logit phase for one tile: s[0..3] = <q~[2t], c(st0)>, <q~[2t+1], c(st0)>, same for st1.
+template <int B, int D>
+__device__ __forceinline__ void tile_logits(const u32* kbase, int kwords, int st0, int st1,
+                                            bool ok0, bool ok1, const u32 (&qf)[D / 16][2],
+                                            const PairLuts& lut, int t, float (&s)[4]) {
+  const u32* r0 = kbase + (size_t)st0 * kwords;
+  const u32* r1 = kbase + (size_t)st1 * kwords;
+  Group<B> a[D / 32], b[D / 32];
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+    if (ok0) a[i].load(r0, t + 4 * i, D / 16); else a[i].zero();
+    if (ok1) b[i].load(r1, t + 4 * i, D / 16); else b[i].zero();
+  }
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      u32 a0 = h2_as_u32(a[i].pair(lut, 2 * h));
+      u32 a2 = h2_as_u32(a[i].pair(lut, 2 * h + 1));
+      u32 a1 = h2_as_u32(b[i].pair(lut, 2 * h));
+      u32 a3 = h2_as_u32(b[i].pair(lut, 2 * h + 1));
+      mma_16816(s, a0, a1, a2, a3, qf[2 * i + h][0], qf[2 * i + h][1]);
+    }
+  }
+}
+
+// Value phase for one tile: acc[mb] += V^T block mb . P'^T.
+template <int B, int D>
+__device__ __forceinline__ void tile_values(const u32* vbase, int vwords, int tile0, int count,
+                                            u32 pb0, u32 pb1, const PairLuts& lut, int g, int t,
+                                            float (&acc)[D / 16][4]) {
+  constexpr int NG = D / 64;  // coordinate groups per lane per state
+  int st[4] = {tile0 + 2 * t, tile0 + 2 * t + 1, tile0 + 2 * t + 8, tile0 + 2 * t + 9};
+  Group<B> v[4][NG];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const u32* row = vbase + (size_t)st[k] * vwords;
+#pragma unroll
+    for (int j = 0; j < NG; ++j) {
+      if (st[k] < count) v[k][j].load(row, g + 8 * j, D / 16); else v[k][j].zero();
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NG; ++j) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      __half2 x0 = v[0][j].pair(lut, p), x1 = v[1][j].pair(lut, p);
+      __half2 x2 = v[2][j].pair(lut, p), x3 = v[3][j].pair(lut, p);
+      u32 a0 = h2_as_u32(__lows2half2(x0, x1));
+      u32 a1 = h2_as_u32(__highs2half2(x0, x1));
+      u32 a2 = h2_as_u32(__lows2half2(x2, x3));
+      u32 a3 = h2_as_u32(__highs2half2(x2, x3));
+      mma_16816(acc[4 * j + p], a0, a1, a2, a3, pb0, pb1);
+    }
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void dispatch_logits(int bits, const u32* kbase, int kwords, int st0,
+                                                int st1, bool ok0, bool ok1,
+                                                const u32 (&qf)[D / 16][2], const PairLuts& lut,
+                                                int t, float (&s)[4]) {
+  switch (bits) {
+    case 1: tile_logits<1, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 2: tile_logits<2, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 3: tile_logits<3, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 4: tile_logits<4, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 8: tile_logits<8, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    default: tile_logits<16, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void dispatch_values(int bits, const u32* vbase, int vwords, int tile0,
+                                                int count, u32 pb0, u32 pb1, const PairLuts& lut,
+                                                int g, int t, float (&acc)[D / 16][4]) {
+  switch (bits) {
+    case 1: tile_values<1, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 2: tile_values<2, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 3: tile_values<3, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 4: tile_values<4, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 8: tile_values<8, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    default: tile_values<16, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+  }
+}
+
+// Writes the final output of G heads from buf[g][:] (normalised accumulators in rotated
+// coordinates, i.e. sum_i p_i s_i C[c_i]): o = sigma_V * (H acc) / D + mu_V.
+template <int D>
+__device__ __forceinline__ void finish_heads(float* buf, int G, const float* sigma_v,
+                                             const float* mean_v, float* out, long long out_s0) {
+  block_fwht<D>(buf, G);
+  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    int gg = idx / D, j = idx % D;
+    float o = buf[gg * D + j] * sigma_v[j] * (1.0f / (float)D);
+    if (mean_v) o += mean_v[j];
+    out[gg * out_s0 + j] = o;
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(DEC_WARPS * 32, 3)
+ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
+                  const u32* __restrict__ pages, int page_words,
+                  const int* __restrict__ page_tier, const int* __restrict__ page_count,
+                  const int* __restrict__ indptr, const int* __restrict__ indices,
+                  const int* __restrict__ geom, const float* __restrict__ levels,
+                  const float* __restrict__ sigma_k, const float* __restrict__ sigma_v,
+                  const float* __restrict__ mean_k, const float* __restrict__ mean_v,
+                  int num_kv_heads, int G, float scale_log2, int num_splits,
+                  float* __restrict__ out, float* __restrict__ part_o,
+                  float* __restrict__ part_lse) {
+  __shared__ DecodeSmem<D> sm;
+  const int split = blockIdx.x, row = blockIdx.y;
+  const int b = row / num_kv_heads, kvh = row % num_kv_heads;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+
+  build_luts(sm.lut, levels, threadIdx.x, blockDim.x);
+
+  // ---- rotated query, once per head: q' = H(sigma_K * q) / D, kept as q'/max|q'| in fp16
+  float* qs = &sm.buf[0][0][0];
+  const float* qrow = q + (long long)b * q_sb + (long long)(kvh * G) * q_sh;
+  const float* sk = sigma_k + (size_t)kvh * D;
+  for (int idx = threadIdx.x; idx < DEC_HEADS * D; idx += blockDim.x) {
+    int gg = idx / D, j = idx % D;
+    qs[idx] = gg < G ? qrow[gg * q_sh + j] * sk[j] : 0.0f;
+  }
+  if (threadIdx.x < DEC_HEADS) {
+    float mu = 0.0f;
+    if (mean_k && threadIdx.x < G) {
+      const float* mk = mean_k + (size_t)row * D;
+      for (int j = 0; j < D; ++j) mu += qrow[threadIdx.x * q_sh + j] * mk[j];
+    }
+    sm.qmu[threadIdx.x] = mu;
+  }
+  block_fwht<D>(qs, DEC_HEADS);
+  if (warp == 0) {  // per-head max |q'|: 4 lanes per head
+    for (int gg = 0; gg < DEC_HEADS; ++gg) {
+      float mx = 0.0f;
+      for (int j = lane; j < D; j += 32) mx = fmaxf(mx, fabsf(qs[gg * D + j]));
+#pragma unroll
+      for (int m = 16; m >= 1; m >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
+      if (lane == 0) sm.qfac[gg] = mx / (float)D;
+    }
+  }
+  __syncthreads();
+  // Q fragment: lane (g, t) holds head g, coordinates 8*(t+4i) + 4h + e (e = 0..3).
+  u32 qf[D / 16][2];
+  {
+    float inv = sm.qfac[g] > 0.0f ? 1.0f / (sm.qfac[g] * (float)D) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float* src = qs + g * D + 8 * (t + 4 * i) + 4 * h;
+        qf[2 * i + h][0] = h2_as_u32(__floats2half2_rn(src[0] * inv, src[1] * inv));
+        qf[2 * i + h][1] = h2_as_u32(__floats2half2_rn(src[2] * inv, src[3] * inv));
+      }
+    }
+  }
+  // logit = (s_K * qfac * <q~, C> + qmu) ; z = logit * scale_log2 (base-2 softmax)
+  const int h0 = 2 * t, h1 = 2 * t + 1;
+  __syncthreads();  // qs (= buf) is reused by the merge below; qfac/qmu are read per tile
+
+  float acc[D / 16][4];
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  float m0 = -SKV_INF, m1 = -SKV_INF, l0 = 0.0f, l1 = 0.0f;
+
+  const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
+  const int per = (n + num_splits - 1) / num_splits;
+  const int pbeg = split * per, pend = min(n, pbeg + per);
+  __half* pt = &sm.ptile[warp][0][0];
+
+  for (int pi = pbeg + warp; pi < pend; pi += DEC_WARPS) {
+    const int page = indices[rbeg + pi];
+    const int tier = page_tier[page];          // page header first
+    const int count = page_count[page];
+    const int* gm = geom + tier * SKV_GEOM_STRIDE;
+    const u32* pg = pages + (size_t)page * page_words;
+    // Pull this warp's next page into L2 while this one is decoded (one 128-byte line per
+    // lane = 4 KiB); only full pages, so no byte outside the valid states is fetched.
+    if (pi + DEC_WARPS < pend) {
+      const int nxt = indices[rbeg + pi + DEC_WARPS];
+      const int* gn = geom + page_tier[nxt] * SKV_GEOM_STRIDE;
+      if (page_count[nxt] == __ldg(gn + G_P)) {
+        const char* np = reinterpret_cast<const char*>(pages + (size_t)nxt * page_words);
+        for (int off = lane * 128; off < page_words * 4; off += 32 * 128)
+          asm volatile("prefetch.global.L2 [%0];" :: "l"(np + off));
+      }
+    }
+    // The 16-bit tier stores y itself: logit = sqrt(D) * <q', y>, no stored scale.
+    const float top = sqrtf((float)D);
+
+    for (int tile0 = 0; tile0 < count; tile0 += 16) {
+      const int st0 = tile0 + g, st1 = tile0 + g + 8;
+      const bool ok0 = st0 < count, ok1 = st1 < count;
+      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      dispatch_logits<D>(__ldg(gm + G_KBITS), pg, __ldg(gm + G_KWORDS), st0, st1, ok0, ok1, qf,
+                         sm.lut, t, s);
+      // Geometry re-read after the logit phase (L1 hits) to keep it out of its registers.
+      const int ksoff = __ldg(gm + G_KSOFF), vsoff = __ldg(gm + G_VSOFF);
+      const __half* ksc = ksoff >= 0
+          ? reinterpret_cast<const __half*>(reinterpret_cast<const char*>(pg) + ksoff) : nullptr;
+      const __half* vsc = vsoff >= 0
+          ? reinterpret_cast<const __half*>(reinterpret_cast<const char*>(pg) + vsoff) : nullptr;
+      const float sk0 = ok0 ? (ksc ? __half2float(ksc[st0]) : top) : 0.0f;
+      const float sk1 = ok1 ? (ksc ? __half2float(ksc[st1]) : top) : 0.0f;
+      const float sv0 = ok0 ? (vsc ? __half2float(vsc[st0]) : top) : 0.0f;
+      const float sv1 = ok1 ? (vsc ? __half2float(vsc[st1]) : top) : 0.0f;
+      const float kf0 = sm.qfac[h0] * scale_log2, kf1 = sm.qfac[h1] * scale_log2;
+      const float mu0 = sm.qmu[h0] * scale_log2, mu1 = sm.qmu[h1] * scale_log2;
+      float z0 = ok0 ? s[0] * sk0 * kf0 + mu0 : -SKV_INF;
+      float z1 = ok0 ? s[1] * sk0 * kf1 + mu1 : -SKV_INF;
+      float z2 = ok1 ? s[2] * sk1 * kf0 + mu0 : -SKV_INF;
+      float z3 = ok1 ? s[3] * sk1 * kf1 + mu1 : -SKV_INF;
+      float x0 = fmaxf(z0, z2), x1 = fmaxf(z1, z3);
+#pragma unroll
+      for (int m = 4; m <= 16; m <<= 1) {
+        x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, m));
+        x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, m));
+      }
+      const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: the tile has a state
+      const float al0 = exp2f(m0 - n0), al1 = exp2f(m1 - n1);
+      m0 = n0; m1 = n1;
+      const float p0 = exp2f(z0 - n0), p1 = exp2f(z1 - n1);
+      const float p2 = exp2f(z2 - n0), p3 = exp2f(z3 - n1);
+      l0 = l0 * al0 + p0 + p2;
+      l1 = l1 * al1 + p1 + p3;
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {
+        acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1;
+      }
+      __syncwarp();
+      pt[h0 * 16 + g] = __float2half_rn(p0 * sv0);
+      pt[h1 * 16 + g] = __float2half_rn(p1 * sv0);
+      pt[h0 * 16 + g + 8] = __float2half_rn(p2 * sv1);
+      pt[h1 * 16 + g + 8] = __float2half_rn(p3 * sv1);
+      __syncwarp();
+      const u32 pb0 = *reinterpret_cast<const u32*>(pt + g * 16 + 2 * t);
+      const u32 pb1 = *reinterpret_cast<const u32*>(pt + g * 16 + 2 * t + 8);
+      dispatch_values<D>(__ldg(gm + G_VBITS), pg + __ldg(gm + G_VOFF), __ldg(gm + G_VWORDS), tile0, count, pb0, pb1, sm.lut, g, t, acc);
+    }
+  }
+
+  // ---- merge the warps: l over the 8 lanes sharing t; then (m, l, O) through shared memory
+#pragma unroll
+  for (int m = 4; m <= 16; m <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, m);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, m);
+  }
+  if (g == 0) {
+    sm.m[warp][h0] = m0; sm.m[warp][h1] = m1;
+    sm.l[warp][h0] = l0; sm.l[warp][h1] = l1;
+  }
+  // acc[4j+p] = rows (coordinate 8(g+8j)+2p, +1) x heads (h0, h1)
+#pragma unroll
+  for (int j = 0; j < D / 64; ++j) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      int c = 8 * (g + 8 * j) + 2 * p;
+      sm.buf[warp][h0][c] = acc[4 * j + p][0];
+      sm.buf[warp][h1][c] = acc[4 * j + p][1];
+      sm.buf[warp][h0][c + 1] = acc[4 * j + p][2];
+      sm.buf[warp][h1][c + 1] = acc[4 * j + p][3];
+    }
+  }
+  __syncthreads();
+  // Combined result (normalised) into buf[0][gg][:], lse into sm.lse[gg]. Each thread keeps
+  // its values in registers until every warp's partial O has been read.
+  constexpr int PER = DEC_HEADS * D / (DEC_WARPS * 32);
+  float val[PER];
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int idx = threadIdx.x + k * DEC_WARPS * 32;
+    const int gg = idx / D, j = idx % D;
+    val[k] = 0.0f;
+    if (gg < G) {
+      float M = -SKV_INF;
+#pragma unroll
+      for (int w = 0; w < DEC_WARPS; ++w) M = fmaxf(M, sm.m[w][gg]);
+      float L = 0.0f, O = 0.0f;
+      if (M != -SKV_INF) {
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) {
+          const float wt = exp2f(sm.m[w][gg] - M);
+          L += sm.l[w][gg] * wt;
+          O += sm.buf[w][gg][j] * wt;
+        }
+      }
+      val[k] = L > 0.0f ? O / L : 0.0f;
+      if (j == 0) sm.lse[gg] = L > 0.0f ? M + log2f(L) : -SKV_INF;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < PER; ++k) (&sm.buf[0][0][0])[threadIdx.x + k * DEC_WARPS * 32] = val[k];
+  __syncthreads();
+  float* res = &sm.buf[0][0][0];
+  if (num_splits == 1) {
+    finish_heads<D>(res, G, sigma_v + (size_t)kvh * D, mean_v ? mean_v + (size_t)row * D : nullptr,
+                    out + (long long)row * G * D, D);
+  } else {
+    const size_t base = ((size_t)split * gridDim.y + row) * G;
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) part_o[base * D + idx] = res[idx];
+    if (threadIdx.x < G) part_lse[base + threadIdx.x] = sm.lse[threadIdx.x];
+  }
+}
+
+// Split-K merge: one CTA per row, D threads; o = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M),
+// then Pi_V^T and mu_V as in the single-split path.
+template <int D>
+__global__ void __launch_bounds__(D)
+ada_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                 int num_splits, int rows, int num_kv_heads, int G,
+                 const float* __restrict__ sigma_v, const float* __restrict__ mean_v,
+                 float* __restrict__ out) {
+  __shared__ float buf[DEC_HEADS * D];
+  const int row = blockIdx.x, kvh = row % num_kv_heads, j = threadIdx.x;
+  for (int gg = 0; gg < G; ++gg) {
+    float M = -SKV_INF;
+    for (int s = 0; s < num_splits; ++s)
+      M = fmaxf(M, part_lse[((size_t)s * rows + row) * G + gg]);
+    float W = 0.0f, O = 0.0f;
+    if (M != -SKV_INF) {
+      for (int s = 0; s < num_splits; ++s) {
+        size_t k = ((size_t)s * rows + row) * G + gg;
+        float w = exp2f(part_lse[k] - M);
+        W += w;
+        O += w * part_o[k * D + j];
+      }
+    }
+    buf[gg * D + j] = W > 0.0f ? O / W : 0.0f;
+  }
+  finish_heads<D>(buf, G, sigma_v + (size_t)kvh * D, mean_v ? mean_v + (size_t)row * D : nullptr,
+                  out + (long long)row * G * D, D);
+}
+
+}  // namespace skv

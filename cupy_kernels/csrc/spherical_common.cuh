@@ -1,0 +1,317 @@
+// Shared device code for the Spherical KV kernels (docs/format.md is the contract).
+//
+// Thread -> data maps live in the kernels that use these helpers; this file only holds
+//   * the page geometry table (one row per tier, built on the host),
+//   * code -> fp16 look-up tables in shared memory (one entry per *pair* of codes, so one
+//     shared load yields a half2 of two coordinates),
+//   * per-"group" code loads: a group is 8 consecutive coordinates (one uint32 word at
+//     4 bits), the unit both the decode and the encode kernels move,
+//   * a float64 encoder for one vector held by one warp (rotation already applied),
+//   * the tensor-core mma wrapper.
+// Everything here compiles under NVRTC (only <cuda_fp16.h> is included).
+#pragma once
+#include <cuda_fp16.h>
+
+namespace skv {
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// +inf without <math.h> (NVRTC has no host headers)
+#define SKV_INF __int_as_float(0x7f800000)
+
+// ---------------------------------------------------------------- page geometry ----
+// geom[t * GEOM_STRIDE + field], t = tier index 0..T (row 0 unused: evicted/free).
+enum GeomField {
+  G_KBITS = 0,    // key bits per coordinate (1, 2, 3, 4, 8 or 16)
+  G_VBITS = 1,    // value bits per coordinate
+  G_P = 2,        // states per page
+  G_KWORDS = 3,   // uint32 words of one key's codes
+  G_VWORDS = 4,   // uint32 words of one value's codes
+  G_VOFF = 5,     // word offset of the value codes inside the page (P * KWORDS)
+  G_KSOFF = 6,    // byte offset of the key scales (fp16 [P]); -1: no scales (16 bits)
+  G_VSOFF = 7,    // byte offset of the value scales; -1: none
+};
+#define SKV_GEOM_STRIDE 8
+
+// Status bits raised by the encode / re-tier kernels (checked by the launcher).
+enum StatusBits {
+  ST_NONFINITE = 1,       // NaN/Inf in an input vector
+  ST_SCALE_OVERFLOW = 2,  // r / ||c_hat|| > 65504: no fp16 scale
+  ST_TOP_OVERFLOW = 4,    // |y_j| > 65504 in a 16-bit tier
+  ST_BAD_TIER = 8,        // destination/source page is free or its tier is out of range
+  ST_BAD_SLOT = 16,       // slot >= states per page of that tier
+  ST_PROMOTION = 32,      // a re-tier that would add bits (never allowed)
+};
+
+// Index of a bit width in the level tables ((5, 256) arrays: rows b = 1, 2, 3, 4, 8).
+__device__ __forceinline__ int level_row(int bits) {
+  return bits == 8 ? 4 : bits - 1;
+}
+
+// ---------------------------------------------------------------- look-up tables ----
+// Pair tables: entry i is half2(C[code0], C[code1]) for the two coordinates of a pair.
+//   1 bit : i = c0 | c1 << 1
+//   2 bits: i = c0 | c1 << 2
+//   3 bits: i = lo(c0) | lo(c1) << 2 | hi(c0) << 4 | hi(c1) << 5   (lo = low 2 bits, hi = bit 2;
+//           the low fields and the bit plane are stored apart, docs/format.md)
+//   4 bits: i = c0 | c1 << 4 (one byte of the packed words)
+//   8 bits: single-level table of 256 halves.
+struct PairLuts {
+  __half2 l1[4];
+  __half2 l2[16];
+  __half2 l3[64];
+  __half2 l4[256];
+  __half l8[256];
+};
+
+__device__ __forceinline__ void build_luts(PairLuts& lut, const float* __restrict__ levels,
+                                           int tid, int nthreads) {
+  for (int i = tid; i < 256; i += nthreads) {
+    const float* L4 = levels + 3 * 256;
+    lut.l4[i] = __floats2half2_rn(L4[i & 15], L4[i >> 4]);
+    lut.l8[i] = __float2half_rn(levels[4 * 256 + i]);
+    if (i < 64) {
+      const float* L3 = levels + 2 * 256;
+      int c0 = (i & 3) | (((i >> 4) & 1) << 2);
+      int c1 = ((i >> 2) & 3) | (((i >> 5) & 1) << 2);
+      lut.l3[i] = __floats2half2_rn(L3[c0], L3[c1]);
+    }
+    if (i < 16) {
+      const float* L2 = levels + 1 * 256;
+      lut.l2[i] = __floats2half2_rn(L2[i & 3], L2[i >> 2]);
+    }
+    if (i < 4) lut.l1[i] = __floats2half2_rn(levels[i & 1], levels[i >> 1]);
+  }
+}
+
+// Raw bits of one group (8 coordinates) of a vector's codes. `row` points at the vector's
+// first code word; `grp` is the group index (0 .. D/8-1).
+template <int B>
+struct Group;
+
+template <> struct Group<1> {
+  u32 bits;  // 8 one-bit codes in the low byte
+  __device__ __forceinline__ void load(const u32* row, int grp, int) {
+    bits = (__ldg(row + (grp >> 2)) >> ((grp & 3) * 8)) & 0xffu;
+  }
+  __device__ __forceinline__ void zero() { bits = 0; }
+  __device__ __forceinline__ __half2 pair(const PairLuts& lut, int p) const {
+    return lut.l1[(bits >> (2 * p)) & 3u];
+  }
+};
+template <> struct Group<2> {
+  u32 bits;  // 8 two-bit codes in the low 16 bits
+  __device__ __forceinline__ void load(const u32* row, int grp, int) {
+    bits = (__ldg(row + (grp >> 1)) >> ((grp & 1) * 16)) & 0xffffu;
+  }
+  __device__ __forceinline__ void zero() { bits = 0; }
+  __device__ __forceinline__ __half2 pair(const PairLuts& lut, int p) const {
+    return lut.l2[(bits >> (4 * p)) & 15u];
+  }
+};
+template <> struct Group<3> {
+  u32 bits;  // low 2-bit fields in bits 0..15, the bit-2 plane in bits 16..23
+  // plane_word: word offset of the 1-bit plane = ceil(2D/32)
+  __device__ __forceinline__ void load(const u32* row, int grp, int plane_word) {
+    u32 lo = (__ldg(row + (grp >> 1)) >> ((grp & 1) * 16)) & 0xffffu;
+    u32 hi = (__ldg(row + plane_word + (grp >> 2)) >> ((grp & 3) * 8)) & 0xffu;
+    bits = lo | (hi << 16);
+  }
+  __device__ __forceinline__ void zero() { bits = 0; }
+  __device__ __forceinline__ __half2 pair(const PairLuts& lut, int p) const {
+    u32 i = ((bits >> (4 * p)) & 15u) | (((bits >> (16 + 2 * p)) & 3u) << 4);
+    return lut.l3[i];
+  }
+};
+template <> struct Group<4> {
+  u32 bits;  // one word: nibble j = coordinate j of the group
+  __device__ __forceinline__ void load(const u32* row, int grp, int) { bits = __ldg(row + grp); }
+  __device__ __forceinline__ void zero() { bits = 0; }
+  __device__ __forceinline__ __half2 pair(const PairLuts& lut, int p) const {
+    return lut.l4[(bits >> (8 * p)) & 0xffu];
+  }
+};
+template <> struct Group<8> {
+  u32 w0, w1;  // two words, one byte per coordinate
+  __device__ __forceinline__ void load(const u32* row, int grp, int) {
+    uint2 v = __ldg(reinterpret_cast<const uint2*>(row + 2 * grp));
+    w0 = v.x; w1 = v.y;
+  }
+  __device__ __forceinline__ void zero() { w0 = w1 = 0; }
+  __device__ __forceinline__ __half2 pair(const PairLuts& lut, int p) const {
+    u32 w = p < 2 ? w0 : w1;
+    int s = (p & 1) * 16;
+    return __halves2half2(lut.l8[(w >> s) & 0xffu], lut.l8[(w >> (s + 8)) & 0xffu]);
+  }
+};
+template <> struct Group<16> {
+  u32 w[4];  // fp16 values, coordinate 2p in the low half of word p
+  __device__ __forceinline__ void load(const u32* row, int grp, int) {
+    uint2 a = __ldg(reinterpret_cast<const uint2*>(row + 4 * grp));
+    uint2 b = __ldg(reinterpret_cast<const uint2*>(row + 4 * grp + 2));
+    w[0] = a.x; w[1] = a.y; w[2] = b.x; w[3] = b.y;
+  }
+  __device__ __forceinline__ void zero() { w[0] = w[1] = w[2] = w[3] = 0; }
+  __device__ __forceinline__ __half2 pair(const PairLuts&, int p) const {
+    u32 v = w[p];
+    return *reinterpret_cast<const __half2*>(&v);
+  }
+};
+
+__device__ __forceinline__ u32 h2_as_u32(__half2 h) { return *reinterpret_cast<u32*>(&h); }
+
+// D = A(16x16, row) * B(16x8, col) + C, fp16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                          u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// In-place unnormalised Walsh–Hadamard transform of `rows` vectors of length D in shared
+// memory (row-major), all threads of the block taking part. Same butterfly order as the
+// reference (pairs (i, i+h) inside blocks of 2h, h = 1, 2, 4, ...).
+template <int D>
+__device__ __forceinline__ void block_fwht(float* buf, int rows) {
+  for (int h = 1; h < D; h <<= 1) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < rows * (D / 2); idx += blockDim.x) {
+      int r = idx / (D / 2), k = idx % (D / 2);
+      int i = (k / h) * 2 * h + (k % h);
+      float a = buf[r * D + i], b = buf[r * D + i + h];
+      buf[r * D + i] = a + b;
+      buf[r * D + i + h] = a - b;
+    }
+  }
+  __syncthreads();
+}
+
+// ----------------------------------------------------------------- warp encoder ----
+// One warp holds one vector: lane l owns coordinates l*V .. l*V+V-1 (V = D/32).
+
+template <int D>
+__device__ __forceinline__ void warp_fwht(double (&y)[D / 32], int lane) {
+  constexpr int V = D / 32;
+#pragma unroll
+  for (int h = 1; h < V; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      if ((i & h) == 0) {
+        double a = y[i], b = y[i + h];
+        y[i] = a + b;
+        y[i + h] = a - b;
+      }
+    }
+  }
+#pragma unroll
+  for (int h = V; h < D; h <<= 1) {
+    int m = h / V;  // partner lane distance
+    bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      double other = __shfl_xor_sync(0xffffffffu, y[i], m);
+      y[i] = upper ? other - y[i] : y[i] + other;
+    }
+  }
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+// Packs `nb` bits per coordinate (nb in 1, 2, 4, 8) of this lane's V codes and writes the
+// words of a field array starting at dst. Each lane's chunk is V*nb bits, a power of two
+// <= 32, so it never straddles a word.
+template <int D>
+__device__ __forceinline__ void warp_pack_fields(const int (&code)[D / 32], int nb, int shift_down,
+                                                 u32 mask, u32* dst, int lane) {
+  constexpr int V = D / 32;
+  int chunk_bits = V * nb;
+  u32 chunk = 0;
+#pragma unroll
+  for (int i = 0; i < V; ++i) chunk |= ((u32)(code[i] >> shift_down) & mask) << (i * nb);
+  int bit0 = lane * chunk_bits;
+  u32 word = chunk << (bit0 & 31);
+  int lanes_per_word = 32 / chunk_bits;
+  for (int m = 1; m < lanes_per_word; m <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, m);
+  if ((lane % lanes_per_word) == 0) dst[bit0 >> 5] = word;
+}
+
+// Quantises and packs one rotated, centred vector y (float64, lane-distributed) at `bits`
+// per coordinate into codes[] (+ *scale for bits < 16). lev/mid: the bit width's levels and
+// midpoints (float64). Returns status bits (0 = fine). All lanes return the same value.
+template <int D>
+__device__ int warp_encode(const double (&y)[D / 32], int bits, const double* lev,
+                           const double* mid, u32* codes, __half* scale, int lane) {
+  constexpr int V = D / 32;
+  int status = 0;
+  if (bits == 16) {
+    bool over = false;
+    // lane l owns coordinates lV .. lV+V-1 = words lV/2 .. (l+1)V/2 - 1
+#pragma unroll
+    for (int i = 0; i < V; i += 2) {
+      over |= fabs(y[i]) > 65504.0 || fabs(y[i + 1]) > 65504.0;
+      __half2 h = __halves2half2(__double2half(y[i]), __double2half(y[i + 1]));
+      codes[(lane * V + i) / 2] = h2_as_u32(h);
+    }
+    if (__any_sync(0xffffffffu, over)) status |= ST_TOP_OVERFLOW;
+    return status;
+  }
+  double r2 = 0.0;
+#pragma unroll
+  for (int i = 0; i < V; ++i) r2 += y[i] * y[i];
+  r2 = warp_sum(r2);
+  double r = sqrt(r2);
+  int code[V];
+  int nmid = (1 << bits) - 1;
+  double c2 = 0.0;
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    int c = 0;
+    if (r > 0.0) {
+      double t = y[i] / r * sqrt((double)D);
+      int lo = 0, hi = nmid;  // first midpoint >= t  (a tie goes to the lower code)
+      while (lo < hi) {
+        int m = (lo + hi) >> 1;
+        if (t > mid[m]) lo = m + 1; else hi = m;
+      }
+      c = lo;
+    }
+    code[i] = c;
+    c2 += lev[c] * lev[c];
+  }
+  c2 = warp_sum(c2);
+  double s = 0.0;
+  if (r > 0.0) {
+    double chat = sqrt(c2 / (double)D);  // ||C[c] / sqrt(D)||
+    s = r / chat;
+    if (!(s <= 65504.0)) status |= ST_SCALE_OVERFLOW;
+  }
+  if (lane == 0) *scale = __double2half(s);
+  if (bits == 3) {
+    warp_pack_fields<D>(code, 2, 0, 3u, codes, lane);
+    warp_pack_fields<D>(code, 1, 2, 1u, codes + (2 * D + 31) / 32, lane);
+  } else {
+    warp_pack_fields<D>(code, bits, 0, (1u << bits) - 1u, codes, lane);
+  }
+  return status;
+}
+
+// Reads the code of coordinate j (0..D-1) of a vector stored at `bits` (< 16).
+template <int D>
+__device__ __forceinline__ int read_code(const u32* row, int bits, int j) {
+  if (bits == 3) {
+    int lo = (row[(2 * j) >> 5] >> ((2 * j) & 31)) & 3;
+    int hi = (row[(2 * D + 31) / 32 + (j >> 5)] >> (j & 31)) & 1;
+    return lo | (hi << 2);
+  }
+  int bit = j * bits;
+  return (int)((row[bit >> 5] >> (bit & 31)) & ((1u << bits) - 1u));
+}
+
+}  // namespace skv

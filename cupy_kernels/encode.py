@@ -1,0 +1,97 @@
+"""Encode/append launcher (DESIGN §3 steps 0-5, §6; kernel in csrc/encode.cuh).
+
+``encode_into_pages`` encodes n key (part="key") or value (part="value") vectors and writes
+each straight into (dst_page, dst_slot) of the pool, at the bit width of that page's tier.
+It does not touch page_count (the cache's bookkeeping). With ``check=True`` (default) it
+syncs once and raises ValueError for NaN/Inf input, a norm beyond an fp16 scale, or a bad
+destination; ``check=False`` keeps the call free of host syncs (graph capture).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._module import cupy, kernel
+from .pages import KernelTables, as_device, device_tables
+
+THREADS = 256
+_STATUS = ((1, "an input vector contains NaN or Inf"),
+           (2, "a vector norm is too large for an fp16 scale (max 65504)"),
+           (4, "a rotated coordinate exceeds the fp16 range of the 16-bit tier"),
+           (8, "a destination page is free or has an unknown tier"),
+           (16, "a destination slot is outside its page"),
+           (32, "a re-tier would add bits (promotion is never allowed)"))
+
+
+def raise_status(status) -> None:
+    """Turns the kernels' status word into ValueError (one host sync)."""
+    s = int(status.get()[0])
+    msgs = [m for bit, m in _STATUS if s & bit]
+    if msgs:
+        raise ValueError("; ".join(msgs))
+
+
+def _index(a, name, n):
+    arr, _ = as_device(a, name, np.int32, 1)
+    if arr.shape[0] != n:
+        raise ValueError(f"{name} must have {n} entries, got {arr.shape[0]}")
+    return arr if arr.flags.c_contiguous else arr.copy()
+
+
+def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, dst_page, dst_slot,
+                      *, part: str = "key", mean=None, mean_index=None, check: bool = True,
+                      status=None):
+    """x (n, d) float (rows may be strided); sigma float32 (H, d) rotation signs of the
+    kv-heads; head int32 (n,) which sigma row each vector uses; dst_page, dst_slot int32
+    (n,); mean float32 (R, d) with mean_index int32 (n,) (centring) or None. Writes into
+    ``pages`` (uint8 (num_pages, page_bytes) or uint32) in place."""
+    cp = cupy()
+    if part not in ("key", "value"):
+        raise ValueError(f"part must be 'key' or 'value', got {part!r}")
+    xa, _ = as_device(x, "x", ndim=2)
+    if xa.dtype.kind != "f":
+        raise ValueError(f"x must be a float array, got {xa.dtype}")
+    n, d = xa.shape
+    if d != tables.dim:
+        raise ValueError(f"x has dim {d}; the tables are for {tables.dim}")
+    if xa.dtype != np.float32 or xa.strides[1] != 4 or xa.strides[0] % 4:
+        xa = cp.ascontiguousarray(xa, dtype=cp.float32)
+    pg, _ = as_device(pages, "pages", ndim=2)
+    if pg.dtype == np.uint8 and pg.shape[1] == tables.page_bytes:
+        pg = pg.view(cp.uint32)
+    elif not (pg.dtype == np.uint32 and pg.shape[1] == tables.page_words):
+        raise ValueError(f"pages must be uint8 (N, {tables.page_bytes}) or uint32 (N, {tables.page_words})")
+    if not pg.flags.c_contiguous:
+        raise ValueError("pages must be C-contiguous")
+    pt, _ = as_device(page_tier, "page_tier", np.int32, 1)
+    if pt.shape[0] != pg.shape[0]:
+        raise ValueError("page_tier must have one entry per page")
+    sg, _ = as_device(sigma, "sigma", np.float32, 2)
+    if sg.shape[1] != d:
+        raise ValueError(f"sigma must have shape (H, {d})")
+    sg = cp.ascontiguousarray(sg)
+    hd = _index(head, "head", n)
+    dp = _index(dst_page, "dst_page", n)
+    ds = _index(dst_slot, "dst_slot", n)
+    if mean is not None:
+        mn, _ = as_device(mean, "mean", np.float32, 2)
+        if mn.shape[1] != d:
+            raise ValueError(f"mean must have shape (R, {d})")
+        mn = cp.ascontiguousarray(mn)
+        if mean_index is None:
+            raise ValueError("mean needs mean_index (which mean row each vector uses)")
+        mi = _index(mean_index, "mean_index", n)
+    else:
+        mn = mi = np.uint64(0)
+    if status is None:
+        status = cp.zeros(1, cp.int32)
+    if n:
+        dev = device_tables(tables)
+        blocks = max(1, min(-(-n * 32 // THREADS), 132 * 16))
+        kernel("encode_kernel", d)(
+            (blocks,), (THREADS,),
+            (xa, np.int64(xa.strides[0] // 4), np.int32(n), hd, sg, mn, mi, dp, ds,
+             np.int32(0 if part == "key" else 1), pg, np.int32(tables.page_words), pt,
+             dev["geom"], np.int32(tables.num_tiers), dev["levels64"], dev["mids64"], status))
+    if check:
+        raise_status(status)
+    return status

@@ -1,0 +1,223 @@
+"""Host-side page helpers shared by the launchers: the per-tier geometry table, the codebook
+tables the kernels read, and ``pack_pages`` (NumPy Encoded arrays -> pages, docs/format.md).
+
+Everything here is NumPy; ``to_device`` is the only function that touches CuPy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+GEOM_STRIDE = 8          # must match SKV_GEOM_STRIDE in csrc/spherical_common.cuh
+LEVEL_BITS = (1, 2, 3, 4, 8)   # rows of the (5, 256) level tables
+
+
+def _vector_code_words(bits: int, dim: int) -> int:
+    if bits == 16:
+        return dim // 2
+    if bits == 3:
+        return -(-2 * dim // 32) + -(-dim // 32)
+    return -(-bits * dim // 32)
+
+
+@dataclass(frozen=True)
+class KernelTables:
+    """What the kernels need to know about a ladder at one head dim and page size.
+
+    geom: int32 (T+1, 8) rows [kbits, vbits, P, kwords, vwords, voff_words, ksoff_bytes,
+    vsoff_bytes] (row 0 unused). levels32: float32 (5, 256) codebook levels for 1, 2, 3, 4, 8
+    bits (zero padded); levels64 / mids64: the same in float64 and their midpoints (cell
+    boundaries, computed as in the reference quantiser)."""
+    ladder: Tuple[Tuple[int, int], ...]
+    dim: int
+    page_bytes: int
+    codebook: str
+    geom: np.ndarray
+    levels32: np.ndarray
+    levels64: np.ndarray
+    mids64: np.ndarray
+
+    @property
+    def num_tiers(self) -> int:
+        return len(self.ladder)
+
+    @property
+    def page_words(self) -> int:
+        return self.page_bytes // 4
+
+    def states_per_page(self, tier: int) -> int:
+        return int(self.geom[tier, 2])
+
+    def bytes_per_state(self, tier: int) -> int:
+        kb, vb = self.ladder[tier - 1]
+        return sum(4 * _vector_code_words(b, self.dim) + (0 if b == 16 else 2) for b in (kb, vb))
+
+
+def kernel_tables(ladder, dim: int, page_bytes: int = 4096,
+                  codebook: str = "lloyd-max") -> KernelTables:
+    """Builds the tables for ``ladder`` (a TierLadder or a list of (key_bits, value_bits))."""
+    from spherical_kv_ref import codebooks
+
+    tiers = tuple(tuple(int(b) for b in t) for t in getattr(ladder, "tiers", ladder))
+    if not tiers:
+        raise ValueError("the ladder needs at least one tier")
+    if dim not in (64, 128):
+        raise ValueError(f"the kernels are built for head dim 64 and 128, got {dim}")
+    if int(page_bytes) != page_bytes or page_bytes <= 0 or page_bytes % 16:
+        raise ValueError(f"page_bytes must be a positive multiple of 16, got {page_bytes}")
+    geom = np.zeros((len(tiers) + 1, GEOM_STRIDE), np.int32)
+    for t, (kb, vb) in enumerate(tiers, start=1):
+        for b in (kb, vb):
+            if b not in (1, 2, 3, 4, 8, 16):
+                raise ValueError(f"bits must be one of 1, 2, 3, 4, 8, 16; got {b} in tier {t}")
+        kw, vw = _vector_code_words(kb, dim), _vector_code_words(vb, dim)
+        ks, vs = (0 if kb == 16 else 2), (0 if vb == 16 else 2)
+        per_state = 4 * (kw + vw) + ks + vs
+        p = page_bytes // per_state
+        if p < 1:
+            raise ValueError(f"page_bytes={page_bytes} cannot hold one state of tier {t}")
+        ksoff = p * 4 * (kw + vw) if ks else -1
+        vsoff = (p * 4 * (kw + vw) + p * ks) if vs else -1
+        geom[t] = (kb, vb, p, kw, vw, p * kw, ksoff, vsoff)
+    levels64 = np.zeros((len(LEVEL_BITS), 256))
+    mids64 = np.zeros((len(LEVEL_BITS), 256))
+    for r, b in enumerate(LEVEL_BITS):
+        lev = codebooks.codebook(b, dim, codebook)
+        levels64[r, :lev.size] = lev
+        mids64[r, :lev.size - 1] = 0.5 * (lev[1:] + lev[:-1])
+    return KernelTables(tiers, int(dim), int(page_bytes), codebook, geom,
+                        levels64.astype(np.float32), levels64, mids64)
+
+
+@dataclass
+class PackedPages:
+    """A page pool and CSR page table in NumPy (docs/format.md "Pages")."""
+    pages: np.ndarray        # uint8 (num_pages, page_bytes)
+    page_tier: np.ndarray    # int32 (num_pages,)
+    page_count: np.ndarray   # int32 (num_pages,)
+    indptr: np.ndarray       # int32 (rows + 1,)
+    indices: np.ndarray      # int32 (total pages,)
+    last_page_len: np.ndarray  # int32 (rows,)
+
+
+def pack_pages(rows: Sequence[Sequence[Tuple[int, object, object]]], tables: KernelTables,
+               num_pages: int | None = None, rng=None, fill: int | None = 0) -> PackedPages:
+    """Lays encoded states into tier-homogeneous pages.
+
+    rows: for each row (sequence, kv-head), a list of (tier, keys Encoded, values Encoded)
+    chunks; a chunk's states fill pages of that tier densely (slots 0..count-1), every page
+    of one row and tier except the last one full. rng (numpy Generator): shuffles page ids
+    and the order of a row's pages (both are free in the format). fill: byte value of unused
+    page bytes, or None for random bytes (shows that kernels ignore them)."""
+    g = tables.geom
+    plan: List[List[Tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = []
+    for chunks in rows:
+        mine = []
+        for tier, ke, ve in chunks:
+            if not 1 <= tier <= tables.num_tiers:
+                raise ValueError(f"tier {tier} outside 1..{tables.num_tiers}")
+            kb, vb, p, kw, vw = (int(x) for x in g[tier, :5])
+            if ke.bits != kb or ve.bits != vb or ke.dim != tables.dim or ve.dim != tables.dim:
+                raise ValueError(f"tier {tier} holds ({kb}, {vb}) bits at dim {tables.dim}")
+            if len(ke) != len(ve):
+                raise ValueError("keys and values differ in length")
+            for a in range(0, len(ke), p):
+                sl = slice(a, min(len(ke), a + p))
+                mine.append((tier, ke.codes[sl], ke.scale[sl], ve.codes[sl], ve.scale[sl]))
+        plan.append(mine)
+    used = sum(len(m) for m in plan)
+    num_pages = used if num_pages is None else int(num_pages)
+    if num_pages < used:
+        raise ValueError(f"{used} pages needed, pool has {num_pages}")
+    ids = np.arange(num_pages, dtype=np.int32)
+    if rng is not None:
+        rng.shuffle(ids)
+    if fill is None:
+        gen = rng if rng is not None else np.random.default_rng(0)
+        pages = gen.integers(0, 256, (num_pages, tables.page_bytes), dtype=np.uint8)
+    else:
+        pages = np.full((num_pages, tables.page_bytes), fill, np.uint8)
+    page_tier = np.zeros(num_pages, np.int32)
+    page_count = np.zeros(num_pages, np.int32)
+    indptr = np.zeros(len(plan) + 1, np.int32)
+    indices: List[int] = []
+    last = np.zeros(len(plan), np.int32)
+    k = 0
+    for r, mine in enumerate(plan):
+        order = list(range(len(mine)))
+        if rng is not None:
+            rng.shuffle(order)
+        for o in order:
+            tier, kc, ks, vc, vs = mine[o]
+            pid = int(ids[k]); k += 1
+            kb, vb, p, kw, vw, voff, ksoff, vsoff = (int(x) for x in g[tier])
+            n = kc.shape[0]
+            words = pages[pid].view(np.uint32)
+            words[:n * kw] = np.ascontiguousarray(kc, np.uint32).reshape(-1)
+            words[voff:voff + n * vw] = np.ascontiguousarray(vc, np.uint32).reshape(-1)
+            if ksoff >= 0:
+                pages[pid, ksoff:ksoff + 2 * n] = np.ascontiguousarray(ks, np.float16).view(np.uint8)
+            if vsoff >= 0:
+                pages[pid, vsoff:vsoff + 2 * n] = np.ascontiguousarray(vs, np.float16).view(np.uint8)
+            page_tier[pid] = tier
+            page_count[pid] = n
+            indices.append(pid)
+            last[r] = n
+        indptr[r + 1] = len(indices)
+    return PackedPages(pages, page_tier, page_count, indptr,
+                       np.asarray(indices, np.int32), last)
+
+
+def rotation_signs(codecs: Sequence) -> np.ndarray:
+    """float32 (H, d) sign table from codecs (one per kv-head), for the kernels."""
+    out = []
+    for c in codecs:
+        s = getattr(c, "signs", None)
+        if s is None:
+            raise ValueError("the kernels need Hadamard rotations (a power-of-two head dim)")
+        out.append(np.asarray(s, np.float32))
+    return np.stack(out)
+
+
+_DEVICE_CACHE: Dict[tuple, dict] = {}
+
+
+def device_tables(tables: KernelTables) -> dict:
+    """CuPy copies of the tables on the current device, uploaded once and cached."""
+    from ._module import cupy
+    cp = cupy()
+    key = (id(tables), cp.cuda.Device().id)
+    hit = _DEVICE_CACHE.get(key)
+    if hit is None or hit["tables"] is not tables:
+        hit = {"tables": tables,
+               "geom": cp.asarray(tables.geom),
+               "levels32": cp.asarray(tables.levels32),
+               "levels64": cp.asarray(tables.levels64),
+               "mids64": cp.asarray(tables.mids64)}
+        _DEVICE_CACHE[key] = hit
+    return hit
+
+
+def as_device(x, name: str, dtype=None, ndim: int | None = None):
+    """(cupy array viewing x, came_from_torch). x: a CuPy array or anything with
+    ``__dlpack__`` on the GPU (torch tensors). No copy; host arrays are a ValueError."""
+    from ._module import cupy
+    cp = cupy()
+    if isinstance(x, cp.ndarray):
+        arr, torch_in = x, False
+    elif hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
+        try:
+            arr = cp.from_dlpack(x)
+        except Exception as e:
+            raise ValueError(f"{name}: cannot view it on the GPU through DLPack ({e})") from e
+        torch_in = type(x).__module__.startswith("torch")
+    else:
+        raise ValueError(f"{name} must be a CuPy array or a GPU tensor with __dlpack__, "
+                         f"got {type(x).__name__}")
+    if dtype is not None and arr.dtype != np.dtype(dtype):
+        raise ValueError(f"{name} must have dtype {np.dtype(dtype)}, got {arr.dtype}")
+    if ndim is not None and arr.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {arr.shape}")
+    return arr, torch_in

@@ -1,0 +1,56 @@
+"""Re-tier / compaction launcher (DESIGN §4, §6; kernel in csrc/retier.cuh).
+
+Applies moves (src_page, src_slot) -> (dst_page, dst_slot) after an RDR decision: equal
+bits at both ends copy the stored codes and scales (compaction), fewer bits re-encode the
+stored rotated vector y = s * C[c] / sqrt(d) at the destination's bits (the reference's
+``paged.encode_rotated(stored_rotated(...))``). The destination pages must already carry
+their tier in page_tier; page_count is the caller's bookkeeping. No slot may be both a
+source and a destination in one call (checked on the host when ``check=True``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._module import cupy, kernel
+from .encode import THREADS, _index, raise_status
+from .pages import KernelTables, as_device, device_tables
+
+
+def retier(pages, page_tier, tables: KernelTables, src_page, src_slot, dst_page, dst_slot,
+           *, check: bool = True, status=None):
+    cp = cupy()
+    pg, _ = as_device(pages, "pages", ndim=2)
+    if pg.dtype == np.uint8 and pg.shape[1] == tables.page_bytes:
+        pg = pg.view(cp.uint32)
+    elif not (pg.dtype == np.uint32 and pg.shape[1] == tables.page_words):
+        raise ValueError(f"pages must be uint8 (N, {tables.page_bytes}) or uint32 (N, {tables.page_words})")
+    if not pg.flags.c_contiguous:
+        raise ValueError("pages must be C-contiguous")
+    pt, _ = as_device(page_tier, "page_tier", np.int32, 1)
+    if pt.shape[0] != pg.shape[0]:
+        raise ValueError("page_tier must have one entry per page")
+    sp, _ = as_device(src_page, "src_page", np.int32, 1)
+    n = sp.shape[0]
+    sp = _index(sp, "src_page", n)
+    ss = _index(src_slot, "src_slot", n)
+    dp = _index(dst_page, "dst_page", n)
+    ds = _index(dst_slot, "dst_slot", n)
+    if check and n:
+        src = set(zip(sp.get().tolist(), ss.get().tolist()))
+        dst = list(zip(dp.get().tolist(), ds.get().tolist()))
+        if len(set(dst)) != len(dst):
+            raise ValueError("two moves write the same destination slot")
+        if src & set(dst):
+            raise ValueError("a slot is both a source and a destination; split the moves")
+    if status is None:
+        status = cp.zeros(1, cp.int32)
+    if n:
+        dev = device_tables(tables)
+        blocks = max(1, min(-(-n * 32 // THREADS), 132 * 16))
+        kernel("retier_kernel", tables.dim)(
+            (blocks,), (THREADS,),
+            (np.int32(n), sp, ss, dp, ds, pg, np.int32(tables.page_words), pt, dev["geom"],
+             np.int32(tables.num_tiers), dev["levels64"], dev["mids64"], status))
+    if check:
+        raise_status(status)
+    return status

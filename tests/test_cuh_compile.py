@@ -1,0 +1,43 @@
+"""CPU check (no GPU needed): every kernel source compiles with nvcc for sm_90, and ptxas
+reports no register spills and no stack frame for any kernel instance (DESIGN §6)."""
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from cupy_kernels._module import CSRC, DIMS, KERNELS
+
+NVCC = shutil.which("nvcc")
+SOURCES = sorted(p.name for p in CSRC.glob("*.cuh"))
+
+
+def test_sources_found():
+    assert {"ada_decode.cuh", "encode.cuh", "retier.cuh", "spherical_common.cuh"} <= set(SOURCES)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("name", SOURCES)
+def test_compiles_for_sm90_without_spills(name, tmp_path):
+    text = (CSRC / name).read_text()
+    assert text.lstrip().startswith("//"), f"{name} must open with a comment (thread -> data map)"
+    kernels = [k for k in KERNELS if re.search(rf"\b{k}\s*\(", text)]
+    lines = [f'#include "{name}"', "void skv_instantiate() {"]
+    lines += [f"  (void)&skv::{k}<{d}>;" for k in kernels for d in DIMS]
+    lines.append("}")
+    unit = tmp_path / "unit.cu"
+    unit.write_text("\n".join(lines) + "\n")
+    res = subprocess.run([NVCC, "-arch=sm_90", "-Xptxas", "-v", "-std=c++17", f"-I{CSRC}", "-c",
+                          str(unit), "-o", str(tmp_path / "unit.o")],
+                         capture_output=True, text=True, timeout=600)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log
+    if not kernels:
+        return
+    entries = re.findall(r"Compiling entry function '([^']+)'", log)
+    assert len(entries) == len(kernels) * len(DIMS), log
+    spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills, log
+    for frame, stores, loads in spills:
+        assert (int(stores), int(loads)) == (0, 0), f"register spills in {name}:\n{log}"
+    assert "warning" not in log.lower(), log

@@ -1,0 +1,312 @@
+"""Decode benchmark on one GPU: ADA paged decode vs copy bandwidth, torch SDPA bf16,
+FlashInfer paged decode (bf16, fp8 e4m3) and the "decompress to HBM, then attend" path.
+
+Shapes of one Llama-3.1-8B layer (32 query heads, 8 kv-heads, d = 128). Every timing is the
+median of CUDA-event timings with the L2 flushed (a 256 MiB memset) before each repetition.
+Writes a list of rows (method, batch, context, tiers, us, bytes_read, gbps, copy_gbps,
+speedup_vs_sdpa_bf16) as JSON, and prints a table.
+
+    PYTHONPATH=. python3 validation/decode_bench.py --out validation/results/decode_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+HQ, HKV, D = 32, 8, 128
+SHAPES = [(32, 8192), (8, 32768), (2, 131072), (1, 131072)]
+LADDER = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
+TIERS = {"4/4": 3, "3/3": 2, "2/2": 1}
+
+
+def rdr_mix(context: int) -> dict:
+    """An RDR-style allocation: 4 sinks + 256 recent at the top tier, 2 % at 8/8, then
+    40 % 4/4, 30 % 3/3, the rest 2/2 (fractions of the remaining states)."""
+    top = min(context, 260)
+    rest = context - top
+    t8 = int(0.02 * rest)
+    t4 = int(0.40 * rest)
+    t3 = int(0.30 * rest)
+    return {5: top, 4: t8, 3: t4, 2: t3, 1: rest - t8 - t4 - t3}
+
+
+class Timer:
+    def __init__(self, reps: int):
+        import torch
+        self.torch = torch
+        self.reps = reps
+        self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn, stream=None) -> float:
+        """Median microseconds of fn() on the current torch stream."""
+        torch = self.torch
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(self.reps):
+            self.flush_buf.zero_()
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            times.append((a, b))
+        torch.cuda.synchronize()
+        return float(np.median([a.elapsed_time(b) for a, b in times]) * 1e3)
+
+
+def copy_bandwidth(timer) -> float:
+    """Device-to-device copy, GB/s counting bytes read + written."""
+    torch = timer.torch
+    n = 2 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    us = timer(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / (us * 1e-6) / 1e9
+
+
+def build_ada(batch, context, tiers_name, tables, seed=0):
+    """Encodes random keys/values into a shuffled page pool with the encode kernel.
+    Returns (state dict, encode timing row data)."""
+    import cupy as cp
+    from cupy_kernels import encode_into_pages
+    from cupy_kernels.cases import synthetic_layout
+    counts = rdr_mix(context) if tiers_name == "rdr-mix" else {TIERS[tiers_name]: context}
+    lay = synthetic_layout(batch, HKV, context, tables, counts, seed=seed)
+    rng = np.random.default_rng(seed)
+    num_pages = lay.page_tier.size
+    pages = cp.zeros((num_pages, tables.page_bytes), cp.uint8)
+    pt = cp.asarray(lay.page_tier)
+    sig_k = cp.asarray((1 - 2 * rng.integers(0, 2, (HKV, D))).astype(np.float32))
+    sig_v = cp.asarray((1 - 2 * rng.integers(0, 2, (HKV, D))).astype(np.float32))
+    head, dpg, dsl = (cp.asarray(a) for a in (lay.state_head, lay.dst_page, lay.dst_slot))
+    n = lay.dst_page.size
+    x = cp.random.standard_normal((n, D), dtype=cp.float32)
+    enc_times = []
+    for part, sig in (("key", sig_k), ("value", sig_v)):
+        st = cp.zeros(1, cp.int32)
+        encode_into_pages(x, pages, pt, tables, sig, head, dpg, dsl, part=part, check=False,
+                          status=st)   # warm-up and the real write
+        cp.cuda.Device().synchronize()
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        encode_into_pages(x, pages, pt, tables, sig, head, dpg, dsl, part=part, check=False,
+                          status=st)
+        e1.record()
+        e1.synchronize()
+        enc_times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+        from cupy_kernels.encode import raise_status
+        raise_status(st)
+    del x
+    written = lay.cache_bytes
+    enc_bytes = 2 * n * D * 4 + written + 3 * n * 4 * 2
+    return dict(layout=lay, pages=pages, page_tier=pt, page_count=cp.asarray(lay.page_count),
+                indptr=cp.asarray(lay.indptr), indices=cp.asarray(lay.indices),
+                sigma_k=sig_k, sigma_v=sig_v), (sum(enc_times), enc_bytes)
+
+
+def ada_step(state, tables, q, batch):
+    """A captured CUDA graph of one decode step; returns (replay fn, output)."""
+    import cupy as cp
+    from cupy_kernels import ada_decode, choose_splits, make_workspace
+    rows = batch * HKV
+    splits = choose_splits(rows, int(state["indices"].size))
+    ws = make_workspace(rows, HQ // HKV, D, splits)
+    out = cp.empty((batch, HQ, D), cp.float32)
+    kw = dict(num_kv_heads=HKV, out=out, workspace=ws)
+    args = (q, state["pages"], state["page_tier"], state["page_count"], state["indptr"],
+            state["indices"], tables, state["sigma_k"], state["sigma_v"])
+    ada_decode(*args, **kw)                      # validates once, compiles
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        ada_decode(*args, validate=False, **kw)
+        graph = stream.end_capture()
+    cp.cuda.Device().synchronize()
+    null = cp.cuda.Stream.null
+
+    def run():
+        graph.launch(null)
+    return run, out, splits
+
+
+def decompress_path(state, tables, tiers_name, batch, context, q_t):
+    """Reference path: unpack codes to dense bf16 K, V in HBM (torch ops), then SDPA."""
+    import cupy as cp
+    import torch
+    import torch.nn.functional as F
+    bits = LADDER[TIERS[tiers_name] - 1][0]
+    lay = state["layout"]
+    g = tables.geom[TIERS[tiers_name]]
+    kw, vw, voff, ksoff, vsoff = int(g[3]), int(g[4]), int(g[5]), int(g[6]), int(g[7])
+    words = state["pages"].view(cp.uint32)
+    dpg, dsl = cp.asarray(lay.dst_page), cp.asarray(lay.dst_slot)
+    kc = words[dpg[:, None], dsl[:, None] * kw + cp.arange(kw)[None, :]]
+    vc = words[dpg[:, None], voff + dsl[:, None] * vw + cp.arange(vw)[None, :]]
+    half = state["pages"].view(cp.float16)
+    ks = half[dpg, ksoff // 2 + dsl]
+    vs = half[dpg, vsoff // 2 + dsl]
+    kc, vc, ks, vs = (torch.from_dlpack(a) for a in (kc, vc, ks, vs))
+    levels = torch.tensor(tables.levels64[0 if bits == 2 else (2 if bits == 3 else 3), :2 ** bits],
+                          dtype=torch.float32, device="cuda")
+    h = torch.tensor(_hadamard(D), dtype=torch.float32, device="cuda")
+    sk = torch.from_dlpack(state["sigma_k"])
+    sv = torch.from_dlpack(state["sigma_v"])
+    shifts2 = torch.arange(16, device="cuda", dtype=torch.int32) * 2
+    shifts1 = torch.arange(32, device="cuda", dtype=torch.int32)
+    shifts4 = torch.arange(8, device="cuda", dtype=torch.int32) * 4
+
+    def unpack(words_t):
+        w = words_t.view(torch.int32)
+        if bits == 4:
+            return ((w[:, :, None] >> shifts4) & 15).reshape(w.shape[0], D)
+        if bits == 2:
+            return ((w[:, :, None] >> shifts2) & 3).reshape(w.shape[0], D)
+        lo = ((w[:, :D // 16, None] >> shifts2) & 3).reshape(w.shape[0], D)
+        hi = ((w[:, D // 16:, None] >> shifts1) & 1).reshape(w.shape[0], D)
+        return lo | (hi << 2)
+
+    def dense(words_t, scale, sigma):
+        y = levels[unpack(words_t).long()] * (scale.float()[:, None] / math.sqrt(D))
+        x = (y @ h) * (1.0 / math.sqrt(D))
+        x = x.view(batch, HKV, context, D) * sigma[None, :, None, :]
+        return x.to(torch.bfloat16)
+
+    def run():
+        k = dense(kc, ks, sk)
+        v = dense(vc, vs, sv)
+        return F.scaled_dot_product_attention(q_t, k, v, enable_gqa=True)
+    return run
+
+
+def _hadamard(n):
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def flashinfer_runner(batch, context, dtype_name):
+    import torch
+    import flashinfer
+    page = 16
+    pps = context // page
+    total = batch * pps
+    kv = torch.randn(total, 2, page, HKV, D, dtype=torch.bfloat16, device="cuda")
+    kv_dtype = torch.bfloat16
+    if dtype_name == "fp8":
+        kv = kv.to(torch.float8_e4m3fn)
+        kv_dtype = torch.float8_e4m3fn
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pps
+    indices = torch.randperm(total, device="cuda").to(torch.int32)
+    last = torch.full((batch,), page, dtype=torch.int32, device="cuda")
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    w.plan(indptr, indices, last, HQ, HKV, D, page, pos_encoding_mode="NONE",
+           q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+    q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
+    nbytes = kv.numel() * kv.element_size() + q.numel() * 2 + (indices.numel() + 2 * batch + 1) * 4
+    return (lambda: w.run(q, kv)), nbytes
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="validation/results/decode_h200.json")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", default="all", help="'all' or e.g. 32x8192,1x131072")
+    ap.add_argument("--tiers", default="4/4,3/3,2/2,rdr-mix")
+    ap.add_argument("--flashinfer", action="store_true")
+    ap.add_argument("--check", action="store_true", help="compare ADA with a float64 spot check")
+    args = ap.parse_args(argv)
+    import cupy as cp
+    import torch
+    import torch.nn.functional as F
+    from cupy_kernels import kernel_tables
+
+    shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x"))
+                                                  for s in args.shapes.split(",")]
+    tiers_list = [t for t in args.tiers.split(",") if t]
+    timer = Timer(args.reps)
+    copy_gbps = copy_bandwidth(timer)
+    print(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s", flush=True)
+    tables = kernel_tables(LADDER, D)
+    rows = []
+    for batch, context in shapes:
+        torch.manual_seed(0)
+        q_t = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
+        k = torch.randn(batch, HKV, context, D, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        sdpa_bytes = 2 * k.numel() * 2 + q_t.numel() * 2 + batch * HQ * D * 2
+        sdpa_us = timer(lambda: F.scaled_dot_product_attention(q_t, k, v, enable_gqa=True))
+        del k, v
+
+        def row(method, tiers, us, nbytes):
+            r = dict(method=method, batch=batch, context=context, tiers=tiers, us=round(us, 2),
+                     bytes_read=int(nbytes), gbps=round(nbytes / (us * 1e-6) / 1e9, 1),
+                     copy_gbps=round(copy_gbps, 1),
+                     speedup_vs_sdpa_bf16=round(sdpa_us / us, 3))
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+
+        row("sdpa_bf16", "bf16", sdpa_us, sdpa_bytes)
+        if args.flashinfer:
+            for name in ("bf16", "fp8"):
+                try:
+                    t0 = time.time()
+                    fn, nb = flashinfer_runner(batch, context, name)
+                    fn()
+                    torch.cuda.synchronize()
+                    print(f"flashinfer {name} ready in {time.time() - t0:.1f} s", flush=True)
+                    row(f"flashinfer_{name}", "bf16" if name == "bf16" else "fp8_e4m3", timer(fn), nb)
+                    del fn
+                except Exception as e:  # report, never hide: the row says why it is missing
+                    print(f"flashinfer {name} unavailable: {type(e).__name__}: {e}"[:400], flush=True)
+                    rows.append(dict(method=f"flashinfer_{name}", batch=batch, context=context,
+                                     tiers=name, us=None, bytes_read=None, gbps=None,
+                                     copy_gbps=round(copy_gbps, 1), speedup_vs_sdpa_bf16=None,
+                                     error=f"{type(e).__name__}: {e}"[:300]))
+        q_c = cp.from_dlpack(q_t[:, :, 0, :].float().contiguous())
+        for tiers_name in tiers_list:
+            state, (enc_us, enc_bytes) = build_ada(batch, context, tiers_name, tables)
+            lay = state["layout"]
+            row("ada_encode", tiers_name, enc_us, enc_bytes)
+            run, out, splits = ada_step(state, tables, q_c, batch)
+            meta = (lay.indptr.size + 3 * lay.indices.size) * 4
+            nbytes = lay.cache_bytes + q_c.size * 4 + meta + out.size * 4
+            us = timer(run)
+            row("ada", tiers_name, us, nbytes)
+            rows[-1]["splits"] = splits
+            rows[-1]["cache_bytes"] = lay.cache_bytes
+            if tiers_name in TIERS:
+                try:
+                    fn = decompress_path(state, tables, tiers_name, batch, context, q_t)
+                    row("decompress_then_sdpa", tiers_name, timer(fn), lay.cache_bytes + sdpa_bytes)
+                    del fn
+                except Exception as e:
+                    print(f"decompress path failed: {type(e).__name__}: {e}"[:300], flush=True)
+            del state, run, out
+            cp.get_default_memory_pool().free_all_blocks()
+            torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print()
+    print(f"{'method':24s} {'B':>3s} {'ctx':>7s} {'tiers':>9s} {'us':>9s} {'GB/s':>7s} "
+          f"{'%copy':>6s} {'x sdpa':>7s}")
+    for r in rows:
+        if r["us"] is None:
+            print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s}  unavailable")
+            continue
+        print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s} {r['us']:9.1f} "
+              f"{r['gbps']:7.0f} {100 * r['gbps'] / r['copy_gbps']:6.1f} {r['speedup_vs_sdpa_bf16']:7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
