@@ -6,10 +6,10 @@ CPU fast path of ``SphericalKVCache.decode``. Work decomposition, mirroring the 
     one work item per (row, split); a row is one (sequence, kv-head) of one layer and its
     G query heads (the GQA group: one KV read serves all of them); split s walks the pages
     indptr[row] + s·pages_per_split … of the row's CSR list.
-    For each page: read the header (page_tier, page_count), look up the tier's layout, then
-    for each valid slot form the logit from the key codes and scale, update the split's
-    online softmax (running max m, sum l) and accumulate s^V·ĉ^V in rotated value
-    coordinates. Then merge the splits of a row (m = max m_s, l = Σ l_s·e^{m_s−m},
+    For each page: read the header (page_tier, page_count), look up the tier's layout; form
+    the logits of the page's valid slots from the key codes and scales (a tile of P × G),
+    update the split's online softmax once per page (running max m, sum l, rescale of the
+    accumulator), then accumulate e^{z−m}·s^V·ĉ^V in rotated value coordinates. Then merge the splits of a row (m = max m_s, l = Σ l_s·e^{m_s−m},
     acc = Σ acc_s·e^{m_s−m}) and normalise.
 
 Π_K q (once per query head) and Π_Vᵀ acc + μ_V (once per query head) are applied outside,
@@ -64,27 +64,41 @@ class PagedDecodeTables:
                 self.levels[b, :lv.size] = lv / np.sqrt(d)
 
 
-@numba.njit(cache=True, inline="always")
-def _coord(words, base, j, bits, d, half):
-    """Coordinate j of a packed vector starting at words[base]: the code (bits < 16) or,
-    at 16 bits, the fp16 value as float64 (docs/format.md "Packing")."""
+@numba.njit(cache=True)
+def _unpack(words, base, bits, d, levels, half, out):
+    """The rotated point of one packed vector starting at words[base] into out (d,):
+    C_b[c_j]/√d per coordinate, or the fp16 values at 16 bits (docs/format.md "Packing")."""
     if bits == 16:
-        w = np.int64(words[base + (j >> 1)])
-        h = (w >> 16) if (j & 1) else (w & 0xFFFF)
-        return half[h]
-    if bits == 3:
+        for i in range((d + 1) // 2):
+            w = np.int64(words[base + i])
+            out[2 * i] = half[w & 0xFFFF]
+            if 2 * i + 1 < d:
+                out[2 * i + 1] = half[w >> 16]
+    elif bits == 3:
         w2 = (2 * d + 31) // 32
-        lo = (np.int64(words[base + (j >> 4)]) >> (2 * (j & 15))) & 3
-        hi = (np.int64(words[base + w2 + (j >> 5)]) >> (j & 31)) & 1
-        return float(lo | (hi << 2))
-    bitpos = j * bits
-    return float((np.int64(words[base + (bitpos >> 5)]) >> (bitpos & 31)) & ((1 << bits) - 1))
+        for j in range(d):
+            lo = (np.int64(words[base + (j >> 4)]) >> (2 * (j & 15))) & 3
+            hi = (np.int64(words[base + w2 + (j >> 5)]) >> (j & 31)) & 1
+            out[j] = levels[3, lo | (hi << 2)]
+    else:
+        per_word = 32 // bits
+        mask = (1 << bits) - 1
+        j = 0
+        i = 0
+        while j < d:
+            w = np.int64(words[base + i])
+            f = 0
+            while f < per_word and j < d:
+                out[j] = levels[bits, (w >> (f * bits)) & mask]
+                f += 1
+                j += 1
+            i += 1
 
 
 @numba.njit(cache=True)
 def _decode_rows(qr, qmu, scale, indptr, indices, pool32, pool16, page_tier, page_count,
                  key_bits, value_bits, key_words, value_words, value_codes_off,
-                 key_scales_off, value_scales_off, levels, half, num_splits,
+                 key_scales_off, value_scales_off, levels, half, num_splits, max_per_page,
                  acc_out, lse_out):
     rows, g, d = qr.shape
     m_s = np.empty((num_splits, g))
@@ -92,6 +106,7 @@ def _decode_rows(qr, qmu, scale, indptr, indices, pool32, pool16, page_tier, pag
     a_s = np.empty((num_splits, g, d))
     kvec = np.empty(d)
     vvec = np.empty(d)
+    zbuf = np.empty((max_per_page, g))
     for r in range(rows):
         start, stop = indptr[r], indptr[r + 1]
         npages = stop - start
@@ -114,31 +129,36 @@ def _decode_rows(qr, qmu, scale, indptr, indices, pool32, pool16, page_tier, pag
                 kso, vso = key_scales_off[tier], value_scales_off[tier]
                 words = pool32[page]
                 halves = pool16[page]
+                # pass 1 over the page: logits of every slot for every head of the group
+                # (one read of a state's codes serves all G heads), and the page's max
                 for slot in range(cnt):
                     ks = half[np.int64(halves[kso + slot])] if kso >= 0 else 1.0
-                    vs = half[np.int64(halves[vso + slot])] if vso >= 0 else 1.0
-                    kbase = slot * kw
-                    vbase = voff + slot * vw
-                    # one read of the state's codes serves every query head of the group
-                    for j in range(d):
-                        c = _coord(words, kbase, j, kb, d, half)
-                        kvec[j] = c if kb == 16 else levels[kb, int(c)]
-                        c = _coord(words, vbase, j, vb, d, half)
-                        vvec[j] = c if vb == 16 else levels[vb, int(c)]
+                    _unpack(words, slot * kw, kb, d, levels, half, kvec)
                     for h in range(g):
                         dot = 0.0
                         for j in range(d):
                             dot += qr[r, h, j] * kvec[j]
-                        z = scale * (ks * dot + qmu[r, h])
-                        m_old = m_s[s, h]
-                        m_new = max(m_old, z)
-                        corr = np.exp(m_old - m_new)   # 0 for the first state (m_old = -inf)
-                        p = np.exp(z - m_new)
-                        l_s[s, h] = l_s[s, h] * corr + p
-                        m_s[s, h] = m_new
+                        zbuf[slot, h] = scale * (ks * dot + qmu[r, h])
+                # online softmax, rescaled once per page
+                for h in range(g):
+                    m_new = m_s[s, h]
+                    for slot in range(cnt):
+                        m_new = max(m_new, zbuf[slot, h])
+                    corr = np.exp(m_s[s, h] - m_new)    # 0 on the split's first page (-inf)
+                    m_s[s, h] = m_new
+                    l_s[s, h] *= corr
+                    for j in range(d):
+                        a_s[s, h, j] *= corr
+                # pass 2: accumulate s^V·ĉ^V weighted by e^{z − m} in rotated value coordinates
+                for slot in range(cnt):
+                    vs = half[np.int64(halves[vso + slot])] if vso >= 0 else 1.0
+                    _unpack(words, voff + slot * vw, vb, d, levels, half, vvec)
+                    for h in range(g):
+                        p = np.exp(zbuf[slot, h] - m_s[s, h])
+                        l_s[s, h] += p
                         w = p * vs
                         for j in range(d):
-                            a_s[s, h, j] = a_s[s, h, j] * corr + w * vvec[j]
+                            a_s[s, h, j] += w * vvec[j]
         # merge the splits of this row
         for h in range(g):
             m = -np.inf
@@ -199,5 +219,6 @@ def paged_decode(paged: PagedKV, table: PageTable, q_rot, q_mu, tables: PagedDec
                  pool.data.view(np.uint32), pool.data.view(np.uint16), pool.page_tier,
                  pool.page_count, tables.key_bits, tables.value_bits, tables.key_words,
                  tables.value_words, tables.value_codes_off, tables.key_scales_off,
-                 tables.value_scales_off, tables.levels, _HALF, int(num_splits), acc, lse)
+                 tables.value_scales_off, tables.levels, _HALF, int(num_splits),
+                 int(tables.per_page.max()), acc, lse)
     return acc, lse
