@@ -1,0 +1,341 @@
+"""transformers integration: a ``Cache`` whose attention reads compressed state.
+
+Usage (batch 1, any Llama-family model of transformers ≥ 5)::
+
+    from spherical_kv_ref.hf import SphericalCache, use_spherical_attention
+    use_spherical_attention(model)                    # registers and selects the attention
+    cache = SphericalCache(model.config)              # dense until compressed
+    model(prompt_ids, past_key_values=cache)          # prefill (dense, records queries)
+    cache.compress(budget_bytes)                      # → SphericalKVCache + RDR
+    model.generate(next_ids, past_key_values=cache)   # decode reads the codes
+
+Before ``compress`` the cache behaves like a dynamic dense cache and records the last
+``observe`` queries of each layer (RDR's attention estimates). After it, each layer's new
+tokens are attended in two parts merged by their log-sum-exp: the stored context (a
+``ContextStore``: compressed states, or any baseline's states) and the current chunk
+(exact, causal). New tokens then enter the store (at the top tier for Spherical KV).
+
+torch and transformers are imported here only; the core reference never needs them.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .cache import SphericalKVCache
+from .rotation import KEY_SALT, VALUE_SALT
+
+ATTENTION_NAME = "spherical_kv"
+
+
+# ------------------------------------------------------------------------- context stores
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Combine two attention partials over disjoint state sets by their log-sum-exps."""
+    lse = np.logaddexp(lse_a, lse_b)
+    return (np.exp(lse_a - lse)[..., None] * out_a + np.exp(lse_b - lse)[..., None] * out_b), lse
+
+
+def _softmax_part(q, k, v, scale, causal_offset=None):
+    """Attention of q (G, T, d) over k, v (n, d) with lse; causal_offset: query t sees keys
+    ≤ t + offset (None: all keys)."""
+    z = scale * np.einsum("gtd,nd->gtn", q, k)
+    if causal_offset is not None:
+        t = np.arange(q.shape[1])[:, None]
+        z = np.where(np.arange(k.shape[0])[None, :] <= t + causal_offset, z, -np.inf)
+    zmax = z.max(axis=2, keepdims=True)
+    e = np.exp(z - zmax)
+    den = e.sum(axis=2, keepdims=True)
+    return np.einsum("gtn,nd->gtd", e / den, v), (zmax + np.log(den))[..., 0]
+
+
+class ContextStore:
+    """What a layer's new tokens attend to besides themselves. Subclasses implement
+    ``attend`` (q (num_q_heads, T, d) → out, lse over the stored states), ``append``
+    (k, v (num_kv_heads, T, d)) and ``nbytes``."""
+
+    num_q_heads: int
+    num_kv_heads: int
+
+    def attend(self, layer: int, q: np.ndarray, scale: float):
+        raise NotImplementedError
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+class DenseStore(ContextStore):
+    """Explicit keys/values per layer, (num_kv_heads, n, d) each (a dense or baseline cache;
+    evicted states are simply absent: keys are post-RoPE, so order does not matter).
+    ``bytes_per_state`` counts appended tokens (default bf16 keys + values)."""
+
+    def __init__(self, keys: Sequence[np.ndarray], values: Sequence[np.ndarray], num_q_heads: int,
+                 nbytes: int, bytes_per_state: Optional[int] = None):
+        self.keys = [np.asarray(k, np.float64) for k in keys]
+        self.values = [np.asarray(v, np.float64) for v in values]
+        self.num_kv_heads = self.keys[0].shape[0]
+        self.num_q_heads = int(num_q_heads)
+        d = self.keys[0].shape[2]
+        self._nbytes = int(nbytes)
+        self._per_state = 4 * d if bytes_per_state is None else int(bytes_per_state)
+
+    def attend(self, layer, q, scale):
+        G = self.num_q_heads // self.num_kv_heads
+        out = np.empty(q.shape)
+        lse = np.empty(q.shape[:2])
+        for h in range(self.num_kv_heads):
+            k, v = self.keys[layer][h], self.values[layer][h]
+            if k.shape[0] == 0:
+                out[h * G:(h + 1) * G], lse[h * G:(h + 1) * G] = 0.0, -np.inf
+                continue
+            out[h * G:(h + 1) * G], lse[h * G:(h + 1) * G] = _softmax_part(q[h * G:(h + 1) * G], k, v, scale)
+        return out, lse
+
+    def append(self, layer, k, v):
+        self.keys[layer] = np.concatenate([self.keys[layer], k], axis=1)
+        self.values[layer] = np.concatenate([self.values[layer], v], axis=1)
+        self._nbytes += k.shape[0] * k.shape[1] * self._per_state
+
+    def nbytes(self):
+        return self._nbytes
+
+
+class SphericalStore(ContextStore):
+    """The compressed context of one sequence of a ``SphericalKVCache``.
+
+    ``attend`` computes the same function as ``SphericalKVCache.decode`` (logits from
+    codes, value sum in rotated coordinates, Π_Vᵀ once, + μ_V), but for many queries at
+    once: per (layer, kv-head) it keeps the kept states' rotated code points s·ĉ (what the
+    codes name) and forms logits with one matrix product. On a CPU that is the fast way to
+    evaluate the reference function for a 256-token chunk; tests pin it to the paged
+    decode. New tokens go into the pages at the top tier, and into the snapshot."""
+
+    def __init__(self, kv: SphericalKVCache, seq: int):
+        self.kv, self.seq = kv, int(seq)
+        self.num_q_heads, self.num_kv_heads = kv.num_q_heads, kv.num_kv_heads
+        self._snap = [None] * kv.num_layers
+
+    def _snapshot(self, layer):
+        if self._snap[layer] is None:
+            rows = []
+            for h in range(self.kv.num_kv_heads):
+                ks, vs = [], []
+                for t, (ke, ve, _) in self.kv.paged.gather((self.seq, layer, h)).items():
+                    kb, vb = self.kv.ladder.bits(t)
+                    kc = self.kv.codec(layer, h, kb, KEY_SALT)
+                    vc = self.kv.codec(layer, h, vb, VALUE_SALT)
+                    ks.append(ke.scale.astype(np.float64)[:, None] * kc.rotated_points(ke))
+                    vs.append(ve.scale.astype(np.float64)[:, None] * vc.rotated_points(ve))
+                d = self.kv.head_dim
+                rows.append([np.concatenate(ks) if ks else np.zeros((0, d)),
+                             np.concatenate(vs) if vs else np.zeros((0, d))])
+            self._snap[layer] = rows
+        return self._snap[layer]
+
+    def attend(self, layer, q, scale):
+        kv, s = self.kv, self.kv._seq(self.seq)
+        G = kv.group_size
+        kb, vb = kv.ladder.bits(kv.ladder.top)
+        out = np.empty(q.shape)
+        lse = np.empty(q.shape[:2])
+        for h, (krot, vrot) in enumerate(self._snapshot(layer)):
+            qh = q[h * G:(h + 1) * G]
+            if krot.shape[0] == 0:
+                out[h * G:(h + 1) * G], lse[h * G:(h + 1) * G] = 0.0, -np.inf
+                continue
+            qr = kv.codec(layer, h, kb, KEY_SALT).rotation.apply(qh)
+            o, l = _softmax_part(qr, krot, vrot, scale)
+            if kv.centre:       # the logit shift q·μ_K keeps lse equal to the reference's
+                l = l + scale * np.einsum("gtd,d->gt", qh, s.mean_k[layer, h].astype(np.float64))
+            o = kv.codec(layer, h, vb, VALUE_SALT).rotation.inverse(o)
+            if kv.centre:
+                o = o + s.mean_v[layer, h].astype(np.float64)
+            out[h * G:(h + 1) * G], lse[h * G:(h + 1) * G] = o, l
+        return out, lse
+
+    def append(self, layer, k, v):
+        kv = self.kv
+        kv.append(self.seq, layer, k, v)
+        if self._snap[layer] is None:
+            return
+        s = kv._seq(self.seq)
+        kb, vb = kv.ladder.bits(kv.ladder.top)
+        for h, row in enumerate(self._snap[layer]):
+            kc, vc = kv.codec(layer, h, kb, KEY_SALT), kv.codec(layer, h, vb, VALUE_SALT)
+            ke = kc.encode(k[h], mean=s.mean_k[layer, h] if kv.centre else None)
+            ve = vc.encode(v[h], mean=s.mean_v[layer, h] if kv.centre else None)
+            row[0] = np.concatenate([row[0], ke.scale.astype(np.float64)[:, None] * kc.rotated_points(ke)])
+            row[1] = np.concatenate([row[1], ve.scale.astype(np.float64)[:, None] * vc.rotated_points(ve)])
+
+    def nbytes(self):
+        return self.kv.bytes_in_use(self.seq)
+
+
+# ------------------------------------------------------------------------- the HF cache
+
+class _Layer(CacheLayerMixin):
+    """One layer: dense tensors before compression, a pending chunk after."""
+
+    is_sliding = False
+
+    def __init__(self, owner: "SphericalCache", index: int):
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.length = 0
+        self.pending = None
+
+    def lazy_initialization(self, key_states, value_states):
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise ValueError(f"SphericalCache serves batch 1, got batch {key_states.shape[0]}")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.length += key_states.shape[-2]
+        if self.owner.store is None:
+            self.keys = key_states if self.keys is None else torch.cat([self.keys, key_states], dim=-2)
+            self.values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
+            k, v = self.keys, self.values
+            mode = "dense"
+        else:
+            self.pending = (key_states, value_states)
+            k, v = key_states, value_states
+            mode = "store"
+        # The attention function finds its way back here through the returned tensor.
+        k = k.view(k.shape)
+        k._spherical_kv = (self.owner, self.index, mode)
+        return k, v
+
+    def get_mask_sizes(self, query_length):
+        return self.length + query_length, 0
+
+    def get_seq_length(self):
+        return self.length
+
+    def get_max_length(self):
+        return -1
+
+    def reset(self):
+        self.keys = self.values = None
+        self.length = 0
+        self.pending = None
+
+
+class SphericalCache(Cache):
+    """A transformers ``Cache`` backed by a context store (batch 1).
+
+    config: the model config (num_hidden_layers, num_attention_heads, num_key_value_heads,
+    head_dim). observe: how many trailing prefill queries per layer to record for RDR.
+    Keyword arguments go to ``SphericalKVCache`` when ``compress`` builds it."""
+
+    def __init__(self, config, observe: int = 32, **cache_kwargs):
+        self.num_layers = config.num_hidden_layers
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
+        super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
+        self.observe = int(observe)
+        self.observed: List[Optional[np.ndarray]] = [None] * self.num_layers
+        self.store: Optional[ContextStore] = None
+        self.cache_kwargs = cache_kwargs
+        self.kv: Optional[SphericalKVCache] = None
+        self.seq: Optional[int] = None
+
+    # -- dense phase ----------------------------------------------------------------
+    def dense_kv(self, layer: int):
+        """The dense post-RoPE keys and values of a layer, (num_kv_heads, n, d) float64."""
+        lay = self.layers[layer]
+        if lay.keys is None:
+            raise ValueError(f"layer {layer} holds no dense states (nothing prefilled, or compressed)")
+        return (lay.keys[0].detach().double().numpy(), lay.values[0].detach().double().numpy())
+
+    def set_store(self, store: ContextStore) -> None:
+        """Replace the dense states by a context store (a baseline's, or Spherical KV's)."""
+        self.store = store
+        for lay in self.layers:
+            lay.keys = lay.values = None
+
+    def compress(self, budget_bytes: int, protect: Sequence[tuple] = (), ladder=None,
+                 method: str = "fast"):
+        """Move the dense prefill into a ``SphericalKVCache``, protect the given token spans,
+        run RDR to ``budget_bytes`` and switch attention to the compressed states."""
+        if self.store is not None:
+            raise ValueError("this cache is already compressed")
+        kw = dict(self.cache_kwargs)
+        if ladder is not None:
+            kw["ladder"] = ladder
+        n = self.layers[0].length
+        if "pool_bytes" not in kw:
+            kw["pool_bytes"] = max(4 << 20, 2 * self.num_layers * self.num_kv_heads * n * 4 * self.head_dim)
+        kv = SphericalKVCache(self.num_layers, self.num_kv_heads, self.head_dim,
+                              num_q_heads=self.num_q_heads, **kw)
+        seq = kv.new_sequence()
+        for layer in range(self.num_layers):
+            k, v = self.dense_kv(layer)
+            kv.append(seq, layer, k, v)
+            if self.observed[layer] is not None:
+                for t in range(self.observed[layer].shape[1]):
+                    kv.observe(seq, layer, self.observed[layer][:, t])
+        for a, b in protect:
+            kv.protect(seq, a, b)
+        report = kv.compress(seq, int(budget_bytes), method=method)
+        self.kv, self.seq = kv, seq
+        self.set_store(SphericalStore(kv, seq))
+        return report
+
+
+# ------------------------------------------------------------------------- attention
+
+def spherical_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function registered as ``"spherical_kv"`` (batch 1).
+
+    Dense phase: sdpa, plus recording the trailing queries. Store phase: the chunk's
+    queries attend to the store (compressed context) and causally to the chunk itself."""
+    handle = getattr(key, "_spherical_kv", None)
+    if handle is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    owner, layer, mode = handle
+    scale = float(scaling) if scaling is not None else 1.0 / np.sqrt(query.shape[-1])
+    if mode == "dense":
+        w = min(owner.observe, query.shape[2])
+        if w:
+            owner.observed[layer] = query[0, :, -w:].detach().double().numpy()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    q = query[0].detach().double().numpy()                       # (nq, T, d)
+    k_new, v_new = (t[0].detach().double().numpy() for t in owner.layers[layer].pending)
+    store = owner.store
+    G = store.num_q_heads // store.num_kv_heads
+    out_c = np.empty(q.shape)
+    lse_c = np.empty(q.shape[:2])
+    for h in range(store.num_kv_heads):
+        sl = slice(h * G, (h + 1) * G)
+        out_c[sl], lse_c[sl] = _softmax_part(q[sl], k_new[h], v_new[h], scale, causal_offset=0)
+    out_s, lse_s = store.attend(layer, q, scale)
+    out, _ = _merge(out_s, lse_s, out_c, lse_c)
+    store.append(layer, k_new, v_new)
+    owner.layers[layer].pending = None
+    res = torch.from_numpy(out).to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous()
+    return res, None
+
+
+def use_spherical_attention(model) -> None:
+    """Register ``spherical_attention`` and select it for ``model``."""
+    AttentionInterface.register(ATTENTION_NAME, spherical_attention)
+    model.config._attn_implementation = ATTENTION_NAME
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = ATTENTION_NAME
