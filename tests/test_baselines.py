@@ -180,6 +180,19 @@ def test_attention_stats_match_brute_force(T, window, block):
         np.testing.assert_allclose(stats.observation[l].sum(1), window, rtol=1e-5)
 
 
+def test_attention_stats_query_stride_samples_rows():
+    T, s, w = 50, 4, 6
+    qs, ks, vs = _cache(L=1, H=3, T=T, d=16, seed=9)
+    stats = attention_stats(qs, ks, window=w, query_stride=s, block=5)
+    acc_all = np.zeros((3, T))
+    for i in range(0, T, s):  # rows 0, s, 2s, ... only; row i = window 1 of prefix i+1
+        _, row_i = _brute_stats(qs[0][:, :i + 1], ks[0][:, :i + 1], 1)
+        acc_all[:, :i + 1] += s * row_i
+    np.testing.assert_allclose(stats.accumulated[0], acc_all, rtol=2e-5, atol=1e-6)
+    _, obs = _brute_stats(qs[0], ks[0], w)
+    np.testing.assert_allclose(stats.observation[0], obs, rtol=2e-5, atol=1e-6)
+
+
 # ---- evicting baselines ---------------------------------------------------------------
 
 def _stats_with(acc, obs, window):
@@ -276,6 +289,7 @@ def test_standard_methods_cover_the_line_up():
     (lambda: Dense().compress([np.full((1, 2, 4), np.nan)], [np.zeros((1, 2, 4))]), "NaN"),
     (lambda: Dense().compress([], []), "same positive number"),
     (lambda: attention_stats(*_cache(T=8)[:2], window=9), "observation window"),
+    (lambda: attention_stats(*_cache(T=8)[:2], window=2, query_stride=0), "query_stride"),
     (lambda: H2O(0.5).compress(_cache(T=8)[1], _cache(T=8)[2],
                                attention_stats(*_cache(T=9)[:2], window=2)), "stats"),
 ])

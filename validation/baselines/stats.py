@@ -4,7 +4,8 @@ From the prefill's post-RoPE queries ``(q_heads, T, d)`` and keys ``(kv_heads, T
 of each layer, with causal softmax attention ``p[h, i, j]`` (scale ``1/sqrt(d)``):
 
 * ``accumulated[l][g, j] = mean over the GQA group of g of  sum_i p[h, i, j]``
-  (H2O's accumulated attention; every query row i that can see j contributes);
+  (H2O's accumulated attention; every query row i that can see j contributes;
+  optionally estimated from every s-th row, see ``query_stride``);
 * ``observation[l][g, j] = mean over the group of  sum_{i >= T - window} p[h, i, j]``
   (SnapKV's votes from the observation window of the last ``window`` queries).
 
@@ -38,41 +39,47 @@ class AttentionStats:
                                  f"the cache's (kv_heads, T) = {want}")
 
 
-def _layer_stats(q: np.ndarray, k: np.ndarray, window: int, block: int):
+def _layer_stats(q: np.ndarray, k: np.ndarray, window: int, block: int, stride: int):
     hq, T, d = q.shape
     hk = k.shape[0]
     if hq % hk:
         raise ValueError(f"{hq} query heads do not split into groups over {hk} kv-heads")
     group = hq // hk
-    scale = 1.0 / np.sqrt(d)
+    scale = np.float32(1.0 / np.sqrt(d))
     acc = np.zeros((hk, T))
     obs = np.zeros((hk, T))
     w0 = T - window
+    rows = np.union1d(np.arange(0, T, stride), np.arange(w0, T))
     for g in range(hk):
         qg = q[g * group:(g + 1) * group].astype(np.float32)  # (group, T, d)
         kg = k[g].astype(np.float32)                           # (T, d)
-        for start in range(0, T, block):
-            stop = min(T, start + block)
-            # rows start..stop-1 see columns 0..row: only columns < stop matter
-            logits = (qg[:, start:stop] @ kg[:stop].T) * np.float32(scale)
-            rows = np.arange(start, stop)[:, None]
-            logits = np.where(np.arange(stop)[None, :] <= rows, logits, -np.inf)
+        for b0 in range(0, len(rows), block):
+            r = rows[b0:b0 + block]
+            stop = int(r[-1]) + 1  # row i sees columns 0..i: only columns < stop matter
+            logits = (qg[:, r] @ kg[:stop].T) * scale
+            logits = np.where(np.arange(stop)[None, :] <= r[:, None], logits, -np.inf)
             logits -= logits.max(axis=-1, keepdims=True)
             p = np.exp(logits)
-            p /= p.sum(axis=-1, keepdims=True)                 # (group, b, stop)
-            acc[g, :stop] += p.sum(axis=(0, 1), dtype=np.float64) / group
-            if stop > w0:
-                lo = max(start, w0) - start
-                obs[g, :stop] += p[:, lo:].sum(axis=(0, 1), dtype=np.float64) / group
+            p /= p.sum(axis=-1, keepdims=True)                 # (group, rows, stop)
+            sampled = (r % stride) == 0
+            if sampled.any():
+                acc[g, :stop] += stride * p[:, sampled].sum(axis=(0, 1), dtype=np.float64) / group
+            in_window = r >= w0
+            if in_window.any():
+                obs[g, :stop] += p[:, in_window].sum(axis=(0, 1), dtype=np.float64) / group
     return acc, obs
 
 
-def attention_stats(queries, keys, *, window: int = 32, block: int = 256) -> AttentionStats:
+def attention_stats(queries, keys, *, window: int = 32, block: int = 256,
+                    query_stride: int = 1) -> AttentionStats:
     """Accumulated and observation-window attention per (layer, kv-head, token).
 
     ``queries[l]``: (q_heads, T, d); ``keys[l]``: (kv_heads, T, d), post-RoPE.
     ``window``: SnapKV's observation window (the last ``window`` queries, at most T).
     ``block``: query rows per softmax block (memory: group·block·T floats).
+    ``query_stride``: accumulate H2O's attention over every ``query_stride``-th query
+    row only (rows 0, s, 2s, ...), times s, to cut the O(T²) cost on long contexts; 1
+    (the default) is exact. The observation window always uses all its rows.
     """
     if len(queries) == 0 or len(queries) != len(keys):
         raise ValueError(f"need one query and one key array per layer, got {len(queries)} "
@@ -80,15 +87,16 @@ def attention_stats(queries, keys, *, window: int = 32, block: int = 256) -> Att
     T = np.shape(keys[0])[1]
     if not 1 <= window <= T:
         raise ValueError(f"observation window must be in [1, T={T}], got {window}")
-    if block < 1:
-        raise ValueError(f"block must be positive, got {block}")
+    if block < 1 or query_stride < 1:
+        raise ValueError(f"block and query_stride must be positive, got {block}, "
+                         f"{query_stride}")
     acc, obs = [], []
     for l, (q, k) in enumerate(zip(queries, keys)):
         q, k = np.asarray(q), np.asarray(k)
         if q.ndim != 3 or k.ndim != 3 or q.shape[1:] != k.shape[1:] or k.shape[1] != T:
             raise ValueError(f"layer {l}: queries {q.shape} and keys {k.shape} must be "
                              f"(heads, T={T}, d) with the same T and d")
-        a, o = _layer_stats(q, k, window, block)
+        a, o = _layer_stats(q, k, window, block, query_stride)
         acc.append(a)
         obs.append(o)
     return AttentionStats(acc, obs, window)
