@@ -18,7 +18,14 @@ from .pages import KernelTables, as_device, device_tables
 
 THREADS = 128          # 4 warps, csrc/ada_decode.cuh DEC_WARPS
 MAX_GROUP = 8          # query heads per kv-head served by one mma tile
-CTAS_PER_SM = 3        # residency of the decode kernel (ptxas: <= 168 registers)
+CTAS_PER_SM = 3        # residency of the decode kernel (ptxas: <= 168 registers, ~72 KiB smem)
+LUT_BYTES = 37888      # csrc/spherical_common.cuh LUT_BYTES (replicated look-up tables)
+
+
+def decode_smem_bytes(dim: int, page_bytes: int) -> int:
+    """Dynamic shared memory of the decode kernel: tables + max(2 page buffers per warp,
+    the merge tiles) (csrc/ada_decode.cuh decode_region_bytes)."""
+    return LUT_BYTES + max(4 * 2 * page_bytes, 4 * MAX_GROUP * dim * 4)
 
 
 @dataclass
@@ -32,6 +39,18 @@ class DecodeWorkspace:
 def _sm_count() -> int:
     cp = cupy()
     return int(cp.cuda.Device().attributes["MultiProcessorCount"])
+
+
+_SMEM_SET = {}
+
+
+def _allow_smem(fn, nbytes: int) -> None:
+    """Raises the kernel's dynamic shared-memory limit once (above 48 KiB needs opt-in)."""
+    key = id(fn)
+    if _SMEM_SET.get(key, 0) >= nbytes:
+        return
+    fn.max_dynamic_shared_size_bytes = int(nbytes)
+    _SMEM_SET[key] = int(nbytes)
 
 
 def choose_splits(rows: int, total_pages: int, min_pages_per_split: int = 8) -> int:
@@ -181,11 +200,17 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     po = workspace.part_o if splits > 1 else null
     pl = workspace.part_lse if splits > 1 else null
     kern = kernel("ada_decode_kernel", d)
+    smem = decode_smem_bytes(d, tables.page_bytes)
+    if smem > 227 * 1024:
+        raise ValueError(f"page_bytes={tables.page_bytes} needs {smem} bytes of shared memory "
+                         "per block; use pages of at most 24 KiB")
+    _allow_smem(kern, smem)
     kern((splits, rows), (THREADS,),
          (qa, np.int64(qa.strides[0] // 4), np.int64(qa.strides[1] // 4),
           pg, np.int32(tables.page_words), pt, pc, ip, ix, dev["geom"], dev["levels32"],
           sk, sv, mk, mv, np.int32(hkv), np.int32(group),
-          np.float32(scale * math.log2(math.e)), np.int32(splits), out, po, pl))
+          np.float32(scale * math.log2(math.e)), np.int32(splits), out, po, pl),
+         shared_mem=smem)
     if splits > 1:
         merge = kernel("ada_merge_kernel", d)
         merge((rows,), (d,), (workspace.part_o, workspace.part_lse, np.int32(splits),

@@ -53,7 +53,8 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
     n, d = xa.shape
     if d != tables.dim:
         raise ValueError(f"x has dim {d}; the tables are for {tables.dim}")
-    if xa.dtype != np.float32 or xa.strides[1] != 4 or xa.strides[0] % 4:
+    if (xa.dtype != np.float32 or xa.strides[1] != 4 or xa.strides[0] % 16
+            or xa.data.ptr % 16):   # the kernel loads rows with 16-byte vector loads
         xa = cp.ascontiguousarray(xa, dtype=cp.float32)
     pg, _ = as_device(pages, "pages", ndim=2)
     if pg.dtype == np.uint8 and pg.shape[1] == tables.page_bytes:

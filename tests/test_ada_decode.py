@@ -88,8 +88,12 @@ def test_paged_vs_flat():
     assert flat.packed.indices.size <= scattered.packed.indices.size
     a = run_case(scattered, num_splits=1).get()
     b = run_case(flat, num_splits=3).get()
-    np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * float(np.abs(b).max()))
+    # Another page order changes the running maxima, so the fp16 roundings of p * s_V differ:
+    # the two agree to the kernel's own rounding scale, not to fp32 summation order.
+    diff = np.linalg.norm(a.astype(np.float64) - b, axis=-1)
+    assert float(np.max(diff / scattered.error_scale())) <= BOUND
     _check(flat, cp.asarray(b))
+    _check(scattered, cp.asarray(a))
 
 
 def test_noncontiguous_and_torch_inputs():

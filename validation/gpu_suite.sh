@@ -28,6 +28,12 @@ for stage in "$@"; do
     ncu)
       timeout 300 python3 validation/ncu_bytes.py --out "$OUT/ncu_bytes.json" --tiers 4/4,rdr-mix 2>&1 | tail -n 20
       rc=${PIPESTATUS[0]};;
+    profile)
+      timeout 200 ncu --clock-control none --kernel-name regex:ada_decode_kernel --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats \
+        python3 validation/ncu_bytes.py --child --tiers 4/4 > "$OUT/ncu_profile.txt" 2>&1
+      rc=$?; grep -E "Duration|Throughput|Warp Cycles|Stall|Occupancy|Issued|Eligible|Registers|Bank" "$OUT/ncu_profile.txt" | head -n 40;;
     bench-quick)
       timeout 200 python3 validation/decode_bench.py --out "$OUT/decode_quick.json" --reps 10 \
         --shapes ${QUICK_SHAPES:-8x32768,1x131072} --tiers 4/4,rdr-mix 2>&1 | tee "$OUT/bench_quick.log" | tail -n 30

@@ -16,6 +16,12 @@
 //     decodes states 2t, 2t+1, 2t+8, 2t+9 and coordinate groups g, g+8 (D = 128); the
 //     pair (2c, 2c+1) of a group fills rows g and g+8 of one m16 block. P' goes through a
 //     256-byte shared tile per warp to change from the C layout to the B layout.
+//   Pages stream through shared memory: each warp copies its next full page (cp.async, 16 B
+//   per lane, 8 per lane for 4 KiB) while it decodes the current one from its other buffer,
+//   so no global load sits on the dependent path (header -> codes -> logits -> scales ->
+//   values). A partly filled page (at most one per row and tier) is read in place from
+//   global memory instead, so no byte beyond its valid states is read. Look-up tables and
+//   page buffers live in dynamic shared memory (decode_smem_bytes).
 //   Online softmax per head in registers (base 2); the 4 warps' (m, l, O) merge through
 //   shared memory at the end. One split: the CTA applies Pi_V^T (Walsh–Hadamard in shared
 //   memory), adds mu_V and writes the output. Several splits: it writes (O / l, lse) to the
@@ -29,22 +35,36 @@ constexpr int DEC_WARPS = 4;
 constexpr int DEC_HEADS = 8;   // n of the mma tile: GQA groups up to 8 query heads
 
 template <int D>
-struct DecodeSmem {
-  PairLuts lut;
-  float buf[DEC_WARPS][DEC_HEADS][D];   // per-warp O for the merge; also the query staging
+struct DecodeSmem {   // static part; tables and page buffers are dynamic (see below)
   float m[DEC_WARPS][DEC_HEADS];
   float l[DEC_WARPS][DEC_HEADS];
   __half ptile[DEC_WARPS][DEC_HEADS][16];  // P' of the current tile, [head][state]
   float qfac[DEC_HEADS];   // logit factor per head: max|q'| (q' stored / max|q'| in fp16)
   float qmu[DEC_HEADS];    // q . mu_K per head (0 without centring)
   float lse[DEC_HEADS];    // combined log2-sum-exp per head
+  float kfac[DEC_HEADS];   // qfac * softmax scale * log2(e)
 };
+
+// Dynamic shared memory: [LUT_BYTES tables][region], region = max(2 page buffers per warp,
+// the per-warp output tiles of the final merge, which reuse it).
+__host__ __device__ constexpr int decode_region_bytes(int D, int page_bytes) {
+  return (DEC_WARPS * 2 * page_bytes > DEC_WARPS * DEC_HEADS * D * 4)
+             ? DEC_WARPS * 2 * page_bytes : DEC_WARPS * DEC_HEADS * D * 4;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 // Logit phase for one tile: s[0..3] = <q~[2t], c(st0)>, <q~[2t+1], c(st0)>, same for st1.
 template <int B, int D>
 __device__ __forceinline__ void tile_logits(const u32* kbase, int kwords, int st0, int st1,
                                             bool ok0, bool ok1, const u32 (&qf)[D / 16][2],
-                                            const PairLuts& lut, int t, float (&s)[4]) {
+                                            const Luts& lut, int t, float (&s)[4]) {
   const u32* r0 = kbase + (size_t)st0 * kwords;
   const u32* r1 = kbase + (size_t)st1 * kwords;
   Group<B> a[D / 32], b[D / 32];
@@ -69,7 +89,7 @@ __device__ __forceinline__ void tile_logits(const u32* kbase, int kwords, int st
 // Value phase for one tile: acc[mb] += V^T block mb . P'^T.
 template <int B, int D>
 __device__ __forceinline__ void tile_values(const u32* vbase, int vwords, int tile0, int count,
-                                            u32 pb0, u32 pb1, const PairLuts& lut, int g, int t,
+                                            u32 pb0, u32 pb1, const Luts& lut, int g, int t,
                                             float (&acc)[D / 16][4]) {
   constexpr int NG = D / 64;  // coordinate groups per lane per state
   int st[4] = {tile0 + 2 * t, tile0 + 2 * t + 1, tile0 + 2 * t + 8, tile0 + 2 * t + 9};
@@ -100,7 +120,7 @@ __device__ __forceinline__ void tile_values(const u32* vbase, int vwords, int ti
 template <int D>
 __device__ __forceinline__ void dispatch_logits(int bits, const u32* kbase, int kwords, int st0,
                                                 int st1, bool ok0, bool ok1,
-                                                const u32 (&qf)[D / 16][2], const PairLuts& lut,
+                                                const u32 (&qf)[D / 16][2], const Luts& lut,
                                                 int t, float (&s)[4]) {
   switch (bits) {
     case 1: tile_logits<1, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
@@ -114,7 +134,7 @@ __device__ __forceinline__ void dispatch_logits(int bits, const u32* kbase, int 
 
 template <int D>
 __device__ __forceinline__ void dispatch_values(int bits, const u32* vbase, int vwords, int tile0,
-                                                int count, u32 pb0, u32 pb1, const PairLuts& lut,
+                                                int count, u32 pb0, u32 pb1, const Luts& lut,
                                                 int g, int t, float (&acc)[D / 16][4]) {
   switch (bits) {
     case 1: tile_values<1, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
@@ -153,15 +173,17 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
                   float* __restrict__ out, float* __restrict__ part_o,
                   float* __restrict__ part_lse) {
   __shared__ DecodeSmem<D> sm;
+  extern __shared__ __align__(16) unsigned char dyn[];
+  float* region = reinterpret_cast<float*>(dyn + LUT_BYTES);   // queries, pages, merge
   const int split = blockIdx.x, row = blockIdx.y;
   const int b = row / num_kv_heads, kvh = row % num_kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
 
-  build_luts(sm.lut, levels, threadIdx.x, blockDim.x);
+  const Luts lut = build_luts(dyn, levels, threadIdx.x, blockDim.x);
 
   // ---- rotated query, once per head: q' = H(sigma_K * q) / D, kept as q'/max|q'| in fp16
-  float* qs = &sm.buf[0][0][0];
+  float* qs = region;
   const float* qrow = q + (long long)b * q_sb + (long long)(kvh * G) * q_sh;
   const float* sk = sigma_k + (size_t)kvh * D;
   for (int idx = threadIdx.x; idx < DEC_HEADS * D; idx += blockDim.x) {
@@ -174,16 +196,16 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
       const float* mk = mean_k + (size_t)row * D;
       for (int j = 0; j < D; ++j) mu += qrow[threadIdx.x * q_sh + j] * mk[j];
     }
-    sm.qmu[threadIdx.x] = mu;
+    sm.qmu[threadIdx.x] = mu * scale_log2;
   }
   block_fwht<D>(qs, DEC_HEADS);
-  if (warp == 0) {  // per-head max |q'|: 4 lanes per head
+  if (warp == 0) {
     for (int gg = 0; gg < DEC_HEADS; ++gg) {
       float mx = 0.0f;
       for (int j = lane; j < D; j += 32) mx = fmaxf(mx, fabsf(qs[gg * D + j]));
 #pragma unroll
       for (int m = 16; m >= 1; m >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
-      if (lane == 0) sm.qfac[gg] = mx / (float)D;
+      if (lane == 0) { sm.qfac[gg] = mx / (float)D; sm.kfac[gg] = mx / (float)D * scale_log2; }
     }
   }
   __syncthreads();
@@ -201,9 +223,8 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
       }
     }
   }
-  // logit = (s_K * qfac * <q~, C> + qmu) ; z = logit * scale_log2 (base-2 softmax)
   const int h0 = 2 * t, h1 = 2 * t + 1;
-  __syncthreads();  // qs (= buf) is reused by the merge below; qfac/qmu are read per tile
+  __syncthreads();  // the query staging area becomes page buffers
 
   float acc[D / 16][4];
 #pragma unroll
@@ -214,45 +235,68 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
   const int per = (n + num_splits - 1) / num_splits;
   const int pbeg = split * per, pend = min(n, pbeg + per);
   __half* pt = &sm.ptile[warp][0][0];
+  u32* bufs = reinterpret_cast<u32*>(region) + (size_t)warp * 2 * page_words;
+  const float top = sqrtf((float)D);   // 16-bit tier: logit = sqrt(D) <q', y>, no scale
 
-  for (int pi = pbeg + warp; pi < pend; pi += DEC_WARPS) {
-    const int page = indices[rbeg + pi];
-    const int tier = page_tier[page];          // page header first
-    const int count = page_count[page];
-    const int* gm = geom + tier * SKV_GEOM_STRIDE;
-    const u32* pg = pages + (size_t)page * page_words;
-    // Pull this warp's next page into L2 while this one is decoded (one 128-byte line per
-    // lane = 4 KiB); only full pages, so no byte outside the valid states is fetched.
-    if (pi + DEC_WARPS < pend) {
-      const int nxt = indices[rbeg + pi + DEC_WARPS];
-      const int* gn = geom + page_tier[nxt] * SKV_GEOM_STRIDE;
-      if (page_count[nxt] == __ldg(gn + G_P)) {
-        const char* np = reinterpret_cast<const char*>(pages + (size_t)nxt * page_words);
-        for (int off = lane * 128; off < page_words * 4; off += 32 * 128)
-          asm volatile("prefetch.global.L2 [%0];" :: "l"(np + off));
+  // Page header of the warp's first page; a full page starts streaming at once.
+  int pi = pbeg + warp;
+  int cur_page = 0, cur_tier = 0, cur_count = 0;
+  bool cur_full = false;
+  if (pi < pend) {
+    cur_page = indices[rbeg + pi];
+    cur_tier = page_tier[cur_page];
+    cur_count = page_count[cur_page];
+    cur_full = cur_count == __ldg(geom + cur_tier * SKV_GEOM_STRIDE + G_P);
+    if (cur_full) {
+      const char* src = reinterpret_cast<const char*>(pages + (size_t)cur_page * page_words);
+      char* dst = reinterpret_cast<char*>(bufs);
+      for (int c = lane; c < page_words / 4; c += 32) cp_async16(dst + 16 * c, src + 16 * c);
+    }
+  }
+  cp_async_commit();
+  int buf = 0;
+  for (; pi < pend; pi += DEC_WARPS) {
+    // header of the next page, and its copy into the other buffer
+    const int ni = pi + DEC_WARPS;
+    int nxt_page = 0, nxt_tier = 0, nxt_count = 0;
+    bool nxt_full = false;
+    if (ni < pend) {
+      nxt_page = indices[rbeg + ni];
+      nxt_tier = page_tier[nxt_page];
+      nxt_count = page_count[nxt_page];
+      nxt_full = nxt_count == __ldg(geom + nxt_tier * SKV_GEOM_STRIDE + G_P);
+      if (nxt_full) {
+        const char* src = reinterpret_cast<const char*>(pages + (size_t)nxt_page * page_words);
+        char* dst = reinterpret_cast<char*>(bufs + (buf ^ 1) * page_words);
+        for (int c = lane; c < page_words / 4; c += 32) cp_async16(dst + 16 * c, src + 16 * c);
       }
     }
-    // The 16-bit tier stores y itself: logit = sqrt(D) * <q', y>, no stored scale.
-    const float top = sqrtf((float)D);
+    cp_async_commit();
+    cp_async_wait1();   // this lane's copies of the current page are done
+    __syncwarp();       // ... and every other lane's
+
+    const u32* pg = cur_full ? bufs + buf * page_words : pages + (size_t)cur_page * page_words;
+    const int* gm = geom + cur_tier * SKV_GEOM_STRIDE;
+    const int count = cur_count;
+    const int kbits = __ldg(gm + G_KBITS), vbits = __ldg(gm + G_VBITS);
+    const int kwords = __ldg(gm + G_KWORDS), vwords = __ldg(gm + G_VWORDS);
+    const int voff = __ldg(gm + G_VOFF), ksoff = __ldg(gm + G_KSOFF), vsoff = __ldg(gm + G_VSOFF);
+    const __half* ksc = ksoff >= 0
+        ? reinterpret_cast<const __half*>(reinterpret_cast<const char*>(pg) + ksoff) : nullptr;
+    const __half* vsc = vsoff >= 0
+        ? reinterpret_cast<const __half*>(reinterpret_cast<const char*>(pg) + vsoff) : nullptr;
 
     for (int tile0 = 0; tile0 < count; tile0 += 16) {
       const int st0 = tile0 + g, st1 = tile0 + g + 8;
       const bool ok0 = st0 < count, ok1 = st1 < count;
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      dispatch_logits<D>(__ldg(gm + G_KBITS), pg, __ldg(gm + G_KWORDS), st0, st1, ok0, ok1, qf,
-                         sm.lut, t, s);
-      // Geometry re-read after the logit phase (L1 hits) to keep it out of its registers.
-      const int ksoff = __ldg(gm + G_KSOFF), vsoff = __ldg(gm + G_VSOFF);
-      const __half* ksc = ksoff >= 0
-          ? reinterpret_cast<const __half*>(reinterpret_cast<const char*>(pg) + ksoff) : nullptr;
-      const __half* vsc = vsoff >= 0
-          ? reinterpret_cast<const __half*>(reinterpret_cast<const char*>(pg) + vsoff) : nullptr;
+      dispatch_logits<D>(kbits, pg, kwords, st0, st1, ok0, ok1, qf, lut, t, s);
       const float sk0 = ok0 ? (ksc ? __half2float(ksc[st0]) : top) : 0.0f;
       const float sk1 = ok1 ? (ksc ? __half2float(ksc[st1]) : top) : 0.0f;
       const float sv0 = ok0 ? (vsc ? __half2float(vsc[st0]) : top) : 0.0f;
       const float sv1 = ok1 ? (vsc ? __half2float(vsc[st1]) : top) : 0.0f;
-      const float kf0 = sm.qfac[h0] * scale_log2, kf1 = sm.qfac[h1] * scale_log2;
-      const float mu0 = sm.qmu[h0] * scale_log2, mu1 = sm.qmu[h1] * scale_log2;
+      const float kf0 = sm.kfac[h0], kf1 = sm.kfac[h1];
+      const float mu0 = sm.qmu[h0], mu1 = sm.qmu[h1];
       float z0 = ok0 ? s[0] * sk0 * kf0 + mu0 : -SKV_INF;
       float z1 = ok0 ? s[1] * sk0 * kf1 + mu1 : -SKV_INF;
       float z2 = ok1 ? s[2] * sk1 * kf0 + mu0 : -SKV_INF;
@@ -282,9 +326,13 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
       __syncwarp();
       const u32 pb0 = *reinterpret_cast<const u32*>(pt + g * 16 + 2 * t);
       const u32 pb1 = *reinterpret_cast<const u32*>(pt + g * 16 + 2 * t + 8);
-      dispatch_values<D>(__ldg(gm + G_VBITS), pg + __ldg(gm + G_VOFF), __ldg(gm + G_VWORDS), tile0, count, pb0, pb1, sm.lut, g, t, acc);
+      dispatch_values<D>(vbits, pg + voff, vwords, tile0, count, pb0, pb1, lut, g, t, acc);
     }
+    __syncwarp();   // every lane is done with this buffer before it is refilled
+    buf ^= 1;
+    cur_page = nxt_page; cur_tier = nxt_tier; cur_count = nxt_count; cur_full = nxt_full;
   }
+  cp_async_wait0();
 
   // ---- merge the warps: l over the 8 lanes sharing t; then (m, l, O) through shared memory
 #pragma unroll
@@ -292,6 +340,8 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
     l0 += __shfl_xor_sync(0xffffffffu, l0, m);
     l1 += __shfl_xor_sync(0xffffffffu, l1, m);
   }
+  __syncthreads();   // all warps are done with their page buffers (the merge reuses them)
+  float* obuf = region;   // [DEC_WARPS][DEC_HEADS][D]
   if (g == 0) {
     sm.m[warp][h0] = m0; sm.m[warp][h1] = m1;
     sm.l[warp][h0] = l0; sm.l[warp][h1] = l1;
@@ -302,14 +352,15 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       int c = 8 * (g + 8 * j) + 2 * p;
-      sm.buf[warp][h0][c] = acc[4 * j + p][0];
-      sm.buf[warp][h1][c] = acc[4 * j + p][1];
-      sm.buf[warp][h0][c + 1] = acc[4 * j + p][2];
-      sm.buf[warp][h1][c + 1] = acc[4 * j + p][3];
+      float* o = obuf + (size_t)warp * DEC_HEADS * D;
+      o[h0 * D + c] = acc[4 * j + p][0];
+      o[h1 * D + c] = acc[4 * j + p][1];
+      o[h0 * D + c + 1] = acc[4 * j + p][2];
+      o[h1 * D + c + 1] = acc[4 * j + p][3];
     }
   }
   __syncthreads();
-  // Combined result (normalised) into buf[0][gg][:], lse into sm.lse[gg]. Each thread keeps
+  // Combined result (normalised) into obuf[0][gg][:], lse into sm.lse[gg]. Each thread keeps
   // its values in registers until every warp's partial O has been read.
   constexpr int PER = DEC_HEADS * D / (DEC_WARPS * 32);
   float val[PER];
@@ -328,7 +379,7 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
         for (int w = 0; w < DEC_WARPS; ++w) {
           const float wt = exp2f(sm.m[w][gg] - M);
           L += sm.l[w][gg] * wt;
-          O += sm.buf[w][gg][j] * wt;
+          O += obuf[((size_t)w * DEC_HEADS + gg) * D + j] * wt;
         }
       }
       val[k] = L > 0.0f ? O / L : 0.0f;
@@ -337,15 +388,14 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
   }
   __syncthreads();
 #pragma unroll
-  for (int k = 0; k < PER; ++k) (&sm.buf[0][0][0])[threadIdx.x + k * DEC_WARPS * 32] = val[k];
+  for (int k = 0; k < PER; ++k) obuf[threadIdx.x + k * DEC_WARPS * 32] = val[k];
   __syncthreads();
-  float* res = &sm.buf[0][0][0];
   if (num_splits == 1) {
-    finish_heads<D>(res, G, sigma_v + (size_t)kvh * D, mean_v ? mean_v + (size_t)row * D : nullptr,
+    finish_heads<D>(obuf, G, sigma_v + (size_t)kvh * D, mean_v ? mean_v + (size_t)row * D : nullptr,
                     out + (long long)row * G * D, D);
   } else {
     const size_t base = ((size_t)split * gridDim.y + row) * G;
-    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) part_o[base * D + idx] = res[idx];
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) part_o[base * D + idx] = obuf[idx];
     if (threadIdx.x < G) part_lse[base + threadIdx.x] = sm.lse[threadIdx.x];
   }
 }

@@ -25,10 +25,36 @@ encode_kernel(const float* __restrict__ x, long long x_row_stride, int n,
               const double* __restrict__ levels, const double* __restrict__ mids,
               int* __restrict__ status) {
   constexpr int V = D / 32;
+  // levels and cell midpoints of every bit width, in shared memory (20 KiB)
+  __shared__ double s_lev[5 * 256], s_mid[5 * 256];
+  for (int k = threadIdx.x; k < 5 * 256; k += blockDim.x) { s_lev[k] = levels[k]; s_mid[k] = mids[k]; }
+  __syncthreads();
   const int lane = threadIdx.x & 31;
   const int warps = (gridDim.x * blockDim.x) >> 5;
   for (int i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < n; i += warps) {
+    // Independent loads first (x row, signs, mean, destination), then the page header.
+    const float* xi = x + (long long)i * x_row_stride;
+    const float* sg = sigma + (size_t)head[i] * D;
+    const float* mu = mean ? mean + (size_t)mean_index[i] * D : nullptr;
     const int page = dst_page[i], slot = dst_slot[i];
+    float xv[V];   // x rows are 16-byte aligned (the launcher checks)
+    if (V == 4) {
+      const float4 f = *reinterpret_cast<const float4*>(xi + lane * V);
+      xv[0] = f.x; xv[1] = f.y; xv[2 % V] = f.z; xv[3 % V] = f.w;
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) xv[k] = xi[lane * V + k];
+    }
+    double y[V];
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int j = lane * V + k;
+      const float v = xv[k];
+      bad |= !isfinite(v);
+      double c = (double)v - (mu ? (double)mu[j] : 0.0);
+      y[k] = c * (double)sg[j];
+    }
     const int tier = page_tier[page];
     if (tier < 1 || tier > num_tiers) {
       if (lane == 0) atomicOr(status, ST_BAD_TIER);
@@ -38,19 +64,6 @@ encode_kernel(const float* __restrict__ x, long long x_row_stride, int n,
     if (slot < 0 || slot >= gm[G_P]) {
       if (lane == 0) atomicOr(status, ST_BAD_SLOT);
       continue;
-    }
-    const float* xi = x + (long long)i * x_row_stride;
-    const float* sg = sigma + (size_t)head[i] * D;
-    const float* mu = mean ? mean + (size_t)mean_index[i] * D : nullptr;
-    double y[V];
-    bool bad = false;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const int j = lane * V + k;
-      const float v = xi[j];
-      bad |= !isfinite(v);
-      double c = (double)v - (mu ? (double)mu[j] : 0.0);
-      y[k] = c * (double)sg[j];
     }
     if (__any_sync(0xffffffffu, bad)) {
       if (lane == 0) atomicOr(status, ST_NONFINITE);
@@ -68,7 +81,7 @@ encode_kernel(const float* __restrict__ x, long long x_row_stride, int n,
     __half* sc = soff >= 0 ? reinterpret_cast<__half*>(reinterpret_cast<char*>(pg) + soff) + slot
                            : nullptr;
     const int lr = bits == 16 ? 0 : level_row(bits);
-    const int st = warp_encode<D>(y, bits, levels + lr * 256, mids + lr * 256, codes, sc, lane);
+    const int st = warp_encode<D>(y, bits, s_lev + lr * 256, s_mid + lr * 256, codes, sc, lane);
     if (st && lane == 0) atomicOr(status, st);
   }
 }

@@ -57,89 +57,115 @@ __device__ __forceinline__ int level_row(int bits) {
 //           the low fields and the bit plane are stored apart, docs/format.md)
 //   4 bits: i = c0 | c1 << 4 (one byte of the packed words)
 //   8 bits: single-level table of 256 halves.
-struct PairLuts {
-  __half2 l1[4];
-  __half2 l2[16];
-  __half2 l3[64];
-  __half2 l4[256];
-  __half l8[256];
+// Look-ups land on random entries, so a single shared copy costs ~3.5 bank conflicts per
+// warp access. The 1-, 2- and 4-bit tables are therefore replicated once per lane, entry i
+// of lane l at word 32*i + l (bank l: conflict-free); the 3-bit table 8 times (word
+// 8*i + l%8); the 8-bit table is shared. 37 KiB of shared memory in all (LUT_BYTES).
+constexpr int LUT4_WORDS = 256 * 32, LUT2_WORDS = 16 * 32, LUT1_WORDS = 4 * 32, LUT3_WORDS = 64 * 8;
+constexpr int LUT_BYTES = 4 * (LUT4_WORDS + LUT2_WORDS + LUT1_WORDS + LUT3_WORDS) + 2 * 256;
+
+struct Luts {
+  const __half2* l4;
+  const __half2* l2;
+  const __half2* l1;
+  const __half2* l3;
+  const __half* l8;
+  int lane;
 };
 
-__device__ __forceinline__ void build_luts(PairLuts& lut, const float* __restrict__ levels,
+// Builds the tables at `base` (LUT_BYTES of shared memory) and returns the lane's view.
+__device__ __forceinline__ Luts build_luts(unsigned char* base, const float* __restrict__ levels,
                                            int tid, int nthreads) {
-  for (int i = tid; i < 256; i += nthreads) {
-    const float* L4 = levels + 3 * 256;
-    lut.l4[i] = __floats2half2_rn(L4[i & 15], L4[i >> 4]);
-    lut.l8[i] = __float2half_rn(levels[4 * 256 + i]);
-    if (i < 64) {
-      const float* L3 = levels + 2 * 256;
-      int c0 = (i & 3) | (((i >> 4) & 1) << 2);
-      int c1 = ((i >> 2) & 3) | (((i >> 5) & 1) << 2);
-      lut.l3[i] = __floats2half2_rn(L3[c0], L3[c1]);
-    }
-    if (i < 16) {
-      const float* L2 = levels + 1 * 256;
-      lut.l2[i] = __floats2half2_rn(L2[i & 3], L2[i >> 2]);
-    }
-    if (i < 4) lut.l1[i] = __floats2half2_rn(levels[i & 1], levels[i >> 1]);
+  __half2* l4 = reinterpret_cast<__half2*>(base);
+  __half2* l2 = l4 + LUT4_WORDS;
+  __half2* l1 = l2 + LUT2_WORDS;
+  __half2* l3 = l1 + LUT1_WORDS;
+  __half* l8 = reinterpret_cast<__half*>(l3 + LUT3_WORDS);
+  const float* L1 = levels;
+  const float* L2 = levels + 256;
+  const float* L3 = levels + 2 * 256;
+  const float* L4 = levels + 3 * 256;
+  for (int w = tid; w < LUT4_WORDS; w += nthreads) {
+    int i = w >> 5;
+    l4[w] = __floats2half2_rn(L4[i & 15], L4[i >> 4]);
   }
+  for (int w = tid; w < LUT2_WORDS; w += nthreads) {
+    int i = w >> 5;
+    l2[w] = __floats2half2_rn(L2[i & 3], L2[i >> 2]);
+  }
+  for (int w = tid; w < LUT1_WORDS; w += nthreads) {
+    int i = w >> 5;
+    l1[w] = __floats2half2_rn(L1[i & 1], L1[i >> 1]);
+  }
+  for (int w = tid; w < LUT3_WORDS; w += nthreads) {
+    int i = w >> 3;
+    int c0 = (i & 3) | (((i >> 4) & 1) << 2);
+    int c1 = ((i >> 2) & 3) | (((i >> 5) & 1) << 2);
+    l3[w] = __floats2half2_rn(L3[c0], L3[c1]);
+  }
+  for (int i = tid; i < 256; i += nthreads) l8[i] = __float2half_rn(levels[4 * 256 + i]);
+  Luts v;
+  v.l4 = l4; v.l2 = l2; v.l1 = l1; v.l3 = l3; v.l8 = l8;
+  v.lane = tid & 31;
+  return v;
 }
 
 // Raw bits of one group (8 coordinates) of a vector's codes. `row` points at the vector's
-// first code word; `grp` is the group index (0 .. D/8-1).
+// first code word (shared or global memory: plain loads); `grp` is the group index
+// (0 .. D/8-1).
 template <int B>
 struct Group;
 
 template <> struct Group<1> {
   u32 bits;  // 8 one-bit codes in the low byte
   __device__ __forceinline__ void load(const u32* row, int grp, int) {
-    bits = (__ldg(row + (grp >> 2)) >> ((grp & 3) * 8)) & 0xffu;
+    bits = (row[grp >> 2] >> ((grp & 3) * 8)) & 0xffu;
   }
   __device__ __forceinline__ void zero() { bits = 0; }
-  __device__ __forceinline__ __half2 pair(const PairLuts& lut, int p) const {
-    return lut.l1[(bits >> (2 * p)) & 3u];
+  __device__ __forceinline__ __half2 pair(const Luts& lut, int p) const {
+    return lut.l1[(((bits >> (2 * p)) & 3u) << 5) + lut.lane];
   }
 };
 template <> struct Group<2> {
   u32 bits;  // 8 two-bit codes in the low 16 bits
   __device__ __forceinline__ void load(const u32* row, int grp, int) {
-    bits = (__ldg(row + (grp >> 1)) >> ((grp & 1) * 16)) & 0xffffu;
+    bits = (row[grp >> 1] >> ((grp & 1) * 16)) & 0xffffu;
   }
   __device__ __forceinline__ void zero() { bits = 0; }
-  __device__ __forceinline__ __half2 pair(const PairLuts& lut, int p) const {
-    return lut.l2[(bits >> (4 * p)) & 15u];
+  __device__ __forceinline__ __half2 pair(const Luts& lut, int p) const {
+    return lut.l2[(((bits >> (4 * p)) & 15u) << 5) + lut.lane];
   }
 };
 template <> struct Group<3> {
   u32 bits;  // low 2-bit fields in bits 0..15, the bit-2 plane in bits 16..23
   // plane_word: word offset of the 1-bit plane = ceil(2D/32)
   __device__ __forceinline__ void load(const u32* row, int grp, int plane_word) {
-    u32 lo = (__ldg(row + (grp >> 1)) >> ((grp & 1) * 16)) & 0xffffu;
-    u32 hi = (__ldg(row + plane_word + (grp >> 2)) >> ((grp & 3) * 8)) & 0xffu;
+    u32 lo = (row[grp >> 1] >> ((grp & 1) * 16)) & 0xffffu;
+    u32 hi = (row[plane_word + (grp >> 2)] >> ((grp & 3) * 8)) & 0xffu;
     bits = lo | (hi << 16);
   }
   __device__ __forceinline__ void zero() { bits = 0; }
-  __device__ __forceinline__ __half2 pair(const PairLuts& lut, int p) const {
+  __device__ __forceinline__ __half2 pair(const Luts& lut, int p) const {
     u32 i = ((bits >> (4 * p)) & 15u) | (((bits >> (16 + 2 * p)) & 3u) << 4);
-    return lut.l3[i];
+    return lut.l3[(i << 3) + (lut.lane & 7)];
   }
 };
 template <> struct Group<4> {
   u32 bits;  // one word: nibble j = coordinate j of the group
-  __device__ __forceinline__ void load(const u32* row, int grp, int) { bits = __ldg(row + grp); }
+  __device__ __forceinline__ void load(const u32* row, int grp, int) { bits = row[grp]; }
   __device__ __forceinline__ void zero() { bits = 0; }
-  __device__ __forceinline__ __half2 pair(const PairLuts& lut, int p) const {
-    return lut.l4[(bits >> (8 * p)) & 0xffu];
+  __device__ __forceinline__ __half2 pair(const Luts& lut, int p) const {
+    return lut.l4[(((bits >> (8 * p)) & 0xffu) << 5) + lut.lane];
   }
 };
 template <> struct Group<8> {
   u32 w0, w1;  // two words, one byte per coordinate
   __device__ __forceinline__ void load(const u32* row, int grp, int) {
-    uint2 v = __ldg(reinterpret_cast<const uint2*>(row + 2 * grp));
+    uint2 v = *reinterpret_cast<const uint2*>(row + 2 * grp);
     w0 = v.x; w1 = v.y;
   }
   __device__ __forceinline__ void zero() { w0 = w1 = 0; }
-  __device__ __forceinline__ __half2 pair(const PairLuts& lut, int p) const {
+  __device__ __forceinline__ __half2 pair(const Luts& lut, int p) const {
     u32 w = p < 2 ? w0 : w1;
     int s = (p & 1) * 16;
     return __halves2half2(lut.l8[(w >> s) & 0xffu], lut.l8[(w >> (s + 8)) & 0xffu]);
@@ -148,12 +174,12 @@ template <> struct Group<8> {
 template <> struct Group<16> {
   u32 w[4];  // fp16 values, coordinate 2p in the low half of word p
   __device__ __forceinline__ void load(const u32* row, int grp, int) {
-    uint2 a = __ldg(reinterpret_cast<const uint2*>(row + 4 * grp));
-    uint2 b = __ldg(reinterpret_cast<const uint2*>(row + 4 * grp + 2));
+    uint2 a = *reinterpret_cast<const uint2*>(row + 4 * grp);
+    uint2 b = *reinterpret_cast<const uint2*>(row + 4 * grp + 2);
     w[0] = a.x; w[1] = a.y; w[2] = b.x; w[3] = b.y;
   }
   __device__ __forceinline__ void zero() { w[0] = w[1] = w[2] = w[3] = 0; }
-  __device__ __forceinline__ __half2 pair(const PairLuts&, int p) const {
+  __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
     u32 v = w[p];
     return *reinterpret_cast<const __half2*>(&v);
   }
@@ -270,17 +296,24 @@ __device__ int warp_encode(const double (&y)[D / 32], int bits, const double* le
   int code[V];
   int nmid = (1 << bits) - 1;
   double c2 = 0.0;
+  const double tscale = r > 0.0 ? sqrt((double)D) / r : 0.0;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     int c = 0;
     if (r > 0.0) {
-      double t = y[i] / r * sqrt((double)D);
-      int lo = 0, hi = nmid;  // first midpoint >= t  (a tie goes to the lower code)
-      while (lo < hi) {
-        int m = (lo + hi) >> 1;
-        if (t > mid[m]) lo = m + 1; else hi = m;
+      // t = sqrt(D) * y / r, within an ulp of the reference's sqrt(d) * (y / r)
+      const double t = y[i] * tscale;
+      if (bits <= 4) {  // count the midpoints below t (a tie goes to the lower code)
+#pragma unroll
+        for (int m = 0; m < 15; ++m) c += (m < nmid && t > mid[m]) ? 1 : 0;
+      } else {
+        int lo = 0, hi = nmid;
+        while (lo < hi) {
+          int m = (lo + hi) >> 1;
+          if (t > mid[m]) lo = m + 1; else hi = m;
+        }
+        c = lo;
       }
-      c = lo;
     }
     code[i] = c;
     c2 += lev[c] * lev[c];
