@@ -12,3 +12,4 @@ __all__ = ["Encoded", "SphericalCodec", "TierLadder", "attention", "dense_attent
 __version__ = "0.1.0"
 from .cache import SphericalKVCache
 from . import paged
+from . import rdr

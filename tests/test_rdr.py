@@ -1,0 +1,365 @@
+"""RDR (DESIGN §5, §7): surrogate, exact and fast solvers, certificate, statistics, masks."""
+import numpy as np
+import pytest
+from hypothesis import given
+from scipy.optimize import linprog
+
+from spherical_kv_ref import rdr, retention_stats as rs
+from strategies_rdr import tiny_problems
+
+REL = 1e-9
+
+
+# ---------------------------------------------------------------- independent references
+
+def paged_bytes(p, tier):
+    """Bytes of an allocation, computed here from the definition (docs/rdr.md §2)."""
+    total = 0
+    for g in np.unique(p.group):
+        for t in range(1, p.num_options):
+            count = int(np.sum((p.group == g) & (tier == t)))
+            if p.page_bytes is None:
+                total += count * int(p.cost[t])
+            elif count:
+                per = p.page_bytes // int(p.cost[t])
+                total += -(-count // per) * p.page_bytes
+    return total
+
+
+def brute_force(p):
+    """Optimum over every assignment of the free states (chunked enumeration)."""
+    n, k = p.distortion.shape
+    free = np.flatnonzero(~p.protected)
+    fixed = float(p.distortion[p.protected, k - 1].sum())
+    labels = np.unique(p.group)
+    gi = np.searchsorted(labels, p.group)
+    prot_counts = np.zeros((labels.size, k))
+    np.add.at(prot_counts[:, k - 1], gi[p.protected], 1)
+    best = np.inf
+    total = k ** free.size
+    for lo in range(0, total, 1 << 17):
+        code = np.arange(lo, min(total, lo + (1 << 17)))
+        obj = np.full(code.size, fixed)
+        counts = np.broadcast_to(prot_counts.ravel(), (code.size, prot_counts.size)).copy()
+        for j, i in enumerate(free):
+            t = (code // k ** j) % k
+            obj += p.distortion[i, t]
+            counts[np.arange(code.size), gi[i] * k + t] += 1
+        counts = counts.reshape(code.size, labels.size, k)[:, :, 1:]
+        if p.page_bytes is None:
+            used = (counts * p.cost[1:]).sum(axis=(1, 2))
+        else:
+            per = p.page_bytes // p.cost[1:]
+            used = (np.ceil(counts / per) * p.page_bytes).sum(axis=(1, 2))
+        ok = used <= p.budget_bytes
+        if ok.any():
+            best = min(best, obj[ok].min())
+    return best
+
+
+def lp_relaxation(p):
+    """Optimum of the LP relaxation of the paged model, by a dense linprog formulation."""
+    n, k = p.distortion.shape
+    free = np.flatnonzero(~p.protected)
+    fixed = float(p.distortion[p.protected, k - 1].sum())
+    if free.size == 0:
+        return fixed
+    eff = np.array([0.0] + [p.page_bytes / (p.page_bytes // c) if p.page_bytes else float(c)
+                            for c in p.cost[1:]])
+    c = p.distortion[free].ravel()
+    a_eq = np.kron(np.eye(free.size), np.ones(k))
+    a_ub = np.tile(eff, free.size)[None, :]
+    b_ub = [p.budget_bytes - p.protected.sum() * eff[-1]]
+    res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=np.ones(free.size),
+                  bounds=(0, 1), method="highs")
+    assert res.status == 0
+    return fixed + res.fun
+
+
+def close(a, b, scale):
+    return abs(a - b) <= REL * max(1.0, abs(scale))
+
+
+# ---------------------------------------------------------------- tiny instances
+
+@given(tiny_problems())
+def test_milp_equals_brute_force(p):
+    best = brute_force(p)
+    alloc = rdr.solve(p, method="milp")
+    assert close(alloc.objective, best, best)
+    assert alloc.optimal
+    assert alloc.bytes == paged_bytes(p, alloc.tier) <= p.budget_bytes
+    assert np.all(alloc.tier[p.protected] == p.num_options - 1)
+
+
+@given(tiny_problems())
+def test_fast_feasible_bounded_and_gap_true(p):
+    best = brute_force(p)
+    alloc = rdr.solve(p, method="fast")
+    tier = alloc.tier
+    assert tier.shape == (p.n,) and tier.min() >= 0 and tier.max() < p.num_options
+    assert np.all(tier[p.protected] == p.num_options - 1)
+    assert alloc.bytes == paged_bytes(p, tier) <= p.budget_bytes
+    objective = p.distortion[np.arange(p.n), tier].sum()
+    assert close(alloc.objective, objective, objective)
+    # the certificate: a true lower bound, the LP of the paged model, and an honest gap
+    assert alloc.lower_bound <= best + REL * max(1.0, best)
+    assert alloc.objective >= alloc.lower_bound
+    assert close(alloc.lower_bound, lp_relaxation(p), best)
+    expected_gap = (objective - alloc.lower_bound) / objective if objective > 0 else 0.0
+    assert abs(alloc.gap - expected_gap) <= 1e-12
+    assert alloc.objective >= best - REL * max(1.0, best)
+
+
+@given(tiny_problems(paged=False))
+def test_fast_without_pages_is_greedy_optimal_when_lp_is_integral(p):
+    # with no pages, fast's answer is within one segment of the LP optimum: the gap it
+    # reports is bounded by the largest single distortion saving of one state
+    alloc = rdr.solve(p, method="fast")
+    d = p.distortion[~p.protected]
+    biggest = float((d[:, :1] - d.min(axis=1, keepdims=True)).max()) if d.size else 0.0
+    assert alloc.objective - alloc.lower_bound <= biggest + REL * max(1.0, alloc.objective)
+
+
+# ---------------------------------------------------------------- random instances
+
+def random_problem(seed, n=40, groups=3, page_bytes=64, budget=None):
+    rng = np.random.default_rng(seed)
+    d = np.sort(rng.exponential(1.0, (n, 5)), axis=1)[:, ::-1] * rng.exponential(1.0, (n, 1))
+    cost = np.array([0, 6, 9, 13, 20])
+    protected = rng.random(n) < 0.1
+    group = rng.integers(0, groups, n)
+    b = int(budget if budget is not None else rng.integers(100, 400))
+    return rdr.Problem(d, cost, group, protected, b, page_bytes)
+
+
+@pytest.mark.parametrize("page_bytes", [None, 64])
+@pytest.mark.parametrize("seed", range(3))
+def test_more_budget_never_more_distortion(seed, page_bytes):
+    base = random_problem(seed, page_bytes=page_bytes, budget=10**6)
+    start = base.protected_bytes
+    prev_milp = prev_lb = np.inf
+    for budget in np.linspace(start, start + 500, 8).astype(int):
+        p = rdr.Problem(base.distortion, base.cost, base.group, base.protected, budget, page_bytes)
+        exact = rdr.solve(p, method="milp")
+        fast = rdr.solve(p, method="fast")
+        assert exact.bytes <= budget and fast.bytes <= budget
+        assert exact.objective <= prev_milp * (1 + REL) + REL
+        assert fast.lower_bound <= prev_lb * (1 + REL) + REL
+        assert fast.lower_bound <= exact.objective * (1 + REL) + REL <= fast.objective * (1 + 2 * REL) + 2 * REL
+        prev_milp, prev_lb = exact.objective, fast.lower_bound
+
+
+def test_fast_close_to_milp_on_synthetic_case():
+    p = rdr.synthetic_problem(1000, num_groups=1)
+    fast, exact = rdr.solve(p, "fast"), rdr.solve(p, "milp", mip_rel_gap=1e-7)
+    assert fast.bytes <= p.budget_bytes and exact.bytes <= p.budget_bytes
+    assert exact.objective <= fast.objective * (1 + 1e-7)
+    assert (fast.objective - exact.objective) / exact.objective < 1e-3
+    assert fast.lower_bound <= exact.objective * (1 + 1e-9)
+
+
+def test_deterministic():
+    p = rdr.synthetic_problem(3000, num_groups=4)
+    a, b = rdr.solve(p), rdr.solve(p)
+    assert np.array_equal(a.tier, b.tier) and a.objective == b.objective
+
+
+# ---------------------------------------------------------------- edges and errors
+
+def test_protected_over_budget_names_bytes():
+    d = np.ones((10, 3))
+    cost = np.array([0, 10, 30])
+    prot = np.zeros(10, bool)
+    prot[:4] = True
+    with pytest.raises(ValueError, match=r"need 120 bytes"):
+        rdr.Problem(d, cost, np.zeros(10, int), prot, 119, None)
+    # with pages of 64 bytes, 2 top-tier states per page: 4 protected = 2 pages = 128 bytes
+    with pytest.raises(ValueError, match=r"need 128 bytes"):
+        rdr.Problem(d, cost, np.zeros(10, int), prot, 127, 64)
+    assert rdr.Problem(d, cost, np.zeros(10, int), prot, 128, 64).protected_bytes == 128
+
+
+@pytest.mark.parametrize("method", ["fast", "milp"])
+def test_empty_problem_and_zero_budget(method):
+    empty = rdr.Problem(np.zeros((0, 3)), [0, 4, 8], np.zeros(0, int), np.zeros(0, bool), 100)
+    a = rdr.solve(empty, method=method)
+    assert a.tier.shape == (0,) and a.objective == 0 and a.bytes == 0 and a.gap == 0
+    d = np.arange(12.0).reshape(4, 3)
+    zero = rdr.Problem(d, [0, 4, 8], np.zeros(4, int), np.zeros(4, bool), 0, 16)
+    a = rdr.solve(zero, method=method)
+    assert np.all(a.tier == 0) and a.bytes == 0 and a.objective == d[:, 0].sum()
+    assert a.gap == 0
+
+
+def test_bad_input_errors():
+    d = np.ones((3, 3))
+    g = np.zeros(3, int)
+    pr = np.zeros(3, bool)
+    bad = d.copy()
+    bad[1, 2] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        rdr.Problem(bad, [0, 1, 2], g, pr, 10)
+    with pytest.raises(ValueError, match="non-negative"):
+        rdr.Problem(-d, [0, 1, 2], g, pr, 10)
+    with pytest.raises(ValueError, match="cost"):
+        rdr.Problem(d, [1, 1, 2], g, pr, 10)
+    with pytest.raises(ValueError, match="cost"):
+        rdr.Problem(d, [0, 1.5, 2], g, pr, 10)
+    with pytest.raises(ValueError, match="cost must have"):
+        rdr.Problem(d, [0, 1], g, pr, 10)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        rdr.Problem(d, [0, 1, 2], g, pr, -1)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        rdr.Problem(d, [0, 1, 2], g, pr, float("nan"))
+    with pytest.raises(ValueError, match="page_bytes"):
+        rdr.Problem(d, [0, 1, 20], g, pr, 100, page_bytes=16)
+    with pytest.raises(ValueError, match="group"):
+        rdr.Problem(d, [0, 1, 2], np.zeros(2, int), pr, 10)
+    with pytest.raises(ValueError, match="protected"):
+        rdr.Problem(d, [0, 1, 2], g, np.zeros(3, int), 10)
+    p = rdr.Problem(d, [0, 1, 2], g, pr, 10)
+    with pytest.raises(ValueError, match="method"):
+        rdr.solve(p, method="greedy")
+    with pytest.raises(ValueError, match="milp options"):
+        rdr.solve(p, method="milp", threads=4)
+
+
+# ---------------------------------------------------------------- surrogate
+
+def _attention(logits, v):
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    return p, p @ v
+
+
+def test_surrogate_formula_and_first_order_logit_effect():
+    rng = np.random.default_rng(3)
+    n, dim = 12, 16
+    v = rng.standard_normal((n, dim))
+    logits = rng.standard_normal(n)
+    p, o = _attention(logits, v)
+    res = np.linalg.norm(v - o, axis=1)
+    # a logit error δ on state i moves the output by p_i (v_i − o) δ to first order
+    i, delta = 5, 1e-5
+    bumped = logits.copy()
+    bumped[i] += delta
+    _, o2 = _attention(bumped, v)
+    assert np.allclose(o2 - o, p[i] * (v[i] - o) * delta, rtol=1e-4, atol=1e-14)
+    # evicting state i moves it by p_i (o − v_i) / (1 − p_i) exactly; D(evict) is its leading term
+    keep = np.arange(n) != i
+    _, o3 = _attention(logits[keep], v[keep])
+    assert np.allclose(o3 - o, p[i] * (o - v[i]) / (1 - p[i]))
+    ek, ev = np.array([0.12, 0.01]), np.array([0.3, 0.02])
+    q2, r = 4.0, rng.uniform(1, 2, n)
+    vn = np.linalg.norm(v, axis=1)
+    d = rdr.distortion(p, q2, r, vn, res, ek, ev, dim)
+    assert d.shape == (n, 3)
+    assert np.allclose(d[:, 0], p**2 * res**2)
+    s2 = 1.0 / dim
+    want = p[:, None]**2 * (s2 * q2 * r[:, None]**2 * ek / dim * res[:, None]**2
+                            + vn[:, None]**2 * ev)
+    assert np.allclose(d[:, 1:], want)
+    # softmax_scale = 1 is DESIGN §5's formula verbatim
+    d1 = rdr.distortion(p, q2, r, vn, res, ek, ev, dim, softmax_scale=1.0)
+    assert np.allclose(d1[:, 1:] - p[:, None]**2 * vn[:, None]**2 * ev,
+                       p[:, None]**2 * q2 * r[:, None]**2 * ek / dim * res[:, None]**2)
+
+
+def test_surrogate_matches_expected_error_of_random_key_perturbation():
+    # E‖Δo‖² over random key errors of squared norm r²ε² in a uniform direction equals the
+    # surrogate's key term to first order (the value term is checked by the formula test)
+    rng = np.random.default_rng(7)
+    n, dim, trials = 8, 32, 4000
+    k = rng.standard_normal((n, dim))
+    v = rng.standard_normal((n, dim))
+    q = rng.standard_normal(dim)
+    s = 1 / np.sqrt(dim)
+    p, o = _attention(s * k @ q, v)
+    eps2, i = 1e-6, 2
+    r = np.linalg.norm(k[i])
+    u = rng.standard_normal((trials, dim))
+    u *= (r * np.sqrt(eps2)) / np.linalg.norm(u, axis=1, keepdims=True)
+    err = []
+    for e in u:
+        kk = k.copy()
+        kk[i] += e
+        err.append(np.sum((_attention(s * kk @ q, v)[1] - o) ** 2))
+    res = np.linalg.norm(v[i] - o)
+    d = rdr.distortion(p[i], q @ q, r, 0.0, res, [eps2], [0.0], dim)
+    assert d[0, 1] == pytest.approx(np.mean(err), rel=0.1)
+
+
+def test_surrogate_rejects_nan_statistics():
+    with pytest.raises(ValueError, match="key_radius"):
+        rdr.distortion([0.5, 0.5], 1.0, [1.0, np.nan], [1, 1], [1, 1], [0.1], [0.1], 8)
+    with pytest.raises(ValueError, match="attn_prob"):
+        rdr.distortion([0.5, -0.5], 1.0, [1.0, 1], [1, 1], [1, 1], [0.1], [0.1], 8)
+    with pytest.raises(ValueError, match="entries"):
+        rdr.distortion([0.5, 0.5], 1.0, [1.0, 1, 1], [1, 1], [1, 1], [0.1], [0.1], 8)
+
+
+def test_tier_error_constants():
+    ek, ev = rdr.tier_error_constants([(4, 2), (16, 16)], 128, error={2: 0.12, 4: 0.01, 16: 0.0})
+    assert np.array_equal(ek, [0.01, 0.0]) and np.array_equal(ev, [0.12, 0.0])
+    ek, ev = rdr.tier_error_constants([(3, 3)], 64, error=lambda b, d: b / d)
+    assert ek[0] == ev[0] == 3 / 64
+    with pytest.raises(ValueError, match="no error constant"):
+        rdr.tier_error_constants([(3, 3)], 64, error={2: 0.1})
+
+
+# ---------------------------------------------------------------- statistics and masks
+
+def test_window_attention_causal_gqa_average():
+    rng = np.random.default_rng(1)
+    hk, g, w, n, dim = 2, 3, 4, 9, 8
+    q = rng.standard_normal((hk * g, w, dim))
+    k = rng.standard_normal((hk, n, dim))
+    p, q_sq = rs.window_attention(q, k)
+    assert p.shape == (hk, n)
+    assert np.allclose(p.sum(axis=1), 1.0)
+    for h in range(hk):
+        acc = np.zeros(n)
+        for head in range(h * g, (h + 1) * g):
+            for j in range(w):
+                seen = n - w + j + 1
+                a, _ = _attention(q[head, j] @ k[h, :seen].T / np.sqrt(dim), np.eye(seen))
+                acc[:seen] += a
+        assert np.allclose(p[h], acc / (g * w))
+        assert np.isclose(q_sq[h], np.mean(np.sum(q[h * g:(h + 1) * g] ** 2, axis=-1)))
+    with pytest.raises(ValueError, match="multiple"):
+        rs.window_attention(q[:5], k)
+
+
+def test_accumulator_averages_over_steps_seen():
+    acc = rs.AttentionAccumulator(num_q_heads=2, num_kv_heads=1)
+    acc.update(np.array([[0.5, 0.5], [0.7, 0.3]]))
+    acc.update(np.array([[0.2, 0.2, 0.6], [0.4, 0.2, 0.4]]))
+    want = np.array([[(0.6 + 0.3) / 2, (0.4 + 0.2) / 2, 0.5]])
+    assert np.allclose(acc.mean(), want)
+    with pytest.raises(ValueError, match="fewer"):
+        acc.update(np.ones((2, 2)))
+
+
+def test_output_statistics():
+    v = np.array([[[1.0, 0.0], [0.0, 1.0]]])
+    vn, res = rs.output_statistics(np.array([[3.0, 1.0]]), v)
+    assert np.allclose(vn, 1.0)
+    o = np.array([0.75, 0.25])
+    assert np.allclose(res, np.linalg.norm(v[0] - o, axis=1))
+
+
+def test_masks():
+    assert rs.sink_mask(5, 2).tolist() == [True, True, False, False, False]
+    assert rs.recent_mask(5, 2).tolist() == [False, False, False, True, True]
+    assert not rs.recent_mask(5, 0).any() and rs.recent_mask(3, 10).all()
+    assert rs.span_mask(6, [(1, 2), (4, 6)]).tolist() == [False, True, False, False, True, True]
+    with pytest.raises(ValueError, match="span"):
+        rs.span_mask(4, [(2, 5)])
+    r = np.ones((2, 50))
+    r[1, 7] = 30.0
+    vn = np.linspace(1, 2, 50)[None, :].repeat(2, axis=0)
+    m = rs.outlier_mask(r, vn)
+    assert m.shape == (2, 50) and m.sum() == 1 and m[1, 7]
+    combined = rs.sink_mask(50, 4) | rs.recent_mask(50, 8) | m
+    assert combined.shape == (2, 50) and combined[0, :4].all() and combined[1, 7]
