@@ -68,8 +68,8 @@ def distortion(attn_prob, query_sq_norm, key_radius, value_norm, value_residual,
     attn_prob, query_sq_norm, key_radius, value_norm, value_residual: (n,) or scalars — the
     estimated attention probability p_i (GQA-group mean), ‖q‖² estimate of the head (raw
     query), key radius r_i (after centring), ‖v_i‖ (after centring) and ‖v_i − o‖.
-    key_error, value_error: (T,) E[ε_θ²] per tier 1..T, or callables bits→E[ε_θ²] is not
-    accepted here — use :func:`tier_error_constants` to build them from a ladder.
+    key_error, value_error: (T,) E[ε_θ²] of the key and value code of tiers 1..T (plain
+    arrays; :func:`tier_error_constants` builds them from a ladder).
     dim: head dimension d. softmax_scale: default 1/√d.
     Returns D (n, T+1) float64, column 0 = evict.
     """

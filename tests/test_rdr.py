@@ -112,7 +112,7 @@ def test_fast_feasible_bounded_and_gap_true(p):
 
 
 @given(tiny_problems(paged=False))
-def test_fast_without_pages_is_greedy_optimal_when_lp_is_integral(p):
+def test_fast_without_pages_within_one_segment_of_lp(p):
     # with no pages, fast's answer is within one segment of the LP optimum: the gap it
     # reports is bounded by the largest single distortion saving of one state
     alloc = rdr.solve(p, method="fast")
