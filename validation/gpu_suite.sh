@@ -39,7 +39,7 @@ for stage in "$@"; do
         --shapes ${QUICK_SHAPES:-8x32768,1x131072} --tiers 4/4,rdr-mix 2>&1 | tee "$OUT/bench_quick.log" | tail -n 30
       rc=${PIPESTATUS[0]};;
     bench)
-      timeout 420 python3 validation/decode_bench.py --out "$OUT/decode_h200.json" --reps 20 \
+      timeout ${BENCH_LIMIT:-420} python3 validation/decode_bench.py --out "$OUT/decode_h200.json" --reps 20 \
         2>&1 | tee "$OUT/bench.log" | tail -n 45
       rc=${PIPESTATUS[0]};;
     flashinfer)
@@ -47,7 +47,7 @@ for stage in "$@"; do
       if ls .whl/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
           > "$OUT/flashinfer.log" 2>&1
-        PYTHONPATH=/tmp/site:$PYTHONPATH timeout 420 python3 validation/decode_bench.py \
+        PYTHONPATH=/tmp/site:$PYTHONPATH timeout ${FI_LIMIT:-420} python3 validation/decode_bench.py \
           --out "$OUT/decode_flashinfer.json" --reps 20 --tiers "" --flashinfer \
           >> "$OUT/flashinfer.log" 2>&1
         rc=$?; tail -n 20 "$OUT/flashinfer.log"

@@ -61,12 +61,12 @@ __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_g
 __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 // Logit phase for one tile: s[0..3] = <q~[2t], c(st0)>, <q~[2t+1], c(st0)>, same for st1.
-template <int B, int D>
-__device__ __forceinline__ void tile_logits(const u32* kbase, int kwords, int st0, int st1,
+template <int B, int D, class R>
+__device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int st0, int st1,
                                             bool ok0, bool ok1, const u32 (&qf)[D / 16][2],
                                             const Luts& lut, int t, float (&s)[4]) {
-  const u32* r0 = kbase + (size_t)st0 * kwords;
-  const u32* r1 = kbase + (size_t)st1 * kwords;
+  const R r0 = kbase.at(st0 * kwords);
+  const R r1 = kbase.at(st1 * kwords);
   Group<B> a[D / 32], b[D / 32];
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) {
@@ -87,8 +87,8 @@ __device__ __forceinline__ void tile_logits(const u32* kbase, int kwords, int st
 }
 
 // Value phase for one tile: acc[mb] += V^T block mb . P'^T.
-template <int B, int D>
-__device__ __forceinline__ void tile_values(const u32* vbase, int vwords, int tile0, int count,
+template <int B, int D, class R>
+__device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile0, int count,
                                             u32 pb0, u32 pb1, const Luts& lut, int g, int t,
                                             float (&acc)[D / 16][4]) {
   constexpr int NG = D / 64;  // coordinate groups per lane per state
@@ -96,7 +96,7 @@ __device__ __forceinline__ void tile_values(const u32* vbase, int vwords, int ti
   Group<B> v[4][NG];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const u32* row = vbase + (size_t)st[k] * vwords;
+    const R row = vbase.at(st[k] * vwords);
 #pragma unroll
     for (int j = 0; j < NG; ++j) {
       if (st[k] < count) v[k][j].load(row, g + 8 * j, D / 16); else v[k][j].zero();
@@ -117,32 +117,32 @@ __device__ __forceinline__ void tile_values(const u32* vbase, int vwords, int ti
   }
 }
 
-template <int D>
-__device__ __forceinline__ void dispatch_logits(int bits, const u32* kbase, int kwords, int st0,
+template <int D, class R>
+__device__ __forceinline__ void dispatch_logits(int bits, const R& kbase, int kwords, int st0,
                                                 int st1, bool ok0, bool ok1,
                                                 const u32 (&qf)[D / 16][2], const Luts& lut,
                                                 int t, float (&s)[4]) {
   switch (bits) {
-    case 1: tile_logits<1, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    case 2: tile_logits<2, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    case 3: tile_logits<3, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    case 4: tile_logits<4, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    case 8: tile_logits<8, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    default: tile_logits<16, D>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 1: tile_logits<1, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 2: tile_logits<2, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 3: tile_logits<3, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 4: tile_logits<4, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 8: tile_logits<8, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    default: tile_logits<16, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
   }
 }
 
-template <int D>
-__device__ __forceinline__ void dispatch_values(int bits, const u32* vbase, int vwords, int tile0,
+template <int D, class R>
+__device__ __forceinline__ void dispatch_values(int bits, const R& vbase, int vwords, int tile0,
                                                 int count, u32 pb0, u32 pb1, const Luts& lut,
                                                 int g, int t, float (&acc)[D / 16][4]) {
   switch (bits) {
-    case 1: tile_values<1, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    case 2: tile_values<2, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    case 3: tile_values<3, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    case 4: tile_values<4, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    case 8: tile_values<8, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    default: tile_values<16, D>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 1: tile_values<1, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 2: tile_values<2, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 3: tile_values<3, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 4: tile_values<4, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 8: tile_values<8, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    default: tile_values<16, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
   }
 }
 
@@ -157,6 +157,66 @@ __device__ __forceinline__ void finish_heads(float* buf, int G, const float* sig
     float o = buf[gg * D + j] * sigma_v[j] * (1.0f / (float)D);
     if (mean_v) o += mean_v[j];
     out[gg * out_s0 + j] = o;
+  }
+}
+
+// One page: tiles of 16 states, logits -> online softmax -> values (see the map above).
+template <int D, class R>
+__device__ __forceinline__ void decode_page(const R& pg, const int* gm, int count,
+                                            const u32 (&qf)[D / 16][2], const Luts& lut,
+                                            const float* kfac, const float* qmu, __half* pt,
+                                            int g, int t, float (&acc)[D / 16][4],
+                                            float& m0, float& m1, float& l0, float& l1) {
+  const int kbits = __ldg(gm + G_KBITS), vbits = __ldg(gm + G_VBITS);
+  const int kwords = __ldg(gm + G_KWORDS), vwords = __ldg(gm + G_VWORDS);
+  const int voff = __ldg(gm + G_VOFF), ksoff = __ldg(gm + G_KSOFF), vsoff = __ldg(gm + G_VSOFF);
+  const int h0 = 2 * t, h1 = 2 * t + 1;
+  const float top = sqrtf((float)D);   // 16-bit tier: logit = sqrt(D) <q', y>, no scale
+  const float kf0 = kfac[h0], kf1 = kfac[h1], mu0 = qmu[h0], mu1 = qmu[h1];
+  const R vbase = pg.at(voff);
+  for (int tile0 = 0; tile0 < count; tile0 += 16) {
+    const int st0 = tile0 + g, st1 = tile0 + g + 8;
+    const bool ok0 = st0 < count, ok1 = st1 < count;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    dispatch_logits<D>(kbits, pg, kwords, st0, st1, ok0, ok1, qf, lut, t, s);
+    const float sk0 = ok0 ? (ksoff >= 0 ? pg.half_at(ksoff + 2 * st0) : top) : 0.0f;
+    const float sk1 = ok1 ? (ksoff >= 0 ? pg.half_at(ksoff + 2 * st1) : top) : 0.0f;
+    const float sv0 = ok0 ? (vsoff >= 0 ? pg.half_at(vsoff + 2 * st0) : top) : 0.0f;
+    const float sv1 = ok1 ? (vsoff >= 0 ? pg.half_at(vsoff + 2 * st1) : top) : 0.0f;
+    float z0 = ok0 ? s[0] * sk0 * kf0 + mu0 : -SKV_INF;
+    float z1 = ok0 ? s[1] * sk0 * kf1 + mu1 : -SKV_INF;
+    float z2 = ok1 ? s[2] * sk1 * kf0 + mu0 : -SKV_INF;
+    float z3 = ok1 ? s[3] * sk1 * kf1 + mu1 : -SKV_INF;
+    float x0 = fmaxf(z0, z2), x1 = fmaxf(z1, z3);
+#pragma unroll
+    for (int m = 4; m <= 16; m <<= 1) {
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, m));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, m));
+    }
+    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: the tile has a state
+    // Rescale the accumulators only when some head's running maximum moved (warp-uniform).
+    if (__any_sync(0xffffffffu, n0 != m0 || n1 != m1)) {
+      const float al0 = exp2f(m0 - n0), al1 = exp2f(m1 - n1);
+      l0 *= al0; l1 *= al1;
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {
+        acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1;
+      }
+      m0 = n0; m1 = n1;
+    }
+    const float p0 = exp2f(z0 - m0), p1 = exp2f(z1 - m1);
+    const float p2 = exp2f(z2 - m0), p3 = exp2f(z3 - m1);
+    l0 += p0 + p2;
+    l1 += p1 + p3;
+    __syncwarp();
+    pt[h0 * 16 + g] = __float2half_rn(p0 * sv0);
+    pt[h1 * 16 + g] = __float2half_rn(p1 * sv0);
+    pt[h0 * 16 + g + 8] = __float2half_rn(p2 * sv1);
+    pt[h1 * 16 + g + 8] = __float2half_rn(p3 * sv1);
+    __syncwarp();
+    const u32 pb0 = *reinterpret_cast<const u32*>(pt + g * 16 + 2 * t);
+    const u32 pb1 = *reinterpret_cast<const u32*>(pt + g * 16 + 2 * t + 8);
+    dispatch_values<D>(vbits, vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc);
   }
 }
 
@@ -236,8 +296,6 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
   const int pbeg = split * per, pend = min(n, pbeg + per);
   __half* pt = &sm.ptile[warp][0][0];
   u32* bufs = reinterpret_cast<u32*>(region) + (size_t)warp * 2 * page_words;
-  const float top = sqrtf((float)D);   // 16-bit tier: logit = sqrt(D) <q', y>, no scale
-
   // Page header of the warp's first page; a full page starts streaming at once.
   int pi = pbeg + warp;
   int cur_page = 0, cur_tier = 0, cur_count = 0;
@@ -275,58 +333,16 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
     cp_async_wait1();   // this lane's copies of the current page are done
     __syncwarp();       // ... and every other lane's
 
-    const u32* pg = cur_full ? bufs + buf * page_words : pages + (size_t)cur_page * page_words;
-    const int* gm = geom + cur_tier * SKV_GEOM_STRIDE;
-    const int count = cur_count;
-    const int kbits = __ldg(gm + G_KBITS), vbits = __ldg(gm + G_VBITS);
-    const int kwords = __ldg(gm + G_KWORDS), vwords = __ldg(gm + G_VWORDS);
-    const int voff = __ldg(gm + G_VOFF), ksoff = __ldg(gm + G_KSOFF), vsoff = __ldg(gm + G_VSOFF);
-    const __half* ksc = ksoff >= 0
-        ? reinterpret_cast<const __half*>(reinterpret_cast<const char*>(pg) + ksoff) : nullptr;
-    const __half* vsc = vsoff >= 0
-        ? reinterpret_cast<const __half*>(reinterpret_cast<const char*>(pg) + vsoff) : nullptr;
-
-    for (int tile0 = 0; tile0 < count; tile0 += 16) {
-      const int st0 = tile0 + g, st1 = tile0 + g + 8;
-      const bool ok0 = st0 < count, ok1 = st1 < count;
-      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      dispatch_logits<D>(kbits, pg, kwords, st0, st1, ok0, ok1, qf, lut, t, s);
-      const float sk0 = ok0 ? (ksc ? __half2float(ksc[st0]) : top) : 0.0f;
-      const float sk1 = ok1 ? (ksc ? __half2float(ksc[st1]) : top) : 0.0f;
-      const float sv0 = ok0 ? (vsc ? __half2float(vsc[st0]) : top) : 0.0f;
-      const float sv1 = ok1 ? (vsc ? __half2float(vsc[st1]) : top) : 0.0f;
-      const float kf0 = sm.kfac[h0], kf1 = sm.kfac[h1];
-      const float mu0 = sm.qmu[h0], mu1 = sm.qmu[h1];
-      float z0 = ok0 ? s[0] * sk0 * kf0 + mu0 : -SKV_INF;
-      float z1 = ok0 ? s[1] * sk0 * kf1 + mu1 : -SKV_INF;
-      float z2 = ok1 ? s[2] * sk1 * kf0 + mu0 : -SKV_INF;
-      float z3 = ok1 ? s[3] * sk1 * kf1 + mu1 : -SKV_INF;
-      float x0 = fmaxf(z0, z2), x1 = fmaxf(z1, z3);
-#pragma unroll
-      for (int m = 4; m <= 16; m <<= 1) {
-        x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, m));
-        x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, m));
-      }
-      const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: the tile has a state
-      const float al0 = exp2f(m0 - n0), al1 = exp2f(m1 - n1);
-      m0 = n0; m1 = n1;
-      const float p0 = exp2f(z0 - n0), p1 = exp2f(z1 - n1);
-      const float p2 = exp2f(z2 - n0), p3 = exp2f(z3 - n1);
-      l0 = l0 * al0 + p0 + p2;
-      l1 = l1 * al1 + p1 + p3;
-#pragma unroll
-      for (int i = 0; i < D / 16; ++i) {
-        acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1;
-      }
-      __syncwarp();
-      pt[h0 * 16 + g] = __float2half_rn(p0 * sv0);
-      pt[h1 * 16 + g] = __float2half_rn(p1 * sv0);
-      pt[h0 * 16 + g + 8] = __float2half_rn(p2 * sv1);
-      pt[h1 * 16 + g + 8] = __float2half_rn(p3 * sv1);
-      __syncwarp();
-      const u32 pb0 = *reinterpret_cast<const u32*>(pt + g * 16 + 2 * t);
-      const u32 pb1 = *reinterpret_cast<const u32*>(pt + g * 16 + 2 * t + 8);
-      dispatch_values<D>(vbits, pg + voff, vwords, tile0, count, pb0, pb1, lut, g, t, acc);
+    if (cur_full) {
+      SharedRow r;
+      r.a = static_cast<u32>(__cvta_generic_to_shared(bufs + buf * page_words));
+      decode_page<D>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qf, lut, sm.kfac, sm.qmu,
+                     pt, g, t, acc, m0, m1, l0, l1);
+    } else {
+      GlobalRow r;
+      r.p = pages + (size_t)cur_page * page_words;
+      decode_page<D>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qf, lut, sm.kfac, sm.qmu,
+                     pt, g, t, acc, m0, m1, l0, l1);
     }
     __syncwarp();   // every lane is done with this buffer before it is refilled
     buf ^= 1;

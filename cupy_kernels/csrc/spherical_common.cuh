@@ -110,16 +110,49 @@ __device__ __forceinline__ Luts build_luts(unsigned char* base, const float* __r
   return v;
 }
 
+// Where a vector's code words are read from: a page staged in shared memory (32-bit shared
+// addresses, ld.shared) or a page read in place from global memory (read-only cache).
+struct SharedRow {
+  u32 a;  // shared-space byte address of the vector's first word
+  __device__ __forceinline__ u32 w(int i) const {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a + 4 * i));
+    return v;
+  }
+  __device__ __forceinline__ uint2 w2(int i) const {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a + 4 * i));
+    return v;
+  }
+  __device__ __forceinline__ float half_at(int byte_off) const {   // fp16 at a + byte_off
+    unsigned short h;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(h) : "r"(a + byte_off));
+    return __half2float(__ushort_as_half(h));
+  }
+  __device__ __forceinline__ SharedRow at(int words) const { SharedRow r; r.a = a + 4 * words; return r; }
+};
+struct GlobalRow {
+  const u32* p;
+  __device__ __forceinline__ u32 w(int i) const { return __ldg(p + i); }
+  __device__ __forceinline__ uint2 w2(int i) const {
+    return __ldg(reinterpret_cast<const uint2*>(p + i));
+  }
+  __device__ __forceinline__ float half_at(int byte_off) const {
+    return __half2float(__ldg(reinterpret_cast<const __half*>(reinterpret_cast<const char*>(p) + byte_off)));
+  }
+  __device__ __forceinline__ GlobalRow at(int words) const { GlobalRow r; r.p = p + words; return r; }
+};
+
 // Raw bits of one group (8 coordinates) of a vector's codes. `row` points at the vector's
-// first code word (shared or global memory: plain loads); `grp` is the group index
+// first code word (a SharedRow or GlobalRow); `grp` is the group index
 // (0 .. D/8-1).
 template <int B>
 struct Group;
 
 template <> struct Group<1> {
   u32 bits;  // 8 one-bit codes in the low byte
-  __device__ __forceinline__ void load(const u32* row, int grp, int) {
-    bits = (row[grp >> 2] >> ((grp & 3) * 8)) & 0xffu;
+  template <class R> __device__ __forceinline__ void load(const R& row, int grp, int) {
+    bits = (row.w(grp >> 2) >> ((grp & 3) * 8)) & 0xffu;
   }
   __device__ __forceinline__ void zero() { bits = 0; }
   __device__ __forceinline__ __half2 pair(const Luts& lut, int p) const {
@@ -128,8 +161,8 @@ template <> struct Group<1> {
 };
 template <> struct Group<2> {
   u32 bits;  // 8 two-bit codes in the low 16 bits
-  __device__ __forceinline__ void load(const u32* row, int grp, int) {
-    bits = (row[grp >> 1] >> ((grp & 1) * 16)) & 0xffffu;
+  template <class R> __device__ __forceinline__ void load(const R& row, int grp, int) {
+    bits = (row.w(grp >> 1) >> ((grp & 1) * 16)) & 0xffffu;
   }
   __device__ __forceinline__ void zero() { bits = 0; }
   __device__ __forceinline__ __half2 pair(const Luts& lut, int p) const {
@@ -139,9 +172,9 @@ template <> struct Group<2> {
 template <> struct Group<3> {
   u32 bits;  // low 2-bit fields in bits 0..15, the bit-2 plane in bits 16..23
   // plane_word: word offset of the 1-bit plane = ceil(2D/32)
-  __device__ __forceinline__ void load(const u32* row, int grp, int plane_word) {
-    u32 lo = (row[grp >> 1] >> ((grp & 1) * 16)) & 0xffffu;
-    u32 hi = (row[plane_word + (grp >> 2)] >> ((grp & 3) * 8)) & 0xffu;
+  template <class R> __device__ __forceinline__ void load(const R& row, int grp, int plane_word) {
+    u32 lo = (row.w(grp >> 1) >> ((grp & 1) * 16)) & 0xffffu;
+    u32 hi = (row.w(plane_word + (grp >> 2)) >> ((grp & 3) * 8)) & 0xffu;
     bits = lo | (hi << 16);
   }
   __device__ __forceinline__ void zero() { bits = 0; }
@@ -152,7 +185,7 @@ template <> struct Group<3> {
 };
 template <> struct Group<4> {
   u32 bits;  // one word: nibble j = coordinate j of the group
-  __device__ __forceinline__ void load(const u32* row, int grp, int) { bits = row[grp]; }
+  template <class R> __device__ __forceinline__ void load(const R& row, int grp, int) { bits = row.w(grp); }
   __device__ __forceinline__ void zero() { bits = 0; }
   __device__ __forceinline__ __half2 pair(const Luts& lut, int p) const {
     return lut.l4[(((bits >> (8 * p)) & 0xffu) << 5) + lut.lane];
@@ -160,8 +193,8 @@ template <> struct Group<4> {
 };
 template <> struct Group<8> {
   u32 w0, w1;  // two words, one byte per coordinate
-  __device__ __forceinline__ void load(const u32* row, int grp, int) {
-    uint2 v = *reinterpret_cast<const uint2*>(row + 2 * grp);
+  template <class R> __device__ __forceinline__ void load(const R& row, int grp, int) {
+    uint2 v = row.w2(2 * grp);
     w0 = v.x; w1 = v.y;
   }
   __device__ __forceinline__ void zero() { w0 = w1 = 0; }
@@ -173,9 +206,9 @@ template <> struct Group<8> {
 };
 template <> struct Group<16> {
   u32 w[4];  // fp16 values, coordinate 2p in the low half of word p
-  __device__ __forceinline__ void load(const u32* row, int grp, int) {
-    uint2 a = *reinterpret_cast<const uint2*>(row + 4 * grp);
-    uint2 b = *reinterpret_cast<const uint2*>(row + 4 * grp + 2);
+  template <class R> __device__ __forceinline__ void load(const R& row, int grp, int) {
+    uint2 a = row.w2(4 * grp);
+    uint2 b = row.w2(4 * grp + 2);
     w[0] = a.x; w[1] = a.y; w[2] = b.x; w[3] = b.y;
   }
   __device__ __forceinline__ void zero() { w[0] = w[1] = w[2] = w[3] = 0; }
