@@ -294,15 +294,30 @@ class PagedKV:
     def gather(self, key) -> Dict[int, tuple]:
         """{tier: (keys, values, positions)} of a row's kept states, tiers present only,
         each in page-table order (the order of ``states``)."""
-        by_tier: Dict[int, list] = {}
-        for p in self._row(key):
-            by_tier.setdefault(int(self.pool.page_tier[p]), []).append(self.pool.read(p))
+        row = np.asarray(self._row(key), np.int64)
+        pool = self.pool
         out = {}
-        for t, parts in sorted(by_tier.items()):
-            lay = self.pool.layout[t]
-            out[t] = (_concat([a for a, _, _ in parts], lay.key_bits, self.dim, lay.key_words),
-                      _concat([b for _, b, _ in parts], lay.value_bits, self.dim, lay.value_words),
-                      np.concatenate([c for _, _, c in parts]))
+        tiers = pool.page_tier[row]
+        for t in sorted({int(x) for x in tiers}):
+            lay = pool.layout[t]
+            pages = row[tiers == t]
+            blk = pool.data[pages]                                   # (m, page_bytes)
+            per = lay.states_per_page
+            valid = (np.arange(per)[None, :] < pool.page_count[pages][:, None]).reshape(-1)
+            kb, vb = lay.key_code_bytes, lay.value_code_bytes
+
+            def field(off, width):
+                x = blk[:, off:off + per * width].reshape(-1, width)[valid]
+                return np.ascontiguousarray(x)
+            kc = field(0, kb).view(np.uint32)
+            vc = field(lay.value_codes_offset, vb).view(np.uint32)
+            n = kc.shape[0]
+            ks = field(lay.key_scales_offset, 2).view(np.float16)[:, 0] \
+                if lay.key_scales_offset >= 0 else np.ones(n, np.float16)
+            vs = field(lay.value_scales_offset, 2).view(np.float16)[:, 0] \
+                if lay.value_scales_offset >= 0 else np.ones(n, np.float16)
+            pos = pool.page_pos[pages][:, :per].reshape(-1)[valid]
+            out[t] = (Encoded(ks, kc, lay.key_bits, self.dim), Encoded(vs, vc, lay.value_bits, self.dim), pos)
         return out
 
     def bytes(self, key) -> int:
@@ -312,7 +327,8 @@ class PagedKV:
     # -------------------------------------------------------------- append
     def _open_top_pages(self, row):
         per = self.pool.layout[self.top].states_per_page
-        return [p for p in row if self.pool.page_tier[p] == self.top and self.pool.page_count[p] < per]
+        r = np.asarray(row, np.int64)
+        return [int(p) for p in r[(self.pool.page_tier[r] == self.top) & (self.pool.page_count[r] < per)]]
 
     def pages_needed(self, key, n: int) -> int:
         """Fresh pages an append of n states to a row would take."""
@@ -439,12 +455,36 @@ class PagedKV:
                 self._write_dense(row, t, ke, ve, pos)
 
     def _write_dense(self, row: List[int], tier: int, ke: Encoded, ve: Encoded, pos) -> None:
-        per = self.pool.layout[tier].states_per_page
+        """Write states of one tier into fresh, densely filled pages appended to the row."""
+        pool = self.pool
+        lay = pool.layout[tier]
+        per = lay.states_per_page
         n = len(ke)
-        ids = self.pool.allocate(-(-n // per), tier)
-        for j, p in enumerate(ids):
-            sl = slice(j * per, min(n, (j + 1) * per))
-            self.pool.write(p, 0, ke.take(sl), ve.take(sl), pos[sl])
+        if n == 0:
+            return
+        m = -(-n // per)
+        ids = pool.allocate(m, tier)
+        blk = np.zeros((m, pool.page_bytes), np.uint8)
+
+        def put(off, width, x):           # x (n, width) bytes into slots of every page
+            full = np.zeros((m * per, width), np.uint8)
+            full[:n] = x
+            blk[:, off:off + per * width] = full.reshape(m, per * width)
+        put(0, lay.key_code_bytes, np.ascontiguousarray(ke.codes, np.uint32).view(np.uint8))
+        put(lay.value_codes_offset, lay.value_code_bytes,
+            np.ascontiguousarray(ve.codes, np.uint32).view(np.uint8))
+        if lay.key_scales_offset >= 0:
+            put(lay.key_scales_offset, 2, np.ascontiguousarray(ke.scale, np.float16).view(np.uint8).reshape(n, 2))
+        if lay.value_scales_offset >= 0:
+            put(lay.value_scales_offset, 2, np.ascontiguousarray(ve.scale, np.float16).view(np.uint8).reshape(n, 2))
+        idx = np.asarray(ids, np.int64)
+        pool.data[idx] = blk
+        cnt = np.full(m, per, np.int32)
+        cnt[-1] = n - (m - 1) * per
+        pool.page_count[idx] = cnt
+        p_full = np.full(m * per, -1, np.int32)
+        p_full[:n] = pos
+        pool.page_pos[idx, :per] = p_full.reshape(m, per)
         row.extend(ids)
 
     def compact(self, key, tier: int) -> int:
