@@ -276,3 +276,16 @@ def test_free_row_returns_every_page():
     with pytest.raises(ValueError, match="no row"):
         paged.append("r", cf(16, 0).encode(np.ones((1, D))), cf(16, 1).encode(np.ones((1, D))), [0])
     paged.check_invariants()
+
+
+@pytest.mark.parametrize("tiers", LADDERS + (TierLadder.DEFAULT,))
+@pytest.mark.parametrize("dim, page_bytes", [(64, 4096), (128, 4096), (64, 1024)])
+def test_layout_agrees_with_the_kernel_geometry(tiers, dim, page_bytes):
+    """The reference pages and the CUDA launchers' geometry table describe the same bytes."""
+    pages = pytest.importorskip("cupy_kernels.pages")
+    ladder = TierLadder(tiers)
+    geom = pages.kernel_tables(ladder, dim, page_bytes).geom
+    for t, lay in enumerate(page_layout(ladder, dim, page_bytes)[1:], start=1):
+        assert list(geom[t]) == [lay.key_bits, lay.value_bits, lay.states_per_page, lay.key_words,
+                                 lay.value_words, lay.value_codes_offset // 4,
+                                 lay.key_scales_offset, lay.value_scales_offset]
