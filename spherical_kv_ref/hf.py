@@ -44,14 +44,16 @@ def _merge(out_a, lse_a, out_b, lse_b):
 def _softmax_part(q, k, v, scale, causal_offset=None):
     """Attention of q (G, T, d) over k, v (n, d) with lse; causal_offset: query t sees keys
     ≤ t + offset (None: all keys)."""
-    z = scale * np.einsum("gtd,nd->gtn", q, k)
+    G, T, d = q.shape
+    z = scale * (q.reshape(G * T, d) @ k.T).reshape(G, T, -1)
     if causal_offset is not None:
-        t = np.arange(q.shape[1])[:, None]
+        t = np.arange(T)[:, None]
         z = np.where(np.arange(k.shape[0])[None, :] <= t + causal_offset, z, -np.inf)
     zmax = z.max(axis=2, keepdims=True)
     e = np.exp(z - zmax)
     den = e.sum(axis=2, keepdims=True)
-    return np.einsum("gtn,nd->gtd", e / den, v), (zmax + np.log(den))[..., 0]
+    out = ((e / den).reshape(G * T, -1) @ v).reshape(G, T, d)
+    return out, (zmax + np.log(den))[..., 0]
 
 
 class ContextStore:
@@ -73,17 +75,18 @@ class ContextStore:
 
 
 class DenseStore(ContextStore):
-    """Explicit keys/values per layer, (num_kv_heads, n, d) each (a dense or baseline cache;
-    evicted states are simply absent: keys are post-RoPE, so order does not matter).
-    ``bytes_per_state`` counts appended tokens (default bf16 keys + values)."""
+    """Explicit keys/values per layer and kv-head: ``keys[layer]`` is a (num_kv_heads, n, d)
+    array or a list of per-head (n_h, d) arrays (evicting methods keep different tokens per
+    head; evicted states are simply absent — keys are post-RoPE, so order does not
+    matter). ``bytes_per_state`` counts appended tokens (default bf16 keys + values)."""
 
-    def __init__(self, keys: Sequence[np.ndarray], values: Sequence[np.ndarray], num_q_heads: int,
-                 nbytes: int, bytes_per_state: Optional[int] = None):
-        self.keys = [np.asarray(k, np.float64) for k in keys]
-        self.values = [np.asarray(v, np.float64) for v in values]
-        self.num_kv_heads = self.keys[0].shape[0]
+    def __init__(self, keys, values, num_q_heads: int, nbytes: int,
+                 bytes_per_state: Optional[int] = None):
+        self.keys = [[np.asarray(kh, np.float64) for kh in k] for k in keys]
+        self.values = [[np.asarray(vh, np.float64) for vh in v] for v in values]
+        self.num_kv_heads = len(self.keys[0])
         self.num_q_heads = int(num_q_heads)
-        d = self.keys[0].shape[2]
+        d = self.keys[0][0].shape[-1]
         self._nbytes = int(nbytes)
         self._per_state = 4 * d if bytes_per_state is None else int(bytes_per_state)
 
@@ -93,15 +96,17 @@ class DenseStore(ContextStore):
         lse = np.empty(q.shape[:2])
         for h in range(self.num_kv_heads):
             k, v = self.keys[layer][h], self.values[layer][h]
+            sl = slice(h * G, (h + 1) * G)
             if k.shape[0] == 0:
-                out[h * G:(h + 1) * G], lse[h * G:(h + 1) * G] = 0.0, -np.inf
+                out[sl], lse[sl] = 0.0, -np.inf
                 continue
-            out[h * G:(h + 1) * G], lse[h * G:(h + 1) * G] = _softmax_part(q[h * G:(h + 1) * G], k, v, scale)
+            out[sl], lse[sl] = _softmax_part(q[sl], k, v, scale)
         return out, lse
 
     def append(self, layer, k, v):
-        self.keys[layer] = np.concatenate([self.keys[layer], k], axis=1)
-        self.values[layer] = np.concatenate([self.values[layer], v], axis=1)
+        for h in range(self.num_kv_heads):
+            self.keys[layer][h] = np.concatenate([self.keys[layer][h], k[h]])
+            self.values[layer][h] = np.concatenate([self.values[layer][h], v[h]])
         self._nbytes += k.shape[0] * k.shape[1] * self._per_state
 
     def nbytes(self):

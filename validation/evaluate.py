@@ -1,0 +1,389 @@
+"""Real-model evaluation: Spherical KV against the baselines (the library's main job).
+
+``spherical-kv evaluate`` (= ``python -m validation.evaluate``): SmolLM2-135M-Instruct on
+Jane Austen. For each context length T and window of the corpus: one dense prefill of
+T tokens; every method compresses that prefill cache (bytes counted as each method
+stores them, against the dense bf16 cache = 100 %); then, through the compressed cache
+(the ``spherical_kv`` attention of ``spherical_kv_ref.hf``: stored context + the new
+chunk, merged exactly):
+
+* ΔPPL: perplexity of the next C tokens (teacher forced) vs the dense cache, in %;
+  mean and spread (max − min) over windows;
+* retrieval probe: R random words planted at T/8 and repeated after the context; the
+  mean loss on the repeat (Spherical KV also with the planted span protected);
+* greedy agreement: common prefix of G greedy tokens with dense, over G;
+* attention-output relative error of the last 32 context queries of every layer.
+
+Writes ``evaluate.json``, ``evaluate.md`` and ``pareto.png`` under ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from spherical_kv_ref.cache import CompressPolicy, SphericalKVCache
+from spherical_kv_ref.tiers import TierLadder
+
+OBSERVE = 32          # trailing prefill queries: SnapKV's window and RDR's estimate
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Method:
+    """One line-up entry: ``build(prefill) -> (store, nbytes)``; ``budget`` a fraction of
+    the dense bf16 bytes or None for native points; ``family`` for the table and plot."""
+    name: str
+    family: str
+    budget: Optional[float]
+    build: Callable
+    protects: bool = False       # can keep a caller-marked span (the retrieval probe)
+
+
+@dataclass
+class Prefill:
+    """What one dense prefill leaves: per-layer post-RoPE keys/values (kv_heads, T, d),
+    trailing queries (q_heads, w, d), statistics for the evicting baselines, and the
+    logits of the last context position."""
+    keys: list
+    values: list
+    queries: list
+    stats: object
+    last_logits: np.ndarray
+    length: int
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _progress(iterable, **kw):
+    try:
+        from tqdm.auto import tqdm
+        return tqdm(iterable, **kw)
+    except ImportError:               # tqdm is a dependency; stay usable without it
+        return iterable
+
+
+def _dense_store(keys, values, keep, num_q_heads, nbytes):
+    from spherical_kv_ref.hf import DenseStore
+    k = [[kl[h][keep_l[h]] for h in range(kl.shape[0])] for kl, keep_l in zip(keys, keep)]
+    v = [[vl[h][keep_l[h]] for h in range(vl.shape[0])] for vl, keep_l in zip(values, keep)]
+    return DenseStore(k, v, num_q_heads, nbytes)
+
+
+def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(), centre=True,
+                     policy=None, page_bytes=2048, seed=0):
+    from spherical_kv_ref.hf import SphericalStore
+    L = len(prefill.keys)
+    H, T, d = prefill.keys[0].shape
+    per_state = max(ladder.bytes_per_state(t, d) for t in range(1, len(ladder) + 1))
+    pool = (L * H * (T // max(1, page_bytes // per_state) + 4) + 16) * page_bytes
+    kv = SphericalKVCache(L, H, d, ladder, page_bytes=page_bytes, pool_bytes=pool, seed=seed,
+                          num_q_heads=cfg.num_attention_heads, centre=centre,
+                          policy=policy or CompressPolicy(sinks=4, recent=32, window=OBSERVE))
+    seq = kv.new_sequence()
+    for layer in range(L):
+        kv.append(seq, layer, prefill.keys[layer], prefill.values[layer])
+        for t in range(prefill.queries[layer].shape[1]):
+            kv.observe(seq, layer, prefill.queries[layer][:, t])
+    for a, b in protect:
+        kv.protect(seq, a, b)
+    if budget_bytes is not None:
+        kv.compress(seq, int(budget_bytes))
+    return SphericalStore(kv, seq), kv.bytes_in_use(seq)
+
+
+def lineup(cfg, budgets, kivi_residual=32):
+    """Baselines (validation/baselines) + Spherical KV at fixed tiers and with RDR."""
+    from validation import baselines as B
+    nq = cfg.num_attention_heads
+    methods = []
+    for m in B.standard_methods(budgets, kivi_residual=kivi_residual):
+        family = type(m).__name__.lower()
+
+        def build(pre, m=m, protect=()):
+            c = m.compress(pre.keys, pre.values, pre.stats if m.needs_stats else None)
+            return _dense_store([l.keys for l in c.layers], [l.values for l in c.layers],
+                                [l.keep for l in c.layers], nq, c.nbytes), c.nbytes
+        methods.append(Method(m.name, family, m.budget, build))
+    for bits in (4, 3, 2):
+        ladder = TierLadder([(bits, bits)])
+
+        def build(pre, ladder=ladder, protect=()):
+            # one tier, everything kept at it: no RDR, no protection, so no centring
+            # (centring only pays with sinks protected, DESIGN §3 step 0)
+            return _spherical_store(pre, cfg, ladder, None, centre=False,
+                                    policy=CompressPolicy(sinks=0, recent=0, window=OBSERVE))
+        methods.append(Method(f"skv-fixed-{bits}/{bits}", "skv-fixed", None, build))
+    for b in budgets:
+        def build(pre, b=b, protect=()):
+            H, T, d = pre.keys[0].shape
+            dense = 2 * len(pre.keys) * H * T * d * 2
+            return _spherical_store(pre, cfg, TierLadder(), b * dense, protect=protect)
+        methods.append(Method(f"skv-rdr@{round(b * 100)}%", "skv-rdr", b, build, protects=True))
+    return methods
+
+
+# ----------------------------------------------------------------------------- the model
+
+class Runner:
+    """Prefill, score and generate with one model through ``spherical_kv`` attention."""
+
+    def __init__(self, model, tokenizer):
+        import torch
+        from spherical_kv_ref.hf import use_spherical_attention
+        self.torch, self.model, self.tok = torch, model, tokenizer
+        self.cfg = model.config
+        use_spherical_attention(model)
+        warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
+
+    def prefill(self, ids: np.ndarray, stats_stride: int = 4) -> Prefill:
+        from spherical_kv_ref.hf import SphericalCache
+        from validation.baselines import attention_stats
+        from validation.model import capture_qkv
+        torch = self.torch
+        cache = SphericalCache(self.cfg, observe=OBSERVE)
+        with torch.no_grad():
+            logits = self.model(torch.as_tensor(ids)[None], past_key_values=cache).logits[0, -1]
+        L = self.cfg.num_hidden_layers
+        keys, values = zip(*[cache.dense_kv(l) for l in range(L)])
+        qkv = capture_qkv(self.model, ids)
+        stats = attention_stats(qkv.queries, qkv.keys, window=OBSERVE, query_stride=stats_stride)
+        return Prefill([k.astype(np.float32) for k in keys], [v.astype(np.float32) for v in values],
+                       [q.astype(np.float64) for q in cache.observed], stats,
+                       logits.double().numpy(), len(ids))
+
+    def _cache(self, store, length):
+        from spherical_kv_ref.hf import SphericalCache
+        cache = SphericalCache(self.cfg)
+        cache.set_store(store)
+        for lay in cache.layers:
+            lay.length = length
+            lay.is_initialized = True
+        return cache
+
+    def score(self, store, pre: Prefill, cont: np.ndarray) -> np.ndarray:
+        """NLL per token of ``cont`` after the stored context (first token from the dense
+        prefill logits, the rest teacher-forced through the store)."""
+        torch = self.torch
+        cache = self._cache(store, pre.length)
+        with torch.no_grad():
+            lg = self.model(torch.as_tensor(cont[:-1])[None], past_key_values=cache).logits[0].double()
+        lg = torch.cat([torch.as_tensor(pre.last_logits)[None], lg])
+        return torch.nn.functional.cross_entropy(lg, torch.as_tensor(cont), reduction="none").numpy()
+
+    def greedy(self, store, pre: Prefill, steps: int) -> np.ndarray:
+        torch = self.torch
+        cache = self._cache(store, pre.length)
+        tok = int(np.argmax(pre.last_logits))
+        out = [tok]
+        with torch.no_grad():
+            for _ in range(steps - 1):
+                lg = self.model(torch.tensor([[tok]]), past_key_values=cache).logits[0, -1]
+                tok = int(torch.argmax(lg))
+                out.append(tok)
+        return np.array(out)
+
+
+def _exact_store(pre: Prefill):
+    """The uncompressed prefill (float32 keys/values as the model computed them)."""
+    from spherical_kv_ref.hf import DenseStore
+    return DenseStore(pre.keys, pre.values, pre.queries[0].shape[0], 0)
+
+
+def attention_error(store, pre: Prefill) -> float:
+    """‖o_store − o_dense‖/‖o_dense‖ of the trailing prefill queries over the context,
+    averaged over layers (attention over the context only, exact dense as truth)."""
+    dense = _exact_store(pre)
+    errs = []
+    scale = 1.0 / math.sqrt(pre.keys[0].shape[2])
+    for layer, q in enumerate(pre.queries):
+        ref, _ = dense.attend(layer, q, scale)
+        got, _ = store.attend(layer, q, scale)
+        errs.append(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    return float(np.mean(errs))
+
+
+# ----------------------------------------------------------------------------- main
+
+def corpus_tokens(tokenizer, need: int) -> tuple[np.ndarray, str]:
+    from validation.data import load_austen
+    corpus = load_austen()
+    text = corpus.joined()
+    ids = np.array(tokenizer(text[: max(need * 8, 200000)])["input_ids"], dtype=np.int64)
+    if len(ids) < need:
+        ids = np.array(tokenizer(text)["input_ids"], dtype=np.int64)
+    if len(ids) < need:
+        raise ValueError(f"the corpus has {len(ids)} tokens, the evaluation needs {need}")
+    return ids, corpus.source
+
+
+def probe_context(ids: np.ndarray, T: int, R: int, rng) -> tuple[np.ndarray, np.ndarray, int]:
+    """(context, repeat, start): R corpus tokens drawn at random (random words) planted at
+    T/8 into a context of T corpus tokens; the repeat is the same R tokens."""
+    span = rng.choice(ids, size=R, replace=False)
+    ctx = ids[:T].copy()
+    start = T // 8
+    ctx[start:start + R] = span
+    return ctx, span, start
+
+
+def run(args) -> list[dict]:
+    from validation.model import load_model
+    t0 = time.time()
+    model, tok = load_model()
+    runner = Runner(model, tok)
+    cfg = model.config
+    rng = np.random.default_rng(args.seed)
+    need = max(args.contexts) + args.continuation
+    ids, source = corpus_tokens(tok, need * (args.windows + 1))
+    methods = [m for m in lineup(cfg, args.budgets) if not args.methods or
+               any(m.name.startswith(p) for p in args.methods)]
+    rows = []
+    for T in args.contexts:
+        starts = np.linspace(0, len(ids) - T - args.continuation - 1, args.windows + 2)[1:-1].astype(int)
+        per = {m.name: {"nll": [], "bytes": [], "err": [], "agree": [], "ret": [], "ret_p": []}
+               for m in methods}
+        dense_nll = []
+        for w, s in enumerate(starts):
+            ctx, cont = ids[s:s + T], ids[s + T:s + T + args.continuation]
+            pre = runner.prefill(ctx)
+            dense_nll.append(runner.score(_exact_store(pre), pre, cont).mean())
+            ref_tokens = (runner.greedy(_exact_store(pre), pre, args.generate)
+                          if w == 0 and args.generate else None)
+            # the retrieval probe of this window
+            pctx, span, p0 = probe_context(ids[s:], T, args.probe, rng)
+            ppre = runner.prefill(pctx)
+            for m in _progress(methods, desc=f"T={T} window {w + 1}/{len(starts)}", leave=False):
+                store, nbytes = m.build(pre)
+                fresh = copy.deepcopy(store) if ref_tokens is not None else None   # scoring appends
+                per[m.name]["bytes"].append(nbytes / (2 * cfg.num_hidden_layers * pre.keys[0].shape[0]
+                                                      * T * pre.keys[0].shape[2] * 2))
+                per[m.name]["err"].append(attention_error(store, pre))
+                per[m.name]["nll"].append(runner.score(store, pre, cont).mean())
+                if ref_tokens is not None:
+                    got = runner.greedy(fresh, pre, args.generate)
+                    mismatch = np.flatnonzero(got != ref_tokens)
+                    per[m.name]["agree"].append((mismatch[0] if mismatch.size else len(got)) / len(got))
+                pstore, _ = m.build(ppre)
+                per[m.name]["ret"].append(runner.score(pstore, ppre, span)[1:].mean())
+                if m.protects:
+                    pstore, _ = m.build(ppre, protect=[(p0, p0 + args.probe)])
+                    per[m.name]["ret_p"].append(runner.score(pstore, ppre, span)[1:].mean())
+        ppl_dense = np.exp(np.array(dense_nll))
+        for m in methods:
+            r = per[m.name]
+            dppl = (np.exp(np.array(r["nll"])) / ppl_dense - 1) * 100
+            rows.append({
+                "method": m.name, "family": m.family, "budget_fraction": m.budget,
+                "bytes_fraction": float(np.mean(r["bytes"])), "context": int(T),
+                "windows": len(starts), "ppl_dense": float(ppl_dense.mean()),
+                "delta_ppl_pct": float(dppl.mean()),
+                "delta_ppl_spread": float(dppl.max() - dppl.min()),
+                "retrieval_loss": float(np.mean(r["ret"])),
+                "retrieval_loss_protected": float(np.mean(r["ret_p"])) if r["ret_p"] else None,
+                "greedy_agreement": float(np.mean(r["agree"])) if r["agree"] else None,
+                "attn_out_rel_err": float(np.mean(r["err"])),
+            })
+        print(f"T={T}: {len(methods)} methods x {len(starts)} windows done "
+              f"({time.time() - t0:.0f} s)", file=sys.stderr)
+    meta = {"model": "SmolLM2-135M-Instruct", "corpus": source, "continuation": args.continuation,
+            "generate": args.generate, "probe_tokens": args.probe, "seed": args.seed,
+            "seconds": round(time.time() - t0, 1)}
+    return rows, meta
+
+
+def write_reports(rows, meta, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "evaluate.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / "evaluate_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    lines = [f"# Spherical KV vs baselines — {meta['model']}, {meta['corpus'].split(':')[0]} text",
+             "", f"Next {meta['continuation']} tokens scored; greedy {meta['generate']} tokens; "
+             f"probe of {meta['probe_tokens']} planted tokens; run took {meta['seconds']} s.", ""]
+    for T in sorted({r["context"] for r in rows}):
+        lines += [f"## Context {T} tokens", "",
+                  "| method | bytes % of bf16 | ΔPPL % | spread | retrieval loss | protected | greedy agree | attn err |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in sorted((r for r in rows if r["context"] == T), key=lambda r: -r["bytes_fraction"]):
+            f = lambda v, p=3: "—" if v is None else f"{v:.{p}f}"
+            lines.append(f"| {r['method']} | {100 * r['bytes_fraction']:.1f} | {r['delta_ppl_pct']:.2f} | "
+                         f"{r['delta_ppl_spread']:.2f} | {f(r['retrieval_loss'])} | "
+                         f"{f(r['retrieval_loss_protected'])} | {f(r['greedy_agreement'], 2)} | "
+                         f"{f(r['attn_out_rel_err'])} |")
+        lines.append("")
+    (out / "evaluate.md").write_text("\n".join(lines))
+    plot(rows, out / "pareto.png")
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+    for ax, T in zip(axes[0], contexts):
+        fams = {}
+        for r in rows:
+            if r["context"] == T and r["family"] != "dense":
+                fams.setdefault(r["family"], []).append(r)
+        for fam, rs in sorted(fams.items()):
+            rs.sort(key=lambda r: r["bytes_fraction"])
+            x = [100 * r["bytes_fraction"] for r in rs]
+            y = [max(r["delta_ppl_pct"], 1e-3) for r in rs]
+            ax.plot(x, y, marker="o", lw=2.5 if fam == "skv-rdr" else 1.2, label=fam)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("cache bytes, % of bf16 (all overheads counted)")
+        ax.set_ylabel("ΔPPL vs dense, % (log)")
+        ax.set_title(f"context {T} tokens")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.axhline(1.0, color="k", ls=":", lw=1)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="spherical-kv evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="CI smoke test: 1K context, fewer methods")
+    p.add_argument("--long", action="store_true", help="also an 8K context")
+    p.add_argument("--contexts", type=int, nargs="+", default=None)
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.50, 0.25, 0.15, 0.10])
+    p.add_argument("--windows", type=int, default=2)
+    p.add_argument("--continuation", type=int, default=256)
+    p.add_argument("--generate", type=int, default=128)
+    p.add_argument("--probe", type=int, default=32)
+    p.add_argument("--methods", nargs="*", default=None, help="name prefixes to keep")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.contexts = a.contexts or [1024]
+        a.budgets = [0.25, 0.10]
+        a.windows, a.continuation, a.generate, a.probe = 2, 64, 16, 16
+        a.out = a.out or Path(os.environ.get("SPHERICAL_KV_RESULTS", "results-quick"))
+    a.contexts = a.contexts or ([2048, 4096] + ([8192] if a.long else []))
+    a.out = a.out or RESULTS
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    rows, meta = run(args)
+    write_reports(rows, meta, args.out)
+    print((args.out / "evaluate.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
