@@ -18,14 +18,21 @@ from .pages import KernelTables, as_device, device_tables
 
 THREADS = 128          # 4 warps, csrc/ada_decode.cuh DEC_WARPS
 MAX_GROUP = 8          # query heads per kv-head served by one mma tile
-CTAS_PER_SM = 3        # residency of the decode kernel (ptxas: <= 168 registers, ~72 KiB smem)
+CTAS_PER_SM = 3        # residency of the table kernel (ptxas: <= 168 registers, ~72 KiB smem)
+CTAS_PER_SM_UNIFORM = 4   # affine kernel: <= 128 registers (DEC_UNI_CTAS), ~34 KiB smem
 LUT_BYTES = 37888      # csrc/spherical_common.cuh LUT_BYTES (replicated look-up tables)
 
 
-def decode_smem_bytes(dim: int, page_bytes: int) -> int:
-    """Dynamic shared memory of the decode kernel: tables + max(2 page buffers per warp,
-    the merge tiles) (csrc/ada_decode.cuh decode_region_bytes)."""
-    return LUT_BYTES + max(4 * 2 * page_bytes, 4 * MAX_GROUP * dim * 4)
+def uses_affine_path(tables: KernelTables) -> bool:
+    """The uniform codebook decodes on the affine path (no look-up tables); any other codebook
+    (Lloyd–Max, the default) on the table path. The pool's codebook decides."""
+    return tables.codebook == "uniform"
+
+
+def decode_smem_bytes(dim: int, page_bytes: int, uniform: bool = False) -> int:
+    """Dynamic shared memory of the decode kernel: tables (table path only) + max(2 page
+    buffers per warp, the merge tiles) (csrc/ada_decode.cuh decode_region_bytes)."""
+    return (0 if uniform else LUT_BYTES) + max(4 * 2 * page_bytes, 4 * MAX_GROUP * dim * 4)
 
 
 @dataclass
@@ -53,9 +60,11 @@ def _allow_smem(fn, nbytes: int) -> None:
     _SMEM_SET[key] = int(nbytes)
 
 
-def choose_splits(rows: int, total_pages: int, min_pages_per_split: int = 8) -> int:
-    """Split count that gives ~2 waves of CTAs, from shapes only (no device read)."""
-    target = 2 * CTAS_PER_SM * _sm_count()
+def choose_splits(rows: int, total_pages: int, min_pages_per_split: int = 8,
+                  ctas_per_sm: int = CTAS_PER_SM) -> int:
+    """Split count that gives ~2 waves of CTAs, from shapes only (no device read).
+    ctas_per_sm: the kernel's residency (CTAS_PER_SM_UNIFORM for a uniform-codebook pool)."""
+    target = 2 * ctas_per_sm * _sm_count()
     avg = max(1, total_pages // max(1, rows))
     return int(max(1, min(math.ceil(target / max(1, rows)), avg // min_pages_per_split, 256)))
 
@@ -170,6 +179,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     if qa.dtype != np.float32 or qa.strides[2] != 4:
         qa = qa.astype(cp.float32)   # (batch, Hq, d): a few KiB, never O(tokens * d)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    uniform = uses_affine_path(tables)
     if not math.isfinite(scale):
         raise ValueError("softmax_scale must be finite")
     if workspace is not None:
@@ -179,7 +189,8 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
         if splits > 1 and workspace.part_o.shape != (splits, rows, group, d):
             raise ValueError("workspace shape does not match this call")
     else:
-        splits = choose_splits(rows, ix.shape[0]) if num_splits is None else int(num_splits)
+        splits = (choose_splits(rows, ix.shape[0], ctas_per_sm=CTAS_PER_SM_UNIFORM if uniform
+                                else CTAS_PER_SM) if num_splits is None else int(num_splits))
         if splits < 1:
             raise ValueError("num_splits must be >= 1")
         workspace = make_workspace(rows, group, d, splits)
@@ -199,15 +210,16 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     mv = means[1] if means[1] is not None else null
     po = workspace.part_o if splits > 1 else null
     pl = workspace.part_lse if splits > 1 else null
-    kern = kernel("ada_decode_kernel", d)
-    smem = decode_smem_bytes(d, tables.page_bytes)
+    kern = kernel("ada_decode_uniform_kernel" if uniform else "ada_decode_kernel", d)
+    smem = decode_smem_bytes(d, tables.page_bytes, uniform)
+    levels = dev["half_steps"] if uniform else dev["levels32"]
     if smem > 227 * 1024:
         raise ValueError(f"page_bytes={tables.page_bytes} needs {smem} bytes of shared memory "
                          "per block; use pages of at most 24 KiB")
     _allow_smem(kern, smem)
     kern((splits, rows), (THREADS,),
          (qa, np.int64(qa.strides[0] // 4), np.int64(qa.strides[1] // 4),
-          pg, np.int32(tables.page_words), pt, pc, ip, ix, dev["geom"], dev["levels32"],
+          pg, np.int32(tables.page_words), pt, pc, ip, ix, dev["geom"], levels,
           sk, sv, mk, mv, np.int32(hkv), np.int32(group),
           np.float32(scale * math.log2(math.e)), np.int32(splits), out, po, pl),
          shared_mem=smem)

@@ -67,12 +67,14 @@ class DecodeCase:
 def build_case(batch: int, num_kv_heads: int, group: int, dim: int, lengths: Sequence[int],
                ladder, tier_choices: Sequence[int], seed: int = 0, centred: bool = False,
                page_bytes: int = 4096, chunks_per_row: int = 3, shuffle: bool = True,
-               fill_random: bool = True, reference_parts: bool = True) -> DecodeCase:
+               fill_random: bool = True, reference_parts: bool = True,
+               codebook: str = "lloyd-max") -> DecodeCase:
     """lengths: states per row (rows = batch * num_kv_heads); every row gets up to
-    ``chunks_per_row`` chunks, each at a tier drawn from ``tier_choices``."""
+    ``chunks_per_row`` chunks, each at a tier drawn from ``tier_choices``. codebook: the
+    codecs' and the pool's ("uniform" decodes on the affine path)."""
     from spherical_kv_ref import SphericalCodec, TierLadder
     ladder = ladder if isinstance(ladder, TierLadder) else TierLadder(ladder)
-    tables = kernel_tables(ladder, dim, page_bytes)
+    tables = kernel_tables(ladder, dim, page_bytes, codebook=codebook)
     rng = np.random.default_rng(seed)
     rows = batch * num_kv_heads
     if len(lengths) != rows:
@@ -82,7 +84,8 @@ def build_case(batch: int, num_kv_heads: int, group: int, dim: int, lengths: Seq
     def codec(h, bits, salt):
         key = (h, bits, salt)
         if key not in codecs:
-            codecs[key] = SphericalCodec(dim, bits, seed=seed, head=h, salt=salt)
+            codecs[key] = SphericalCodec(dim, bits, seed=seed, head=h, salt=salt,
+                                         codebook=codebook)
         return codecs[key]
 
     sigma_k = rotation_signs([codec(h, 4, 0) for h in range(num_kv_heads)])

@@ -14,6 +14,24 @@ GEOM_STRIDE = 8          # must match SKV_GEOM_STRIDE in csrc/spherical_common.c
 LEVEL_BITS = (1, 2, 3, 4, 8)   # rows of the (5, 256) level tables
 
 
+def uniform_half_steps(tables: "KernelTables") -> np.ndarray:
+    """float32 (5,): half the step hs_b of the uniform codebook for b = 1, 2, 3, 4, 8 bits, so
+    that C_b[c] = hs_b * (2c - (2^b - 1)) (docs/format.md). The affine decode path feeds the
+    integers 2c - (2^b - 1) to the tensor cores and multiplies hs_b into the scales.
+    ValueError unless the tables' levels are of that form (to 1e-9 relative)."""
+    out = np.zeros(len(LEVEL_BITS))
+    for r, b in enumerate(LEVEL_BITS):
+        n = 2 ** b
+        lev = tables.levels64[r, :n]
+        hs = 0.5 * (lev[-1] - lev[0]) / (n - 1)
+        grid = hs * (2 * np.arange(n) + 1 - n)
+        if not hs > 0 or np.max(np.abs(lev - grid)) > 1e-9 * np.max(np.abs(lev)):
+            raise ValueError(f"the {tables.codebook} codebook at {b} bits is not affine in the "
+                             "code; the affine decode path needs codebook='uniform'")
+        out[r] = hs
+    return out.astype(np.float32)
+
+
 def _vector_code_words(bits: int, dim: int) -> int:
     if bits == 16:
         return dim // 2
@@ -195,7 +213,9 @@ def device_tables(tables: KernelTables) -> dict:
                "geom": cp.asarray(tables.geom),
                "levels32": cp.asarray(tables.levels32),
                "levels64": cp.asarray(tables.levels64),
-               "mids64": cp.asarray(tables.mids64)}
+               "mids64": cp.asarray(tables.mids64),
+               "half_steps": (cp.asarray(uniform_half_steps(tables))
+                              if tables.codebook == "uniform" else None)}
         _DEVICE_CACHE[key] = hit
     return hit
 

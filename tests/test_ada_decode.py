@@ -41,10 +41,11 @@ def decode_shapes(draw):
     tiers = draw(st.lists(st.integers(1, len(ladder)), min_size=1, max_size=4, unique=True))
     return dict(batch=batch, num_kv_heads=hkv, group=group, dim=dim, lengths=lengths,
                 ladder=ladder, tier_choices=tiers, seed=draw(st.integers(0, 2 ** 16)),
-                centred=draw(st.booleans()))
+                centred=draw(st.booleans()),
+                codebook=draw(st.sampled_from(["lloyd-max", "uniform"])))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(shape=decode_shapes(), splits=st.sampled_from([None, 1, 2, 5]))
 def test_matches_reference(shape, splits):
     from cupy_kernels.cases import build_case, run_case
@@ -52,11 +53,51 @@ def test_matches_reference(shape, splits):
     _check(case, run_case(case, num_splits=splits))
 
 
-def test_long_rows_split_k_and_softmax_scale():
+@pytest.mark.parametrize("codebook", ["lloyd-max", "uniform"])
+def test_long_rows_split_k_and_softmax_scale(codebook):
     from cupy_kernels.cases import build_case, run_case
-    case = build_case(1, 2, 4, 128, [3000, 1700], LADDER, [1, 5, 7], seed=3, centred=True)
+    case = build_case(1, 2, 4, 128, [3000, 1700], LADDER, [1, 5, 7], seed=3, centred=True,
+                      codebook=codebook)
     _check(case, run_case(case, num_splits=16, softmax_scale=0.3), softmax_scale=0.3)
     _check(case, run_case(case))
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_uniform_every_bit_width(dim):
+    """The affine path at every bit width (1, 2, 3, 4, 8 and the fp16 top tier), one tier per
+    case, with partial pages (read in place) and full pages (staged)."""
+    from cupy_kernels.cases import build_case, run_case
+    for tier in range(1, len(WIDE_LADDER) + 1):
+        case = build_case(2, 2, 8, dim, [700, 129, 33, 410], WIDE_LADDER, [tier], seed=tier,
+                          centred=tier % 2 == 0, codebook="uniform")
+        _check(case, run_case(case, num_splits=1))
+        _check(case, run_case(case, num_splits=3))
+
+
+def test_uniform_and_table_paths_agree_on_uniform_codes():
+    """The table path decodes any codebook: on a uniform pool it must agree with the affine
+    path to the kernels' rounding scale (different fp16 roundings, same attention)."""
+    import dataclasses
+    from cupy_kernels.cases import build_case, run_case
+    case = build_case(1, 2, 4, 128, [900, 300], LADDER, [1, 2, 3, 5, 7], seed=21,
+                      codebook="uniform")
+    affine_dev = run_case(case, num_splits=2)
+    affine = affine_dev.get()
+    table = dataclasses.replace(case, tables=dataclasses.replace(case.tables, codebook="uniform-table"))
+    tabled = run_case(table, num_splits=2).get()
+    diff = np.linalg.norm(affine.astype(np.float64) - tabled, axis=-1)
+    assert float(np.max(diff / case.error_scale())) <= BOUND
+    _check(case, affine_dev)
+
+
+def test_affine_path_rejects_non_affine_levels():
+    import dataclasses
+    from cupy_kernels.pages import kernel_tables, uniform_half_steps
+    lm = kernel_tables(LADDER, 128)
+    with pytest.raises(ValueError):
+        uniform_half_steps(dataclasses.replace(lm, codebook="uniform"))
+    hs = uniform_half_steps(kernel_tables(LADDER, 128, codebook="uniform"))
+    assert hs.shape == (5,) and np.all(hs > 0)
 
 
 def test_paged_vs_flat():

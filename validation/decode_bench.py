@@ -3,10 +3,13 @@ FlashInfer paged decode (bf16, fp8 e4m3) and the "decompress to HBM, then attend
 
 Shapes of one Llama-3.1-8B layer (32 query heads, 8 kv-heads, d = 128). Every timing is the
 median of CUDA-event timings with the L2 flushed (a 256 MiB memset) before each repetition.
-Writes a list of rows (method, batch, context, tiers, us, bytes_read, gbps, copy_gbps,
-speedup_vs_sdpa_bf16) as JSON, and prints a table.
+Writes a list of rows (method, batch, context, tiers, codebook, us, bytes_read, gbps,
+copy_gbps, speedup_vs_sdpa_bf16) as JSON, and prints a table. ADA and encode rows are
+repeated per codebook (``--codebooks``): Lloyd–Max decodes on the table path, uniform on
+the affine path (cupy_kernels/csrc/ada_decode.cuh).
 
     PYTHONPATH=. python3 validation/decode_bench.py --out validation/results/decode_h200.json
+    PYTHONPATH=. python3 validation/decode_bench.py --quality   # CPU only: codebook quality
 """
 from __future__ import annotations
 
@@ -117,7 +120,9 @@ def ada_step(state, tables, q, batch):
     import cupy as cp
     from cupy_kernels import ada_decode, choose_splits, make_workspace
     rows = batch * HKV
-    splits = choose_splits(rows, int(state["indices"].size))
+    from cupy_kernels.ada_decode import CTAS_PER_SM, CTAS_PER_SM_UNIFORM, uses_affine_path
+    splits = choose_splits(rows, int(state["indices"].size),
+                           ctas_per_sm=CTAS_PER_SM_UNIFORM if uses_affine_path(tables) else CTAS_PER_SM)
     ws = make_workspace(rows, HQ // HKV, D, splits)
     out = cp.empty((batch, HQ, D), cp.float32)
     kw = dict(num_kv_heads=HKV, out=out, workspace=ws)
@@ -216,6 +221,42 @@ def flashinfer_runner(batch, context, dtype_name):
     return (lambda: w.run(q, kv)), nbytes
 
 
+def quality_table(n: int = 2048, m: int = 32, seed: int = 0):
+    """CPU, float64 reference: relative attention-output error ||o_hat - o|| / ||o|| (mean
+    over m query heads) of the uniform and the Lloyd–Max codebooks at 2/3/4 bits, keys and
+    values at the same bits (same bytes per state for both codebooks), on
+    * random: Gaussian keys, values and queries (n states, d = 128);
+    * spiky: heavy-tailed keys and values (Student t, 3 degrees of freedom) with 4 outlier
+      channels x8, and queries equal to noisy copies of 8 keys, so that attention is peaked."""
+    from spherical_kv_ref import SphericalCodec
+    from spherical_kv_ref.paged import mixed_tier_attention
+    rng = np.random.default_rng(seed)
+    d = D
+    data = {}
+    k = rng.normal(size=(n, d)); v = rng.normal(size=(n, d)); q = rng.normal(size=(m, d))
+    data["random"] = (q, k, v)
+    k = rng.standard_t(3, size=(n, d)); v = rng.standard_t(3, size=(n, d))
+    out_ch = rng.choice(d, 4, replace=False)
+    k[:, out_ch] *= 8.0; v[:, out_ch] *= 8.0
+    q = 3.0 * k[rng.choice(n, m)] + rng.normal(scale=0.5, size=(m, d))
+    data["spiky"] = (q, k, v)
+    rows = []
+    for name, (q, k, v) in data.items():
+        sc = 1.0 / np.sqrt(d)
+        z = sc * q @ k.T
+        p = np.exp(z - z.max(1, keepdims=True)); p /= p.sum(1, keepdims=True)
+        exact = p @ v
+        for bits in (2, 3, 4):
+            for kind in ("lloyd-max", "uniform"):
+                kc = SphericalCodec(d, bits, seed=seed, salt=0, codebook=kind)
+                vc = SphericalCodec(d, bits, seed=seed, salt=1, codebook=kind)
+                got = mixed_tier_attention(q, [(kc.encode(k), vc.encode(v), kc, vc)])
+                err = np.linalg.norm(got - exact, axis=1) / np.linalg.norm(exact, axis=1)
+                rows.append(dict(data=name, bits=bits, codebook=kind,
+                                 rel_err_mean=float(err.mean()), rel_err_max=float(err.max())))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="validation/results/decode_h200.json")
@@ -223,8 +264,14 @@ def main(argv=None):
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 32x8192,1x131072")
     ap.add_argument("--tiers", default="4/4,3/3,2/2,rdr-mix")
     ap.add_argument("--flashinfer", action="store_true")
-    ap.add_argument("--check", action="store_true", help="compare ADA with a float64 spot check")
+    ap.add_argument("--codebooks", default="lloyd-max,uniform")
+    ap.add_argument("--quality", action="store_true",
+                    help="CPU only: attention error of the codebooks (no GPU, no timing)")
     args = ap.parse_args(argv)
+    if args.quality:
+        for r in quality_table():
+            print(json.dumps(r))
+        return 0
     import cupy as cp
     import torch
     import torch.nn.functional as F
@@ -236,7 +283,8 @@ def main(argv=None):
     timer = Timer(args.reps)
     copy_gbps = copy_bandwidth(timer)
     print(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s", flush=True)
-    tables = kernel_tables(LADDER, D)
+    codebooks = [c for c in args.codebooks.split(",") if c]
+    all_tables = {c: kernel_tables(LADDER, D, codebook=c) for c in codebooks}
     rows = []
     for batch, context in shapes:
         torch.manual_seed(0)
@@ -247,8 +295,9 @@ def main(argv=None):
         sdpa_us = timer(lambda: F.scaled_dot_product_attention(q_t, k, v, enable_gqa=True))
         del k, v
 
-        def row(method, tiers, us, nbytes):
-            r = dict(method=method, batch=batch, context=context, tiers=tiers, us=round(us, 2),
+        def row(method, tiers, us, nbytes, codebook=None):
+            r = dict(method=method, batch=batch, context=context, tiers=tiers, codebook=codebook,
+                     us=round(us, 2),
                      bytes_read=int(nbytes), gbps=round(nbytes / (us * 1e-6) / 1e9, 1),
                      copy_gbps=round(copy_gbps, 1),
                      speedup_vs_sdpa_bf16=round(sdpa_us / us, 3))
@@ -273,38 +322,43 @@ def main(argv=None):
                                      copy_gbps=round(copy_gbps, 1), speedup_vs_sdpa_bf16=None,
                                      error=f"{type(e).__name__}: {e}"[:300]))
         q_c = cp.from_dlpack(q_t[:, :, 0, :].float().contiguous())
-        for tiers_name in tiers_list:
+        for tiers_name, cb in [(t, c) for t in tiers_list for c in codebooks]:
+            tables = all_tables[cb]
             state, (enc_us, enc_bytes) = build_ada(batch, context, tiers_name, tables)
             lay = state["layout"]
-            row("ada_encode", tiers_name, enc_us, enc_bytes)
+            row("ada_encode", tiers_name, enc_us, enc_bytes, cb)
             run, out, splits = ada_step(state, tables, q_c, batch)
             meta = (lay.indptr.size + 3 * lay.indices.size) * 4
             nbytes = lay.cache_bytes + q_c.size * 4 + meta + out.size * 4
             us = timer(run)
-            row("ada", tiers_name, us, nbytes)
+            row("ada", tiers_name, us, nbytes, cb)
             rows[-1]["splits"] = splits
             rows[-1]["cache_bytes"] = lay.cache_bytes
-            if tiers_name in TIERS:
+            if tiers_name in TIERS and cb == codebooks[0]:
                 try:
                     fn = decompress_path(state, tables, tiers_name, batch, context, q_t)
-                    row("decompress_then_sdpa", tiers_name, timer(fn), lay.cache_bytes + sdpa_bytes)
+                    row("decompress_then_sdpa", tiers_name, timer(fn), lay.cache_bytes + sdpa_bytes, cb)
                     del fn
                 except Exception as e:
                     print(f"decompress path failed: {type(e).__name__}: {e}"[:300], flush=True)
             del state, run, out
+            with open(args.out, "w") as f:   # rows so far survive a stage time limit
+                json.dump(rows, f, indent=1)
             cp.get_default_memory_pool().free_all_blocks()
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     print()
-    print(f"{'method':24s} {'B':>3s} {'ctx':>7s} {'tiers':>9s} {'us':>9s} {'GB/s':>7s} "
-          f"{'%copy':>6s} {'x sdpa':>7s}")
+    print(f"{'method':24s} {'B':>3s} {'ctx':>7s} {'tiers':>9s} {'codebook':>9s} {'us':>9s} "
+          f"{'GB/s':>7s} {'%copy':>6s} {'x sdpa':>7s}")
     for r in rows:
+        cb = r.get("codebook") or "-"
         if r["us"] is None:
-            print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s}  unavailable")
+            print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s} {cb:>9s}  unavailable")
             continue
-        print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s} {r['us']:9.1f} "
-              f"{r['gbps']:7.0f} {100 * r['gbps'] / r['copy_gbps']:6.1f} {r['speedup_vs_sdpa_bf16']:7.2f}")
+        print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s} {cb:>9s} "
+              f"{r['us']:9.1f} {r['gbps']:7.0f} {100 * r['gbps'] / r['copy_gbps']:6.1f} "
+              f"{r['speedup_vs_sdpa_bf16']:7.2f}")
     return 0
 
 

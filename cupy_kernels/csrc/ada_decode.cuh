@@ -33,6 +33,9 @@ namespace skv {
 
 constexpr int DEC_WARPS = 4;
 constexpr int DEC_HEADS = 8;   // n of the mma tile: GQA groups up to 8 query heads
+#ifndef DEC_UNI_CTAS
+#define DEC_UNI_CTAS 4          // residency asked of ptxas for the affine (uniform) kernel
+#endif
 
 template <int D>
 struct DecodeSmem {   // static part; tables and page buffers are dynamic (see below)
@@ -43,6 +46,7 @@ struct DecodeSmem {   // static part; tables and page buffers are dynamic (see b
   float qmu[DEC_HEADS];    // q . mu_K per head (0 without centring)
   float lse[DEC_HEADS];    // combined log2-sum-exp per head
   float kfac[DEC_HEADS];   // qfac * softmax scale * log2(e)
+  float hstep[8];          // affine path: half step of the uniform codebook per level row
 };
 
 // Dynamic shared memory: [LUT_BYTES tables][region], region = max(2 page buffers per warp,
@@ -61,20 +65,46 @@ __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_g
 __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 // Logit phase for one tile: s[0..3] = <q~[2t], c(st0)>, <q~[2t+1], c(st0)>, same for st1.
-template <int B, int D, class R>
+template <int B, bool UNI, int D, class R>
 __device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int st0, int st1,
                                             bool ok0, bool ok1, const u32 (&qf)[D / 16][2],
                                             const Luts& lut, int t, float (&s)[4]) {
   const R r0 = kbase.at(st0 * kwords);
   const R r1 = kbase.at(st1 * kwords);
-  Group<B> a[D / 32], b[D / 32];
+  if constexpr (UNI && B == 16) {
+    // fp16 top tier on the affine path: chunk (i, h) needs words h and 2 + h of the group
+    // (coordinates 2h, 2h+1 and 2h+4, 2h+5); one prmt per operand, loads per chunk.
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int w = 4 * (t + 4 * i) + h;
+        const u32 x0 = ok0 ? r0.w(w) : 0u, y0 = ok0 ? r0.w(w + 2) : 0u;
+        const u32 x1 = ok1 ? r1.w(w) : 0u, y1 = ok1 ? r1.w(w + 2) : 0u;
+        mma_16816(s, __byte_perm(x0, y0, 0x5410u), __byte_perm(x1, y1, 0x5410u),
+                  __byte_perm(x0, y0, 0x7632u), __byte_perm(x1, y1, 0x7632u),
+                  qf[2 * i + h][0], qf[2 * i + h][1]);
+      }
+    }
+    return;
+  }
+  // Narrow codes are all loaded up front (more loads in flight); 8- and 16-bit groups
+  // (2 and 4 words) are loaded per chunk, which keeps the affine kernel within its registers.
+  constexpr bool EAGER = B < 8 || !UNI;
+  typename GroupOf<B, UNI>::type a[D / 32], b[D / 32];
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) {
-    if (ok0) a[i].load(r0, t + 4 * i, D / 16); else a[i].zero();
-    if (ok1) b[i].load(r1, t + 4 * i, D / 16); else b[i].zero();
+    if (EAGER) {
+      if (ok0) a[i].load(r0, t + 4 * i, D / 16); else a[i].zero();
+      if (ok1) b[i].load(r1, t + 4 * i, D / 16); else b[i].zero();
+    }
   }
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) {
+    if (!EAGER) {
+      if (ok0) a[i].load(r0, t + 4 * i, D / 16); else a[i].zero();
+      if (ok1) b[i].load(r1, t + 4 * i, D / 16); else b[i].zero();
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       u32 a0 = h2_as_u32(a[i].pair(lut, 2 * h));
@@ -87,23 +117,79 @@ __device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int st0,
 }
 
 // Value phase for one tile: acc[mb] += V^T block mb . P'^T.
-template <int B, int D, class R>
+template <int B, bool UNI, int D, class R>
 __device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile0, int count,
                                             u32 pb0, u32 pb1, const Luts& lut, int g, int t,
                                             float (&acc)[D / 16][4]) {
   constexpr int NG = D / 64;  // coordinate groups per lane per state
   int st[4] = {tile0 + 2 * t, tile0 + 2 * t + 1, tile0 + 2 * t + 8, tile0 + 2 * t + 9};
-  Group<B> v[4][NG];
+  if constexpr (UNI && B == 4) {
+    // Affine 4-bit path: one prmt puts nibbles 0..3 (or 4..7) of two states side by side, so
+    // each half2 (coordinate c of states 2t, 2t+1) costs a shift, a lop3 and an hsub2.
+    u32 w[4][NG];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const R row = vbase.at(st[k] * vwords);
+#pragma unroll
+      for (int j = 0; j < NG; ++j) w[k][j] = st[k] < count ? row.w(g + 8 * j) : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < NG; ++j) {
+      const u32 lo01 = __byte_perm(w[0][j], w[1][j], 0x5410u), hi01 = __byte_perm(w[0][j], w[1][j], 0x7632u);
+      const u32 lo23 = __byte_perm(w[2][j], w[3][j], 0x5410u), hi23 = __byte_perm(w[2][j], w[3][j], 0x7632u);
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        u32 a0 = h2_as_u32(affine_pair<4>(to_bit1(lo01, 4 * p), 0x001e001eu));
+        u32 a1 = h2_as_u32(affine_pair<4>(to_bit1(hi01, 4 * p), 0x001e001eu));
+        u32 a2 = h2_as_u32(affine_pair<4>(to_bit1(lo23, 4 * p), 0x001e001eu));
+        u32 a3 = h2_as_u32(affine_pair<4>(to_bit1(hi23, 4 * p), 0x001e001eu));
+        mma_16816(acc[4 * j + p], a0, a1, a2, a3, pb0, pb1);
+      }
+    }
+  } else if constexpr (UNI && B == 16) {
+    // fp16 top tier on the affine path: pairs 2e, 2e+1 of words (e, 2+e) of each state.
+#pragma unroll
+    for (int j = 0; j < NG; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        u32 wl[4], wh[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const R row = vbase.at(st[k] * vwords);
+          wl[k] = st[k] < count ? row.w(4 * (g + 8 * j) + e) : 0u;
+          wh[k] = st[k] < count ? row.w(4 * (g + 8 * j) + 2 + e) : 0u;
+        }
+#pragma unroll
+        for (int f = 0; f < 2; ++f) {
+          const u32 sel = f ? 0x7632u : 0x5410u;
+          mma_16816(acc[4 * j + 2 * e + f], __byte_perm(wl[0], wl[1], sel),
+                    __byte_perm(wh[0], wh[1], sel), __byte_perm(wl[2], wl[3], sel),
+                    __byte_perm(wh[2], wh[3], sel), pb0, pb1);
+        }
+      }
+    }
+  } else {
+  constexpr bool EAGER = B < 8 || !UNI;   // as in tile_logits
+  typename GroupOf<B, UNI>::type v[4][NG];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const R row = vbase.at(st[k] * vwords);
 #pragma unroll
     for (int j = 0; j < NG; ++j) {
-      if (st[k] < count) v[k][j].load(row, g + 8 * j, D / 16); else v[k][j].zero();
+      if (EAGER) {
+        if (st[k] < count) v[k][j].load(row, g + 8 * j, D / 16); else v[k][j].zero();
+      }
     }
   }
 #pragma unroll
   for (int j = 0; j < NG; ++j) {
+    if (!EAGER) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const R row = vbase.at(st[k] * vwords);
+        if (st[k] < count) v[k][j].load(row, g + 8 * j, D / 16); else v[k][j].zero();
+      }
+    }
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       __half2 x0 = v[0][j].pair(lut, p), x1 = v[1][j].pair(lut, p);
@@ -115,34 +201,35 @@ __device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile
       mma_16816(acc[4 * j + p], a0, a1, a2, a3, pb0, pb1);
     }
   }
+  }
 }
 
-template <int D, class R>
+template <int D, bool UNI, class R>
 __device__ __forceinline__ void dispatch_logits(int bits, const R& kbase, int kwords, int st0,
                                                 int st1, bool ok0, bool ok1,
                                                 const u32 (&qf)[D / 16][2], const Luts& lut,
                                                 int t, float (&s)[4]) {
   switch (bits) {
-    case 1: tile_logits<1, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    case 2: tile_logits<2, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    case 3: tile_logits<3, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    case 4: tile_logits<4, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    case 8: tile_logits<8, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    default: tile_logits<16, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 1: tile_logits<1, UNI, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 2: tile_logits<2, UNI, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 3: tile_logits<3, UNI, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 4: tile_logits<4, UNI, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 8: tile_logits<8, UNI, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    default: tile_logits<16, UNI, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
   }
 }
 
-template <int D, class R>
+template <int D, bool UNI, class R>
 __device__ __forceinline__ void dispatch_values(int bits, const R& vbase, int vwords, int tile0,
                                                 int count, u32 pb0, u32 pb1, const Luts& lut,
                                                 int g, int t, float (&acc)[D / 16][4]) {
   switch (bits) {
-    case 1: tile_values<1, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    case 2: tile_values<2, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    case 3: tile_values<3, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    case 4: tile_values<4, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    case 8: tile_values<8, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    default: tile_values<16, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 1: tile_values<1, UNI, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 2: tile_values<2, UNI, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 3: tile_values<3, UNI, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 4: tile_values<4, UNI, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 8: tile_values<8, UNI, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    default: tile_values<16, UNI, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
   }
 }
 
@@ -161,10 +248,11 @@ __device__ __forceinline__ void finish_heads(float* buf, int G, const float* sig
 }
 
 // One page: tiles of 16 states, logits -> online softmax -> values (see the map above).
-template <int D, class R>
+template <int D, bool UNI, class R>
 __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int count,
                                             const u32 (&qf)[D / 16][2], const Luts& lut,
-                                            const float* kfac, const float* qmu, __half* pt,
+                                            const float* kfac, const float* qmu,
+                                            const float* hstep, __half* pt,
                                             int g, int t, float (&acc)[D / 16][4],
                                             float& m0, float& m1, float& l0, float& l1) {
   const int kbits = __ldg(gm + G_KBITS), vbits = __ldg(gm + G_VBITS);
@@ -172,17 +260,20 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
   const int voff = __ldg(gm + G_VOFF), ksoff = __ldg(gm + G_KSOFF), vsoff = __ldg(gm + G_VSOFF);
   const int h0 = 2 * t, h1 = 2 * t + 1;
   const float top = sqrtf((float)D);   // 16-bit tier: logit = sqrt(D) <q', y>, no scale
-  const float kf0 = kfac[h0], kf1 = kfac[h1], mu0 = qmu[h0], mu1 = qmu[h1];
+  // Affine path: codes enter the mma as 2c - (2^B - 1); the half step joins the scales.
+  const float hk = (UNI && kbits != 16) ? hstep[level_row(kbits)] : 1.0f;
+  const float hv = (UNI && vbits != 16) ? hstep[level_row(vbits)] : 1.0f;
+  const float kf0 = kfac[h0] * hk, kf1 = kfac[h1] * hk, mu0 = qmu[h0], mu1 = qmu[h1];
   const R vbase = pg.at(voff);
   for (int tile0 = 0; tile0 < count; tile0 += 16) {
     const int st0 = tile0 + g, st1 = tile0 + g + 8;
     const bool ok0 = st0 < count, ok1 = st1 < count;
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    dispatch_logits<D>(kbits, pg, kwords, st0, st1, ok0, ok1, qf, lut, t, s);
+    dispatch_logits<D, UNI>(kbits, pg, kwords, st0, st1, ok0, ok1, qf, lut, t, s);
     const float sk0 = ok0 ? (ksoff >= 0 ? pg.half_at(ksoff + 2 * st0) : top) : 0.0f;
     const float sk1 = ok1 ? (ksoff >= 0 ? pg.half_at(ksoff + 2 * st1) : top) : 0.0f;
-    const float sv0 = ok0 ? (vsoff >= 0 ? pg.half_at(vsoff + 2 * st0) : top) : 0.0f;
-    const float sv1 = ok1 ? (vsoff >= 0 ? pg.half_at(vsoff + 2 * st1) : top) : 0.0f;
+    const float sv0 = ok0 ? (vsoff >= 0 ? pg.half_at(vsoff + 2 * st0) * hv : top) : 0.0f;
+    const float sv1 = ok1 ? (vsoff >= 0 ? pg.half_at(vsoff + 2 * st1) * hv : top) : 0.0f;
     float z0 = ok0 ? s[0] * sk0 * kf0 + mu0 : -SKV_INF;
     float z1 = ok0 ? s[1] * sk0 * kf1 + mu1 : -SKV_INF;
     float z2 = ok1 ? s[2] * sk1 * kf0 + mu0 : -SKV_INF;
@@ -216,31 +307,43 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
     __syncwarp();
     const u32 pb0 = *reinterpret_cast<const u32*>(pt + g * 16 + 2 * t);
     const u32 pb1 = *reinterpret_cast<const u32*>(pt + g * 16 + 2 * t + 8);
-    dispatch_values<D>(vbits, vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc);
+    dispatch_values<D, UNI>(vbits, vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc);
   }
 }
 
-template <int D>
-__global__ void __launch_bounds__(DEC_WARPS * 32, 3)
-ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
-                  const u32* __restrict__ pages, int page_words,
-                  const int* __restrict__ page_tier, const int* __restrict__ page_count,
-                  const int* __restrict__ indptr, const int* __restrict__ indices,
-                  const int* __restrict__ geom, const float* __restrict__ levels,
-                  const float* __restrict__ sigma_k, const float* __restrict__ sigma_v,
-                  const float* __restrict__ mean_k, const float* __restrict__ mean_v,
-                  int num_kv_heads, int G, float scale_log2, int num_splits,
-                  float* __restrict__ out, float* __restrict__ part_o,
-                  float* __restrict__ part_lse) {
+#define SKV_DECODE_PARAMS                                                                   \
+  const float* __restrict__ q, long long q_sb, long long q_sh, const u32* __restrict__ pages,     \
+      int page_words, const int* __restrict__ page_tier, const int* __restrict__ page_count,    \
+      const int* __restrict__ indptr, const int* __restrict__ indices,                          \
+      const int* __restrict__ geom, const float* __restrict__ levels,                           \
+      const float* __restrict__ sigma_k, const float* __restrict__ sigma_v,                     \
+      const float* __restrict__ mean_k, const float* __restrict__ mean_v, int num_kv_heads,     \
+      int G, float scale_log2, int num_splits, float* __restrict__ out,                         \
+      float* __restrict__ part_o, float* __restrict__ part_lse
+#define SKV_DECODE_ARGS                                                                      \
+  q, q_sb, q_sh, pages, page_words, page_tier, page_count, indptr, indices, geom, levels,       \
+      sigma_k, sigma_v, mean_k, mean_v, num_kv_heads, G, scale_log2, num_splits, out, part_o,   \
+      part_lse
+
+// The body of both decode kernels. UNI = false: table path (any codebook; `levels` is the
+// (5, 256) float32 level table). UNI = true: affine path for the uniform codebook (`levels`
+// holds the 5 half steps hs_b of b = 1, 2, 3, 4, 8 bits; no tables in shared memory).
+template <int D, bool UNI>
+__device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   __shared__ DecodeSmem<D> sm;
   extern __shared__ __align__(16) unsigned char dyn[];
-  float* region = reinterpret_cast<float*>(dyn + LUT_BYTES);   // queries, pages, merge
+  float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
   const int split = blockIdx.x, row = blockIdx.y;
   const int b = row / num_kv_heads, kvh = row % num_kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
 
-  const Luts lut = build_luts(dyn, levels, threadIdx.x, blockDim.x);
+  Luts lut = {};
+  if constexpr (UNI) {
+    if (threadIdx.x < 5) sm.hstep[threadIdx.x] = levels[threadIdx.x];
+  } else {
+    lut = build_luts(dyn, levels, threadIdx.x, blockDim.x);
+  }
 
   // ---- rotated query, once per head: q' = H(sigma_K * q) / D, kept as q'/max|q'| in fp16
   float* qs = region;
@@ -269,7 +372,9 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
     }
   }
   __syncthreads();
-  // Q fragment: lane (g, t) holds head g, coordinates 8*(t+4i) + 4h + e (e = 0..3).
+  // Q fragment: lane (g, t) holds head g of group 8*(t+4i); k16 chunk (i, h) takes the
+  // group's pairs 2h and 2h+1, i.e. coordinates 4h + (0, 1 | 2, 3) on the table path and
+  // 2h + (0, 4 | 1, 5) on the affine path (UGroup pairs coordinates p and p + 4).
   u32 qf[D / 16][2];
   {
     float inv = sm.qfac[g] > 0.0f ? 1.0f / (sm.qfac[g] * (float)D) : 0.0f;
@@ -277,9 +382,16 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
     for (int i = 0; i < D / 32; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float* src = qs + g * D + 8 * (t + 4 * i) + 4 * h;
-        qf[2 * i + h][0] = h2_as_u32(__floats2half2_rn(src[0] * inv, src[1] * inv));
-        qf[2 * i + h][1] = h2_as_u32(__floats2half2_rn(src[2] * inv, src[3] * inv));
+        const float* src = qs + g * D + 8 * (t + 4 * i);
+        if constexpr (UNI) {
+          src += 2 * h;
+          qf[2 * i + h][0] = h2_as_u32(__floats2half2_rn(src[0] * inv, src[4] * inv));
+          qf[2 * i + h][1] = h2_as_u32(__floats2half2_rn(src[1] * inv, src[5] * inv));
+        } else {
+          src += 4 * h;
+          qf[2 * i + h][0] = h2_as_u32(__floats2half2_rn(src[0] * inv, src[1] * inv));
+          qf[2 * i + h][1] = h2_as_u32(__floats2half2_rn(src[2] * inv, src[3] * inv));
+        }
       }
     }
   }
@@ -336,13 +448,13 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
     if (cur_full) {
       SharedRow r;
       r.a = static_cast<u32>(__cvta_generic_to_shared(bufs + buf * page_words));
-      decode_page<D>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qf, lut, sm.kfac, sm.qmu,
-                     pt, g, t, acc, m0, m1, l0, l1);
+      decode_page<D, UNI>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qf, lut, sm.kfac,
+                          sm.qmu, sm.hstep, pt, g, t, acc, m0, m1, l0, l1);
     } else {
       GlobalRow r;
       r.p = pages + (size_t)cur_page * page_words;
-      decode_page<D>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qf, lut, sm.kfac, sm.qmu,
-                     pt, g, t, acc, m0, m1, l0, l1);
+      decode_page<D, UNI>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qf, lut, sm.kfac,
+                          sm.qmu, sm.hstep, pt, g, t, acc, m0, m1, l0, l1);
     }
     __syncwarp();   // every lane is done with this buffer before it is refilled
     buf ^= 1;
@@ -362,17 +474,18 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
     sm.m[warp][h0] = m0; sm.m[warp][h1] = m1;
     sm.l[warp][h0] = l0; sm.l[warp][h1] = l1;
   }
-  // acc[4j+p] = rows (coordinate 8(g+8j)+2p, +1) x heads (h0, h1)
+  // acc[4j+p] = rows (coordinate c, c2) x heads (h0, h1): c = 8(g+8j)+2p, c2 = c+1 on the
+  // table path; c = 8(g+8j)+p, c2 = c+4 on the affine path (pairs p, p+4)
 #pragma unroll
   for (int j = 0; j < D / 64; ++j) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      int c = 8 * (g + 8 * j) + 2 * p;
+      const int c = 8 * (g + 8 * j) + (UNI ? p : 2 * p), c2 = c + (UNI ? 4 : 1);
       float* o = obuf + (size_t)warp * DEC_HEADS * D;
       o[h0 * D + c] = acc[4 * j + p][0];
       o[h1 * D + c] = acc[4 * j + p][1];
-      o[h0 * D + c + 1] = acc[4 * j + p][2];
-      o[h1 * D + c + 1] = acc[4 * j + p][3];
+      o[h0 * D + c2] = acc[4 * j + p][2];
+      o[h1 * D + c2] = acc[4 * j + p][3];
     }
   }
   __syncthreads();
@@ -414,6 +527,19 @@ ada_decode_kernel(const float* __restrict__ q, long long q_sb, long long q_sh,
     for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) part_o[base * D + idx] = obuf[idx];
     if (threadIdx.x < G) part_lse[base + threadIdx.x] = sm.lse[threadIdx.x];
   }
+}
+
+// Table path (Lloyd–Max or any codebook): 37 KiB of replicated tables, 3 CTAs per SM.
+template <int D>
+__global__ void __launch_bounds__(DEC_WARPS * 32, 3) ada_decode_kernel(SKV_DECODE_PARAMS) {
+  decode_cta<D, false>(SKV_DECODE_ARGS);
+}
+
+// Affine path (uniform codebook): no tables, so more CTAs fit per SM.
+template <int D>
+__global__ void __launch_bounds__(DEC_WARPS * 32, DEC_UNI_CTAS)
+ada_decode_uniform_kernel(SKV_DECODE_PARAMS) {
+  decode_cta<D, true>(SKV_DECODE_ARGS);
 }
 
 // Split-K merge: one CTA per row, D threads; o = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M),
