@@ -39,7 +39,7 @@ for stage in "$@"; do
         --shapes ${QUICK_SHAPES:-8x32768,1x131072} --tiers 4/4,rdr-mix 2>&1 | tee "$OUT/bench_quick.log" | tail -n 30
       rc=${PIPESTATUS[0]};;
     bench)
-      timeout ${BENCH_LIMIT:-420} python3 validation/decode_bench.py --out "$OUT/decode_h200.json" --reps 20 \
+      timeout ${BENCH_LIMIT:-420} python3 validation/decode_bench.py --out "$OUT/decode_h200.json" --reps ${BENCH_REPS:-20} \
         2>&1 | tee "$OUT/bench.log" | tail -n 45
       rc=${PIPESTATUS[0]};;
     flashinfer)
