@@ -23,17 +23,17 @@ def _gpu():
 
 
 class AdaDecode:
-    params = ([(8, 32768), (1, 131072)], ["4/4", "2/2", "rdr-mix"])
-    param_names = ["batch_context", "tiers"]
+    params = ([(8, 32768), (1, 131072)], ["4/4", "2/2", "rdr-mix"], ["lloyd-max", "uniform"])
+    param_names = ["batch_context", "tiers", "codebook"]
     timeout = 300
 
-    def setup(self, batch_context, tiers):
+    def setup(self, batch_context, tiers, codebook):
         cp = _gpu()
         from cupy_kernels import kernel_tables
         from validation.decode_bench import ada_step, build_ada
         self.cp = cp
         batch, context = batch_context
-        self.tables = kernel_tables(LADDER, D)
+        self.tables = kernel_tables(LADDER, D, codebook=codebook)
         self.state, _ = build_ada(batch, context, tiers, self.tables)
         q = cp.random.standard_normal((batch, HQ, D), dtype=cp.float32)
         self.run, self.out, _ = ada_step(self.state, self.tables, q, batch)
@@ -53,11 +53,11 @@ class AdaDecode:
             times.append(cp.cuda.get_elapsed_time(a, b) * 1e3)
         return float(np.median(times))
 
-    def track_gpu_us(self, batch_context, tiers):
+    def track_gpu_us(self, batch_context, tiers, codebook):
         return self._gpu_us()
     track_gpu_us.unit = "us"
 
-    def track_gbps(self, batch_context, tiers):
+    def track_gbps(self, batch_context, tiers, codebook):
         return self.nbytes / (self._gpu_us() * 1e-6) / 1e9
     track_gbps.unit = "GB/s"
 
