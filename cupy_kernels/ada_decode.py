@@ -19,7 +19,10 @@ from .pages import KernelTables, as_device, device_tables
 THREADS = 128          # 4 warps, csrc/ada_decode.cuh DEC_WARPS
 MAX_GROUP = 8          # query heads per kv-head served by one mma tile
 CTAS_PER_SM = 3        # residency of the table kernel (ptxas: <= 168 registers, ~72 KiB smem)
-CTAS_PER_SM_UNIFORM = 4   # affine kernel: <= 128 registers (DEC_UNI_CTAS), ~34 KiB smem
+CTAS_PER_SM_UNIFORM = 3   # v5 affine kernel: <= 168 registers (DEC_UNI5_CTAS), ~34 KiB smem
+CTAS_PER_SM_UNIFORM_V4 = 4   # v4 affine kernel: <= 128 registers (DEC_UNI_CTAS)
+VERSIONS = (4, 5)      # kernel generations (docs/PERF_NOTES.md); 5 is the default
+DEFAULT_VERSION = 5
 LUT_BYTES = 37888      # csrc/spherical_common.cuh LUT_BYTES (replicated look-up tables)
 
 
@@ -27,6 +30,19 @@ def uses_affine_path(tables: KernelTables) -> bool:
     """The uniform codebook decodes on the affine path (no look-up tables); any other codebook
     (Lloyd–Max, the default) on the table path. The pool's codebook decides."""
     return tables.codebook == "uniform"
+
+
+def ctas_per_sm(tables: KernelTables, version: int = DEFAULT_VERSION) -> int:
+    """Residency of the decode kernel that ``ada_decode`` picks for this pool and version."""
+    _check_version(version)
+    if not uses_affine_path(tables):
+        return CTAS_PER_SM
+    return CTAS_PER_SM_UNIFORM if version == 5 else CTAS_PER_SM_UNIFORM_V4
+
+
+def _check_version(version) -> None:
+    if version not in VERSIONS:
+        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
 
 
 def decode_smem_bytes(dim: int, page_bytes: int, uniform: bool = False) -> int:
@@ -111,7 +127,8 @@ def validate_page_table(page_tier, page_count, indptr, indices, tables: KernelTa
 def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelTables,
                sigma_k, sigma_v, *, num_kv_heads: int, mean_k=None, mean_v=None,
                softmax_scale: float | None = None, num_splits: int | None = None,
-               out=None, workspace: DecodeWorkspace | None = None, validate: bool = True):
+               out=None, workspace: DecodeWorkspace | None = None, validate: bool = True,
+               version: int = DEFAULT_VERSION):
     """o (batch, num_q_heads, d) float32 = ADA attention over the paged, encoded cache.
 
     q: (batch, Hq, d) float (any strides; copied to float32 only if it is not float32 with a
@@ -119,7 +136,9 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     page_bytes/4). page_tier, page_count: int32 (num_pages,). indptr: int32 (rows+1,),
     indices: int32, rows = batch * num_kv_heads in (sequence, kv-head) order. sigma_k,
     sigma_v: float32 (num_kv_heads, d) rotation signs. mean_k, mean_v: float32 (rows, d)
-    or None. Returns a CuPy array (a torch tensor if q is one)."""
+    or None. version: 5 (default: 32-state softmax steps, lop3 + fma affine decode) or 4 (the
+    previous kernels, kept for comparison). Returns a CuPy array (a torch tensor if q is one)."""
+    _check_version(version)
     cp = cupy()
     if type(q).__module__.startswith("torch") and getattr(q, "dtype", None) is not None \
             and str(q.dtype) != "torch.float32":
@@ -189,8 +208,8 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
         if splits > 1 and workspace.part_o.shape != (splits, rows, group, d):
             raise ValueError("workspace shape does not match this call")
     else:
-        splits = (choose_splits(rows, ix.shape[0], ctas_per_sm=CTAS_PER_SM_UNIFORM if uniform
-                                else CTAS_PER_SM) if num_splits is None else int(num_splits))
+        splits = (choose_splits(rows, ix.shape[0], ctas_per_sm=ctas_per_sm(tables, version))
+                  if num_splits is None else int(num_splits))
         if splits < 1:
             raise ValueError("num_splits must be >= 1")
         workspace = make_workspace(rows, group, d, splits)
@@ -210,7 +229,10 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     mv = means[1] if means[1] is not None else null
     po = workspace.part_o if splits > 1 else null
     pl = workspace.part_lse if splits > 1 else null
-    kern = kernel("ada_decode_uniform_kernel" if uniform else "ada_decode_kernel", d)
+    name = "ada_decode_uniform_kernel" if uniform else "ada_decode_kernel"
+    if version == 4:
+        name = name.replace("_kernel", "_v4_kernel")
+    kern = kernel(name, d)
     smem = decode_smem_bytes(d, tables.page_bytes, uniform)
     levels = dev["half_steps"] if uniform else dev["levels32"]
     if smem > 227 * 1024:

@@ -46,11 +46,11 @@ def decode_shapes(draw):
 
 
 @settings(max_examples=40, deadline=None)
-@given(shape=decode_shapes(), splits=st.sampled_from([None, 1, 2, 5]))
-def test_matches_reference(shape, splits):
+@given(shape=decode_shapes(), splits=st.sampled_from([None, 1, 2, 5]), version=st.sampled_from([5, 4]))
+def test_matches_reference(shape, splits, version):
     from cupy_kernels.cases import build_case, run_case
     case = build_case(**shape)
-    _check(case, run_case(case, num_splits=splits))
+    _check(case, run_case(case, num_splits=splits, version=version))
 
 
 @pytest.mark.parametrize("codebook", ["lloyd-max", "uniform"])
@@ -62,16 +62,40 @@ def test_long_rows_split_k_and_softmax_scale(codebook):
     _check(case, run_case(case))
 
 
+@pytest.mark.parametrize("version", [5, 4])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_uniform_every_bit_width(dim):
+def test_uniform_every_bit_width(dim, version):
     """The affine path at every bit width (1, 2, 3, 4, 8 and the fp16 top tier), one tier per
     case, with partial pages (read in place) and full pages (staged)."""
     from cupy_kernels.cases import build_case, run_case
     for tier in range(1, len(WIDE_LADDER) + 1):
         case = build_case(2, 2, 8, dim, [700, 129, 33, 410], WIDE_LADDER, [tier], seed=tier,
                           centred=tier % 2 == 0, codebook="uniform")
-        _check(case, run_case(case, num_splits=1))
-        _check(case, run_case(case, num_splits=3))
+        _check(case, run_case(case, num_splits=1, version=version))
+        _check(case, run_case(case, num_splits=3, version=version))
+
+
+@pytest.mark.parametrize("codebook", ["lloyd-max", "uniform"])
+def test_v5_and_v4_agree(codebook):
+    """v5 (32-state softmax steps; on the affine path u = c - 2^(B-1) plus the per-head
+    corrections) and v4 decode the same pool to the kernels' rounding scale, on tiers of every
+    width, with partial pages, one split and several."""
+    from cupy_kernels.cases import build_case, run_case
+    case = build_case(2, 2, 4, 128, [1000, 37, 515, 300], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
+                      seed=31, centred=True, codebook=codebook)
+    for splits in (1, 4):
+        a = run_case(case, num_splits=splits, version=5)
+        b = run_case(case, num_splits=splits, version=4).get()
+        diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
+        assert float(np.max(diff / case.error_scale())) <= BOUND
+        _check(case, a)
+
+
+def test_bad_version_rejected():
+    from cupy_kernels.cases import build_case, run_case
+    case = build_case(1, 1, 4, 64, [20], LADDER, [5], seed=1)
+    with pytest.raises(ValueError):
+        run_case(case, version=3)
 
 
 def test_uniform_and_table_paths_agree_on_uniform_codes():

@@ -115,17 +115,17 @@ def build_ada(batch, context, tiers_name, tables, seed=0):
                 sigma_k=sig_k, sigma_v=sig_v), (sum(enc_times), enc_bytes)
 
 
-def ada_step(state, tables, q, batch):
+def ada_step(state, tables, q, batch, version=5):
     """A captured CUDA graph of one decode step; returns (replay fn, output)."""
     import cupy as cp
     from cupy_kernels import ada_decode, choose_splits, make_workspace
+    from cupy_kernels.ada_decode import ctas_per_sm
     rows = batch * HKV
-    from cupy_kernels.ada_decode import CTAS_PER_SM, CTAS_PER_SM_UNIFORM, uses_affine_path
     splits = choose_splits(rows, int(state["indices"].size),
-                           ctas_per_sm=CTAS_PER_SM_UNIFORM if uses_affine_path(tables) else CTAS_PER_SM)
+                           ctas_per_sm=ctas_per_sm(tables, version))
     ws = make_workspace(rows, HQ // HKV, D, splits)
     out = cp.empty((batch, HQ, D), cp.float32)
-    kw = dict(num_kv_heads=HKV, out=out, workspace=ws)
+    kw = dict(num_kv_heads=HKV, out=out, workspace=ws, version=version)
     args = (q, state["pages"], state["page_tier"], state["page_count"], state["indptr"],
             state["indices"], tables, state["sigma_k"], state["sigma_v"])
     ada_decode(*args, **kw)                      # validates once, compiles
@@ -265,6 +265,8 @@ def main(argv=None):
     ap.add_argument("--tiers", default="4/4,3/3,2/2,rdr-mix")
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--codebooks", default="lloyd-max,uniform")
+    ap.add_argument("--versions", default="5,4",
+                    help="decode kernel versions to time side by side (rows carry 'version')")
     ap.add_argument("--quality", action="store_true",
                     help="CPU only: attention error of the codebooks (no GPU, no timing)")
     args = ap.parse_args(argv)
@@ -284,6 +286,7 @@ def main(argv=None):
     copy_gbps = copy_bandwidth(timer)
     print(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s", flush=True)
     codebooks = [c for c in args.codebooks.split(",") if c]
+    versions = [int(v) for v in args.versions.split(",") if v]
     all_tables = {c: kernel_tables(LADDER, D, codebook=c) for c in codebooks}
     rows = []
     for batch, context in shapes:
@@ -327,13 +330,24 @@ def main(argv=None):
             state, (enc_us, enc_bytes) = build_ada(batch, context, tiers_name, tables)
             lay = state["layout"]
             row("ada_encode", tiers_name, enc_us, enc_bytes, cb)
-            run, out, splits = ada_step(state, tables, q_c, batch)
-            meta = (lay.indptr.size + 3 * lay.indices.size) * 4
-            nbytes = lay.cache_bytes + q_c.size * 4 + meta + out.size * 4
-            us = timer(run)
-            row("ada", tiers_name, us, nbytes, cb)
-            rows[-1]["splits"] = splits
-            rows[-1]["cache_bytes"] = lay.cache_bytes
+            outs = {}
+            for ver in versions:
+                run, out, splits = ada_step(state, tables, q_c, batch, ver)
+                meta = (lay.indptr.size + 3 * lay.indices.size) * 4
+                nbytes = lay.cache_bytes + q_c.size * 4 + meta + out.size * 4
+                us = timer(run)
+                row("ada", tiers_name, us, nbytes, cb)
+                rows[-1]["splits"] = splits
+                rows[-1]["cache_bytes"] = lay.cache_bytes
+                rows[-1]["version"] = ver
+                outs[ver] = out
+                del run
+            if len(outs) > 1:   # the versions must agree (same codes, different fp16 roundings)
+                a, b = (outs[v] for v in versions[:2])
+                rel = float(cp.linalg.norm(a - b) / max(float(cp.linalg.norm(b)), 1e-30))
+                rows[-1]["rel_diff_vs_v%d" % versions[0]] = rel
+                print(f"  v{versions[0]} vs v{versions[1]}: relative difference {rel:.2e}", flush=True)
+            out = outs[versions[0]]
             if tiers_name in TIERS and cb == codebooks[0]:
                 try:
                     fn = decompress_path(state, tables, tiers_name, batch, context, q_t)
@@ -341,7 +355,7 @@ def main(argv=None):
                     del fn
                 except Exception as e:
                     print(f"decompress path failed: {type(e).__name__}: {e}"[:300], flush=True)
-            del state, run, out
+            del state, out, outs
             with open(args.out, "w") as f:   # rows so far survive a stage time limit
                 json.dump(rows, f, indent=1)
             cp.get_default_memory_pool().free_all_blocks()
@@ -349,14 +363,14 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     print()
-    print(f"{'method':24s} {'B':>3s} {'ctx':>7s} {'tiers':>9s} {'codebook':>9s} {'us':>9s} "
+    print(f"{'method':24s} {'B':>3s} {'ctx':>7s} {'tiers':>9s} {'codebook':>12s} {'us':>9s} "
           f"{'GB/s':>7s} {'%copy':>6s} {'x sdpa':>7s}")
     for r in rows:
-        cb = r.get("codebook") or "-"
+        cb = (r.get("codebook") or "-") + (f" v{r['version']}" if "version" in r else "")
         if r["us"] is None:
-            print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s} {cb:>9s}  unavailable")
+            print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s} {cb:>12s}  unavailable")
             continue
-        print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s} {cb:>9s} "
+        print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s} {cb:>12s} "
               f"{r['us']:9.1f} {r['gbps']:7.0f} {100 * r['gbps'] / r['copy_gbps']:6.1f} "
               f"{r['speedup_vs_sdpa_bf16']:7.2f}")
     return 0

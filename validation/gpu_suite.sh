@@ -29,7 +29,7 @@ for stage in "$@"; do
       timeout 300 python3 validation/ncu_bytes.py --out "$OUT/ncu_bytes.json" --tiers 4/4,rdr-mix 2>&1 | tail -n 20
       rc=${PIPESTATUS[0]};;
     profile)
-      timeout 200 ncu --clock-control none --kernel-name regex:ada_decode_kernel --launch-count 1 \
+      timeout 200 ncu --clock-control none --kernel-name regex:ada_decode --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats \
         python3 validation/ncu_bytes.py --child --tiers 4/4 > "$OUT/ncu_profile.txt" 2>&1

@@ -1,5 +1,5 @@
-"""A small representative run of every kernel (encode, decode with and without split-K,
-merge, re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
+"""A small representative run of every kernel (encode, decode on the table and the affine path,
+v5 and v4, with and without split-K, merge, re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 validation/sanitize_run.py
 """
@@ -12,12 +12,14 @@ def main():
     from cupy_kernels.cases import build_case, run_case, to_device
     ladder = [(2, 2), (3, 2), (4, 3), (4, 4), (8, 8), (16, 16)]
     for dim, group in ((128, 4), (64, 8)):
-        case = build_case(2, 2, group, dim, [97, 300, 17, 64], ladder, [1, 2, 3, 4, 5, 6],
-                          seed=1, centred=True, fill_random=True, reference_parts=False)
-        dev = to_device(case)
-        for splits in (1, 3):
-            out = run_case(case, dev, num_splits=splits)
-            assert bool(cp.all(cp.isfinite(out)))
+        for codebook in ("lloyd-max", "uniform"):   # table path, affine path
+            case = build_case(2, 2, group, dim, [97, 300, 17, 64], ladder, [1, 2, 3, 4, 5, 6],
+                              seed=1, centred=True, fill_random=True, reference_parts=False,
+                              codebook=codebook)
+            dev = to_device(case)
+            for splits, version in ((1, 5), (3, 5), (3, 4)):
+                out = run_case(case, dev, num_splits=splits, version=version)
+                assert bool(cp.all(cp.isfinite(out)))
         tables = case.tables
         # encode into fresh pages of every tier, then demote and compact them
         n = 40

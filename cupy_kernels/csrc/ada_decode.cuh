@@ -33,20 +33,30 @@ namespace skv {
 
 constexpr int DEC_WARPS = 4;
 constexpr int DEC_HEADS = 8;   // n of the mma tile: GQA groups up to 8 query heads
+#ifndef DEC_TABLE_SUB
+#define DEC_TABLE_SUB 2         // 16-state sub-tiles per softmax step on the table path (v5)
+#endif
+#ifndef DEC_UNI_SUB
+#define DEC_UNI_SUB 2           // the same on the affine path (v5)
+#endif
 #ifndef DEC_UNI_CTAS
-#define DEC_UNI_CTAS 4          // residency asked of ptxas for the affine (uniform) kernel
+#define DEC_UNI_CTAS 4          // residency asked of ptxas for the v4 affine kernel (128 regs)
+#endif
+#ifndef DEC_UNI5_CTAS
+#define DEC_UNI5_CTAS 3         // v5 affine kernel: 168 registers (at 128 it spills ~20 B)
 #endif
 
 template <int D>
 struct DecodeSmem {   // static part; tables and page buffers are dynamic (see below)
   float m[DEC_WARPS][DEC_HEADS];
   float l[DEC_WARPS][DEC_HEADS];
-  __half ptile[DEC_WARPS][DEC_HEADS][16];  // P' of the current tile, [head][state]
+  __half ptile[DEC_WARPS][DEC_HEADS][32];  // P' of the current tile, [head][state]
   float qfac[DEC_HEADS];   // logit factor per head: max|q'| (q' stored / max|q'| in fp16)
   float qmu[DEC_HEADS];    // q . mu_K per head (0 without centring)
   float lse[DEC_HEADS];    // combined log2-sum-exp per head
   float kfac[DEC_HEADS];   // qfac * softmax scale * log2(e)
   float hstep[8];          // affine path: half step of the uniform codebook per level row
+  float qhalf[DEC_HEADS];  // affine v5: sum of the fp16 q' per head / 2
 };
 
 // Dynamic shared memory: [LUT_BYTES tables][region], region = max(2 page buffers per warp,
@@ -64,13 +74,24 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
 __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
-// Logit phase for one tile: s[0..3] = <q~[2t], c(st0)>, <q~[2t+1], c(st0)>, same for st1.
-template <int B, bool UNI, int D, class R>
-__device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int st0, int st1,
-                                            bool ok0, bool ok1, const u32 (&qf)[D / 16][2],
-                                            const Luts& lut, int t, float (&s)[4]) {
-  const R r0 = kbase.at(st0 * kwords);
-  const R r1 = kbase.at(st1 * kwords);
+// Logit phase for NSUB sub-tiles of 16 states: s[u][0..3] = <q~[2t], c(st0)>, <q~[2t+1],
+// c(st0)>, the same for st1, with st0 = tile0 + 16u + g, st1 = st0 + 8. The sub-tiles' mma
+// chains are independent, so the scheduler interleaves them.
+template <int B, int PATH, int D, int NSUB, class R>
+__device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int tile0, int count,
+                                            const u32 (&qf)[D / 16][2], const Luts& lut, int g,
+                                            int t, float (&s)[NSUB][4]) {
+  constexpr bool UNI = PATH != PATH_TABLE;
+  R r0[NSUB], r1[NSUB];
+  bool ok0[NSUB], ok1[NSUB];
+#pragma unroll
+  for (int u = 0; u < NSUB; ++u) {
+    const int st0 = tile0 + 16 * u + g, st1 = st0 + 8;
+    ok0[u] = st0 < count;
+    ok1[u] = st1 < count;
+    r0[u] = kbase.at(st0 * kwords);
+    r1[u] = kbase.at(st1 * kwords);
+  }
   if constexpr (UNI && B == 16) {
     // fp16 top tier on the affine path: chunk (i, h) needs words h and 2 + h of the group
     // (coordinates 2h, 2h+1 and 2h+4, 2h+5); one prmt per operand, loads per chunk.
@@ -78,54 +99,81 @@ __device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int st0,
     for (int i = 0; i < D / 32; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int w = 4 * (t + 4 * i) + h;
-        const u32 x0 = ok0 ? r0.w(w) : 0u, y0 = ok0 ? r0.w(w + 2) : 0u;
-        const u32 x1 = ok1 ? r1.w(w) : 0u, y1 = ok1 ? r1.w(w + 2) : 0u;
-        mma_16816(s, __byte_perm(x0, y0, 0x5410u), __byte_perm(x1, y1, 0x5410u),
-                  __byte_perm(x0, y0, 0x7632u), __byte_perm(x1, y1, 0x7632u),
-                  qf[2 * i + h][0], qf[2 * i + h][1]);
+#pragma unroll
+        for (int u = 0; u < NSUB; ++u) {
+          const int w = 4 * (t + 4 * i) + h;
+          const u32 x0 = ok0[u] ? r0[u].w(w) : 0u, y0 = ok0[u] ? r0[u].w(w + 2) : 0u;
+          const u32 x1 = ok1[u] ? r1[u].w(w) : 0u, y1 = ok1[u] ? r1[u].w(w + 2) : 0u;
+          mma_16816(s[u], __byte_perm(x0, y0, 0x5410u), __byte_perm(x1, y1, 0x5410u),
+                    __byte_perm(x0, y0, 0x7632u), __byte_perm(x1, y1, 0x7632u),
+                    qf[2 * i + h][0], qf[2 * i + h][1]);
+        }
       }
     }
     return;
   }
   // Narrow codes are all loaded up front (more loads in flight); 8- and 16-bit groups
-  // (2 and 4 words) are loaded per chunk, which keeps the affine kernel within its registers.
-  constexpr bool EAGER = B < 8 || !UNI;
-  typename GroupOf<B, UNI>::type a[D / 32], b[D / 32];
+  // (2 and 4 words), and every group on the v5 affine path (two sub-tiles), are loaded per
+  // chunk, which keeps the affine kernels within their registers.
+  constexpr bool EAGER = !UNI || (B < 8 && NSUB == 1);
+  typename GroupOf<B, PATH>::type a[NSUB][D / 32], b[NSUB][D / 32];
 #pragma unroll
-  for (int i = 0; i < D / 32; ++i) {
-    if (EAGER) {
-      if (ok0) a[i].load(r0, t + 4 * i, D / 16); else a[i].zero();
-      if (ok1) b[i].load(r1, t + 4 * i, D / 16); else b[i].zero();
+  for (int u = 0; u < NSUB; ++u) {
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+      if (EAGER) {
+        if (ok0[u]) a[u][i].load(r0[u], t + 4 * i, D / 16); else a[u][i].zero();
+        if (ok1[u]) b[u][i].load(r1[u], t + 4 * i, D / 16); else b[u][i].zero();
+      }
     }
   }
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) {
-    if (!EAGER) {
-      if (ok0) a[i].load(r0, t + 4 * i, D / 16); else a[i].zero();
-      if (ok1) b[i].load(r1, t + 4 * i, D / 16); else b[i].zero();
-    }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      u32 a0 = h2_as_u32(a[i].pair(lut, 2 * h));
-      u32 a2 = h2_as_u32(a[i].pair(lut, 2 * h + 1));
-      u32 a1 = h2_as_u32(b[i].pair(lut, 2 * h));
-      u32 a3 = h2_as_u32(b[i].pair(lut, 2 * h + 1));
-      mma_16816(s, a0, a1, a2, a3, qf[2 * i + h][0], qf[2 * i + h][1]);
+    for (int u = 0; u < NSUB; ++u) {
+      if (!EAGER) {
+        if (ok0[u]) a[u][i].load(r0[u], t + 4 * i, D / 16); else a[u][i].zero();
+        if (ok1[u]) b[u][i].load(r1[u], t + 4 * i, D / 16); else b[u][i].zero();
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        u32 a0 = h2_as_u32(a[u][i].pair(lut, 2 * h));
+        u32 a2 = h2_as_u32(a[u][i].pair(lut, 2 * h + 1));
+        u32 a1 = h2_as_u32(b[u][i].pair(lut, 2 * h));
+        u32 a3 = h2_as_u32(b[u][i].pair(lut, 2 * h + 1));
+        mma_16816(s[u], a0, a1, a2, a3, qf[2 * i + h][0], qf[2 * i + h][1]);
+      }
     }
   }
 }
 
-// Value phase for one tile: acc[mb] += V^T block mb . P'^T.
-template <int B, bool UNI, int D, class R>
+// 4-bit affine pair p of a word holding nibbles 0..3 (low half) and 4..7 (high half) of a
+// group: v4 2c - 15 (shift, and, or, hadd2), v5 c - 8 (lop3, fma; a shift per two pairs).
+template <int PATH>
+__device__ __forceinline__ u32 nib_pair(u32 x, int p) {
+  if constexpr (PATH == PATH_AFFINE) {
+    switch (p) {
+      case 0: return dq_pair<0, 4>(x);
+      case 1: return dq_pair<4, 4>(x);
+      case 2: return dq_pair<0, 4>(x >> 8);
+      default: return dq_pair<4, 4>(x >> 8);
+    }
+  } else {
+    return h2_as_u32(affine_pair<4>(to_bit1(x, 4 * p), 0x001e001eu));
+  }
+}
+
+// Value phase for one sub-tile of 16 states from tile0: acc[mb] += V^T block mb . P'^T.
+template <int B, int PATH, int D, class R>
 __device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile0, int count,
                                             u32 pb0, u32 pb1, const Luts& lut, int g, int t,
                                             float (&acc)[D / 16][4]) {
+  constexpr bool UNI = PATH != PATH_TABLE;
   constexpr int NG = D / 64;  // coordinate groups per lane per state
   int st[4] = {tile0 + 2 * t, tile0 + 2 * t + 1, tile0 + 2 * t + 8, tile0 + 2 * t + 9};
   if constexpr (UNI && B == 4) {
     // Affine 4-bit path: one prmt puts nibbles 0..3 (or 4..7) of two states side by side, so
-    // each half2 (coordinate c of states 2t, 2t+1) costs a shift, a lop3 and an hsub2.
+    // each half2 (coordinate c of states 2t, 2t+1) costs nib_pair.
     u32 w[4][NG];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -139,11 +187,8 @@ __device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile
       const u32 lo23 = __byte_perm(w[2][j], w[3][j], 0x5410u), hi23 = __byte_perm(w[2][j], w[3][j], 0x7632u);
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
-        u32 a0 = h2_as_u32(affine_pair<4>(to_bit1(lo01, 4 * p), 0x001e001eu));
-        u32 a1 = h2_as_u32(affine_pair<4>(to_bit1(hi01, 4 * p), 0x001e001eu));
-        u32 a2 = h2_as_u32(affine_pair<4>(to_bit1(lo23, 4 * p), 0x001e001eu));
-        u32 a3 = h2_as_u32(affine_pair<4>(to_bit1(hi23, 4 * p), 0x001e001eu));
-        mma_16816(acc[4 * j + p], a0, a1, a2, a3, pb0, pb1);
+        mma_16816(acc[4 * j + p], nib_pair<PATH>(lo01, p), nib_pair<PATH>(hi01, p),
+                  nib_pair<PATH>(lo23, p), nib_pair<PATH>(hi23, p), pb0, pb1);
       }
     }
   } else if constexpr (UNI && B == 16) {
@@ -170,7 +215,7 @@ __device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile
     }
   } else {
   constexpr bool EAGER = B < 8 || !UNI;   // as in tile_logits
-  typename GroupOf<B, UNI>::type v[4][NG];
+  typename GroupOf<B, PATH>::type v[4][NG];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const R row = vbase.at(st[k] * vwords);
@@ -204,33 +249,43 @@ __device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile
   }
 }
 
-template <int D, bool UNI, class R>
-__device__ __forceinline__ void dispatch_logits(int bits, const R& kbase, int kwords, int st0,
-                                                int st1, bool ok0, bool ok1,
-                                                const u32 (&qf)[D / 16][2], const Luts& lut,
-                                                int t, float (&s)[4]) {
+template <int D, int PATH, int NSUB, class R>
+__device__ __forceinline__ void dispatch_logits(int bits, const R& kbase, int kwords, int tile0,
+                                                int count, const u32 (&qf)[D / 16][2],
+                                                const Luts& lut, int g, int t,
+                                                float (&s)[NSUB][4]) {
+#define SKV_LOGITS(BB) tile_logits<BB, PATH, D, NSUB, R>(kbase, kwords, tile0, count, qf, lut, g, t, s)
   switch (bits) {
-    case 1: tile_logits<1, UNI, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    case 2: tile_logits<2, UNI, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    case 3: tile_logits<3, UNI, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    case 4: tile_logits<4, UNI, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    case 8: tile_logits<8, UNI, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
-    default: tile_logits<16, UNI, D, R>(kbase, kwords, st0, st1, ok0, ok1, qf, lut, t, s); break;
+    case 1: SKV_LOGITS(1); break;
+    case 2: SKV_LOGITS(2); break;
+    case 3: SKV_LOGITS(3); break;
+    case 4: SKV_LOGITS(4); break;
+    case 8: SKV_LOGITS(8); break;
+    default: SKV_LOGITS(16); break;
   }
+#undef SKV_LOGITS
 }
 
-template <int D, bool UNI, class R>
+// Values of the NSUB sub-tiles; a sub-tile past the page's last state is skipped (warp-uniform).
+template <int D, int PATH, int NSUB, class R>
 __device__ __forceinline__ void dispatch_values(int bits, const R& vbase, int vwords, int tile0,
-                                                int count, u32 pb0, u32 pb1, const Luts& lut,
-                                                int g, int t, float (&acc)[D / 16][4]) {
+                                                int count, const u32 (&pb)[NSUB][2],
+                                                const Luts& lut, int g, int t,
+                                                float (&acc)[D / 16][4]) {
+#define SKV_VALUES(BB)                                                                       \
+  _Pragma("unroll") for (int u = 0; u < NSUB; ++u)                                           \
+    if (u == 0 || tile0 + 16 * u < count)                                                    \
+      tile_values<BB, PATH, D, R>(vbase, vwords, tile0 + 16 * u, count, pb[u][0], pb[u][1],  \
+                                  lut, g, t, acc)
   switch (bits) {
-    case 1: tile_values<1, UNI, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    case 2: tile_values<2, UNI, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    case 3: tile_values<3, UNI, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    case 4: tile_values<4, UNI, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    case 8: tile_values<8, UNI, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
-    default: tile_values<16, UNI, D, R>(vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc); break;
+    case 1: SKV_VALUES(1); break;
+    case 2: SKV_VALUES(2); break;
+    case 3: SKV_VALUES(3); break;
+    case 4: SKV_VALUES(4); break;
+    case 8: SKV_VALUES(8); break;
+    default: SKV_VALUES(16); break;
   }
+#undef SKV_VALUES
 }
 
 // Writes the final output of G heads from buf[g][:] (normalised accumulators in rotated
@@ -247,38 +302,59 @@ __device__ __forceinline__ void finish_heads(float* buf, int G, const float* sig
   }
 }
 
-// One page: tiles of 16 states, logits -> online softmax -> values (see the map above).
-template <int D, bool UNI, class R>
+// One page: tiles of 16 * NSUB states, logits -> online softmax -> values (see the map
+// above). NSUB = 2 (v5): one running-maximum update, one shuffle reduction and one P'
+// exchange per 32 states; each lane first reduces its own 2 * NSUB states per head.
+// ps0, ps1: sum of the fp16 P' of the affine (v5) tiers, for the "+1/2" of u = c - 2^(B-1).
+template <int D, int PATH, int NSUB, class R>
 __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int count,
                                             const u32 (&qf)[D / 16][2], const Luts& lut,
                                             const float* kfac, const float* qmu,
-                                            const float* hstep, __half* pt,
+                                            const float* hstep, const float* qhalf, __half* pt,
                                             int g, int t, float (&acc)[D / 16][4],
-                                            float& m0, float& m1, float& l0, float& l1) {
+                                            float& m0, float& m1, float& l0, float& l1,
+                                            float& ps0, float& ps1) {
+  constexpr bool UNI = PATH != PATH_TABLE;
+  constexpr int TS = 16 * NSUB;        // states per tile (row stride of the P' tile)
   const int kbits = __ldg(gm + G_KBITS), vbits = __ldg(gm + G_VBITS);
   const int kwords = __ldg(gm + G_KWORDS), vwords = __ldg(gm + G_VWORDS);
   const int voff = __ldg(gm + G_VOFF), ksoff = __ldg(gm + G_KSOFF), vsoff = __ldg(gm + G_VSOFF);
   const int h0 = 2 * t, h1 = 2 * t + 1;
   const float top = sqrtf((float)D);   // 16-bit tier: logit = sqrt(D) <q', y>, no scale
-  // Affine path: codes enter the mma as 2c - (2^B - 1); the half step joins the scales.
-  const float hk = (UNI && kbits != 16) ? hstep[level_row(kbits)] : 1.0f;
+  // Affine paths: the half step (doubled on v5, where the operand is u = c - 2^(B-1)) joins
+  // the scales; v5 adds sum(q')/2 to the mma's logit sum.
+  const bool kaff = UNI && kbits != 16, vaff = PATH == PATH_AFFINE && vbits != 16;
+  const float hk = kaff ? hstep[level_row(kbits)] : 1.0f;
   const float hv = (UNI && vbits != 16) ? hstep[level_row(vbits)] : 1.0f;
   const float kf0 = kfac[h0] * hk, kf1 = kfac[h1] * hk, mu0 = qmu[h0], mu1 = qmu[h1];
+  const float qk0 = (PATH == PATH_AFFINE && kaff) ? qhalf[h0] : 0.0f;
+  const float qk1 = (PATH == PATH_AFFINE && kaff) ? qhalf[h1] : 0.0f;
   const R vbase = pg.at(voff);
-  for (int tile0 = 0; tile0 < count; tile0 += 16) {
-    const int st0 = tile0 + g, st1 = tile0 + g + 8;
-    const bool ok0 = st0 < count, ok1 = st1 < count;
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    dispatch_logits<D, UNI>(kbits, pg, kwords, st0, st1, ok0, ok1, qf, lut, t, s);
-    const float sk0 = ok0 ? (ksoff >= 0 ? pg.half_at(ksoff + 2 * st0) : top) : 0.0f;
-    const float sk1 = ok1 ? (ksoff >= 0 ? pg.half_at(ksoff + 2 * st1) : top) : 0.0f;
-    const float sv0 = ok0 ? (vsoff >= 0 ? pg.half_at(vsoff + 2 * st0) * hv : top) : 0.0f;
-    const float sv1 = ok1 ? (vsoff >= 0 ? pg.half_at(vsoff + 2 * st1) * hv : top) : 0.0f;
-    float z0 = ok0 ? s[0] * sk0 * kf0 + mu0 : -SKV_INF;
-    float z1 = ok0 ? s[1] * sk0 * kf1 + mu1 : -SKV_INF;
-    float z2 = ok1 ? s[2] * sk1 * kf0 + mu0 : -SKV_INF;
-    float z3 = ok1 ? s[3] * sk1 * kf1 + mu1 : -SKV_INF;
-    float x0 = fmaxf(z0, z2), x1 = fmaxf(z1, z3);
+  for (int tile0 = 0; tile0 < count; tile0 += TS) {
+    float s[NSUB][4];
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
+    dispatch_logits<D, PATH, NSUB>(kbits, pg, kwords, tile0, count, qf, lut, g, t, s);
+    float z[NSUB][4], sv[NSUB][2];
+    float x0 = -SKV_INF, x1 = -SKV_INF;
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+      const int st0 = tile0 + 16 * u + g, st1 = st0 + 8;
+      const bool ok0 = st0 < count, ok1 = st1 < count;
+      const float sk0 = ok0 ? (ksoff >= 0 ? pg.half_at(ksoff + 2 * st0) : top) : 0.0f;
+      const float sk1 = ok1 ? (ksoff >= 0 ? pg.half_at(ksoff + 2 * st1) : top) : 0.0f;
+      sv[u][0] = ok0 ? (vsoff >= 0 ? pg.half_at(vsoff + 2 * st0) * hv : top) : 0.0f;
+      sv[u][1] = ok1 ? (vsoff >= 0 ? pg.half_at(vsoff + 2 * st1) * hv : top) : 0.0f;
+      if constexpr (PATH == PATH_AFFINE) {
+        s[u][0] += qk0; s[u][1] += qk1; s[u][2] += qk0; s[u][3] += qk1;
+      }
+      z[u][0] = ok0 ? s[u][0] * sk0 * kf0 + mu0 : -SKV_INF;
+      z[u][1] = ok0 ? s[u][1] * sk0 * kf1 + mu1 : -SKV_INF;
+      z[u][2] = ok1 ? s[u][2] * sk1 * kf0 + mu0 : -SKV_INF;
+      z[u][3] = ok1 ? s[u][3] * sk1 * kf1 + mu1 : -SKV_INF;
+      x0 = fmaxf(x0, fmaxf(z[u][0], z[u][2]));
+      x1 = fmaxf(x1, fmaxf(z[u][1], z[u][3]));
+    }
 #pragma unroll
     for (int m = 4; m <= 16; m <<= 1) {
       x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, m));
@@ -289,28 +365,47 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
     if (__any_sync(0xffffffffu, n0 != m0 || n1 != m1)) {
       const float al0 = exp2f(m0 - n0), al1 = exp2f(m1 - n1);
       l0 *= al0; l1 *= al1;
+      if (PATH == PATH_AFFINE) { ps0 *= al0; ps1 *= al1; }
 #pragma unroll
       for (int i = 0; i < D / 16; ++i) {
         acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1;
       }
       m0 = n0; m1 = n1;
     }
-    const float p0 = exp2f(z0 - m0), p1 = exp2f(z1 - m1);
-    const float p2 = exp2f(z2 - m0), p3 = exp2f(z3 - m1);
-    l0 += p0 + p2;
-    l1 += p1 + p3;
+    __half P[NSUB][4];
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+      const float p0 = exp2f(z[u][0] - m0), p1 = exp2f(z[u][1] - m1);
+      const float p2 = exp2f(z[u][2] - m0), p3 = exp2f(z[u][3] - m1);
+      l0 += p0 + p2;
+      l1 += p1 + p3;
+      P[u][0] = __float2half_rn(p0 * sv[u][0]);
+      P[u][1] = __float2half_rn(p1 * sv[u][0]);
+      P[u][2] = __float2half_rn(p2 * sv[u][1]);
+      P[u][3] = __float2half_rn(p3 * sv[u][1]);
+      if (PATH == PATH_AFFINE && vaff) {
+        ps0 += __half2float(P[u][0]) + __half2float(P[u][2]);
+        ps1 += __half2float(P[u][1]) + __half2float(P[u][3]);
+      }
+    }
+    __syncwarp();   // every lane has read the previous tile's P'
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+      pt[h0 * TS + 16 * u + g] = P[u][0];
+      pt[h1 * TS + 16 * u + g] = P[u][1];
+      pt[h0 * TS + 16 * u + g + 8] = P[u][2];
+      pt[h1 * TS + 16 * u + g + 8] = P[u][3];
+    }
     __syncwarp();
-    pt[h0 * 16 + g] = __float2half_rn(p0 * sv0);
-    pt[h1 * 16 + g] = __float2half_rn(p1 * sv0);
-    pt[h0 * 16 + g + 8] = __float2half_rn(p2 * sv1);
-    pt[h1 * 16 + g + 8] = __float2half_rn(p3 * sv1);
-    __syncwarp();
-    const u32 pb0 = *reinterpret_cast<const u32*>(pt + g * 16 + 2 * t);
-    const u32 pb1 = *reinterpret_cast<const u32*>(pt + g * 16 + 2 * t + 8);
-    dispatch_values<D, UNI>(vbits, vbase, vwords, tile0, count, pb0, pb1, lut, g, t, acc);
+    u32 pb[NSUB][2];
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+      pb[u][0] = *reinterpret_cast<const u32*>(pt + g * TS + 16 * u + 2 * t);
+      pb[u][1] = *reinterpret_cast<const u32*>(pt + g * TS + 16 * u + 2 * t + 8);
+    }
+    dispatch_values<D, PATH, NSUB>(vbits, vbase, vwords, tile0, count, pb, lut, g, t, acc);
   }
 }
-
 #define SKV_DECODE_PARAMS                                                                   \
   const float* __restrict__ q, long long q_sb, long long q_sh, const u32* __restrict__ pages,     \
       int page_words, const int* __restrict__ page_tier, const int* __restrict__ page_count,    \
@@ -325,11 +420,13 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
       sigma_k, sigma_v, mean_k, mean_v, num_kv_heads, G, scale_log2, num_splits, out, part_o,   \
       part_lse
 
-// The body of both decode kernels. UNI = false: table path (any codebook; `levels` is the
-// (5, 256) float32 level table). UNI = true: affine path for the uniform codebook (`levels`
-// holds the 5 half steps hs_b of b = 1, 2, 3, 4, 8 bits; no tables in shared memory).
-template <int D, bool UNI>
+// The body of the decode kernels. PATH_TABLE: any codebook (`levels` is the (5, 256) float32
+// level table). PATH_AFFINE(_V4): uniform codebook (`levels` holds the 5 half steps hs_b of
+// b = 1, 2, 3, 4, 8 bits; no tables in shared memory). NSUB: 16-state sub-tiles per softmax
+// step (v4: 1, v5: 2).
+template <int D, int PATH, int NSUB>
 __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
+  constexpr bool UNI = PATH != PATH_TABLE;
   __shared__ DecodeSmem<D> sm;
   extern __shared__ __align__(16) unsigned char dyn[];
   float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
@@ -340,7 +437,8 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
 
   Luts lut = {};
   if constexpr (UNI) {
-    if (threadIdx.x < 5) sm.hstep[threadIdx.x] = levels[threadIdx.x];
+    // v5 feeds u = c - 2^(B-1) = (2c - (2^B - 1) - 1) / 2: twice the half step per unit
+    if (threadIdx.x < 5) sm.hstep[threadIdx.x] = levels[threadIdx.x] * (PATH == PATH_AFFINE ? 2.0f : 1.0f);
   } else {
     lut = build_luts(dyn, levels, threadIdx.x, blockDim.x);
   }
@@ -395,13 +493,25 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
       }
     }
   }
+  if constexpr (PATH == PATH_AFFINE) {
+    // sum of the fp16 q' of head g exactly as the mma sees them, halved (the "+1/2" of u)
+    float qsum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      const float2 a = __half22float2(u32_as_h2(qf[i][0])), b2 = __half22float2(u32_as_h2(qf[i][1]));
+      qsum += (a.x + a.y) + (b2.x + b2.y);
+    }
+    qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
+    qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
+    if (warp == 0 && t == 0) sm.qhalf[g] = 0.5f * qsum;
+  }
   const int h0 = 2 * t, h1 = 2 * t + 1;
   __syncthreads();  // the query staging area becomes page buffers
 
   float acc[D / 16][4];
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  float m0 = -SKV_INF, m1 = -SKV_INF, l0 = 0.0f, l1 = 0.0f;
+  float m0 = -SKV_INF, m1 = -SKV_INF, l0 = 0.0f, l1 = 0.0f, ps0 = 0.0f, ps1 = 0.0f;
 
   const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
   const int per = (n + num_splits - 1) / num_splits;
@@ -448,13 +558,15 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     if (cur_full) {
       SharedRow r;
       r.a = static_cast<u32>(__cvta_generic_to_shared(bufs + buf * page_words));
-      decode_page<D, UNI>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qf, lut, sm.kfac,
-                          sm.qmu, sm.hstep, pt, g, t, acc, m0, m1, l0, l1);
+      decode_page<D, PATH, NSUB>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qf, lut,
+                                 sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1,
+                                 l0, l1, ps0, ps1);
     } else {
       GlobalRow r;
       r.p = pages + (size_t)cur_page * page_words;
-      decode_page<D, UNI>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qf, lut, sm.kfac,
-                          sm.qmu, sm.hstep, pt, g, t, acc, m0, m1, l0, l1);
+      decode_page<D, PATH, NSUB>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qf, lut,
+                                 sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1,
+                                 l0, l1, ps0, ps1);
     }
     __syncwarp();   // every lane is done with this buffer before it is refilled
     buf ^= 1;
@@ -467,6 +579,17 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   for (int m = 4; m <= 16; m <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, m);
     l1 += __shfl_xor_sync(0xffffffffu, l1, m);
+    if (PATH == PATH_AFFINE) {
+      ps0 += __shfl_xor_sync(0xffffffffu, ps0, m);
+      ps1 += __shfl_xor_sync(0xffffffffu, ps1, m);
+    }
+  }
+  if constexpr (PATH == PATH_AFFINE) {   // the "+1/2" of every affine state's u, once
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      acc[i][0] += 0.5f * ps0; acc[i][1] += 0.5f * ps1;
+      acc[i][2] += 0.5f * ps0; acc[i][3] += 0.5f * ps1;
+    }
   }
   __syncthreads();   // all warps are done with their page buffers (the merge reuses them)
   float* obuf = region;   // [DEC_WARPS][DEC_HEADS][D]
@@ -532,14 +655,27 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
 // Table path (Lloyd–Max or any codebook): 37 KiB of replicated tables, 3 CTAs per SM.
 template <int D>
 __global__ void __launch_bounds__(DEC_WARPS * 32, 3) ada_decode_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, false>(SKV_DECODE_ARGS);
+  decode_cta<D, PATH_TABLE, DEC_TABLE_SUB>(SKV_DECODE_ARGS);
 }
 
-// Affine path (uniform codebook): no tables, so more CTAs fit per SM.
+// Affine path (uniform codebook), v5: lop3 + fma per pair, 32-state softmax steps; no
+// tables, so more CTAs fit per SM.
+template <int D>
+__global__ void __launch_bounds__(DEC_WARPS * 32, DEC_UNI5_CTAS)
+ada_decode_uniform_kernel(SKV_DECODE_PARAMS) {
+  decode_cta<D, PATH_AFFINE, DEC_UNI_SUB>(SKV_DECODE_ARGS);
+}
+
+// The v4 kernels (16-state softmax steps; affine pairs by shift, and, or, hadd2), kept for
+// the side-by-side benchmark and as a fallback (ada_decode(version=4)).
+template <int D>
+__global__ void __launch_bounds__(DEC_WARPS * 32, 3) ada_decode_v4_kernel(SKV_DECODE_PARAMS) {
+  decode_cta<D, PATH_TABLE, 1>(SKV_DECODE_ARGS);
+}
 template <int D>
 __global__ void __launch_bounds__(DEC_WARPS * 32, DEC_UNI_CTAS)
-ada_decode_uniform_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, true>(SKV_DECODE_ARGS);
+ada_decode_uniform_v4_kernel(SKV_DECODE_PARAMS) {
+  decode_cta<D, PATH_AFFINE_V4, 1>(SKV_DECODE_ARGS);
 }
 
 // Split-K merge: one CTA per row, D threads; o = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M),

@@ -314,9 +314,103 @@ template <> struct UGroup<16> {
   }
 };
 
-// The group type of a bit width for the table path (Lloyd–Max) or the affine path.
-template <int B, bool UNI> struct GroupOf { typedef Group<B> type; };
-template <int B> struct GroupOf<B, true> { typedef UGroup<B> type; };
+// ------------------------------------------- uniform codebook, v5: lop3 + hfma2 per pair ----
+// v5 feeds the tensor cores u = c - 2^(B-1) (an integer in [-2^(B-1), 2^(B-1)), exact in
+// fp16) instead of 2c - (2^B - 1) = 2u + 1; the kernel doubles the half step and adds the
+// "+1" back once per head: + sum_j q'_j / 2 to a logit, + sum_i P'_i / 2 to an output.
+// A field of B bits at bit POS of both halves (POS + B <= 10) is OR-ed into the mantissa of
+// 0x6400 (= 1024) in one lop3 (mask and magic both immediates), which reads as
+// 1024 + c * 2^POS; one fma.f16x2 by 2^-POS minus (1024 * 2^-POS + 2^(B-1)) gives u exactly
+// (every operand and the result are exact in fp16). So a pair costs 2 instructions (v4: a
+// shift, an and, an or and an hadd2), plus a shift per two pairs at 4 bits.
+
+// fp16 bits of a positive integer v < 2048 (exact).
+__host__ __device__ constexpr u32 half_bits_of_int(u32 v, u32 e = 10) {
+  return (v >> e) ? (((e + 15u) << 10) | ((v << (10u - e)) & 0x3ffu)) : half_bits_of_int(v, e - 1u);
+}
+
+template <int POS, int B>
+__device__ __forceinline__ u32 dq_pair(u32 x) {
+  static_assert(POS + B <= 10, "field must sit in the fp16 mantissa");
+  constexpr u32 mask = (((1u << B) - 1u) << POS) * 0x10001u;
+  constexpr u32 scale = ((15u - POS) << 10) * 0x10001u;                       // 2^-POS
+  constexpr u32 bias = (0x8000u | half_bits_of_int((1024u >> POS) + (1u << (B - 1)))) * 0x10001u;
+  u32 h, r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h) : "r"(x), "n"(mask), "n"(0x64006400u));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(scale), "r"(bias));
+  return r;
+}
+
+// The same pair layouts as UGroup (pair p = coordinates p, p + 4 of the group).
+template <int B>
+struct VGroup;
+
+template <> struct VGroup<1> : UGroup<1> {
+  __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
+    switch (p) {
+      case 0: return u32_as_h2(dq_pair<0, 1>(y));
+      case 1: return u32_as_h2(dq_pair<1, 1>(y));
+      case 2: return u32_as_h2(dq_pair<2, 1>(y));
+      default: return u32_as_h2(dq_pair<3, 1>(y));
+    }
+  }
+};
+template <> struct VGroup<2> : UGroup<2> {
+  __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
+    switch (p) {
+      case 0: return u32_as_h2(dq_pair<0, 2>(y));
+      case 1: return u32_as_h2(dq_pair<2, 2>(y));
+      case 2: return u32_as_h2(dq_pair<4, 2>(y));
+      default: return u32_as_h2(dq_pair<6, 2>(y));
+    }
+  }
+};
+template <> struct VGroup<3> : UGroup<3> {
+  // c = lo + 4 hi at bit 2p: lo's field stays, hi's bit p moves to 2p + 2 (one shift).
+  template <int P> __device__ __forceinline__ u32 at() const {
+    constexpr u32 mlo = (3u << (2 * P)) * 0x10001u, mhi = (4u << (2 * P)) * 0x10001u;
+    constexpr u32 scale = ((15u - 2 * P) << 10) * 0x10001u;
+    constexpr u32 bias = (0x8000u | half_bits_of_int((1024u >> (2 * P)) + 4u)) * 0x10001u;
+    u32 m, h, r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(m) : "r"(lo), "n"(mlo), "n"(0x64006400u));
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h) : "r"(hi << (P + 2)), "n"(mhi), "r"(m));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(scale), "r"(bias));
+    return r;
+  }
+  __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
+    switch (p) {
+      case 0: return u32_as_h2(at<0>());
+      case 1: return u32_as_h2(at<1>());
+      case 2: return u32_as_h2(at<2>());
+      default: return u32_as_h2(at<3>());
+    }
+  }
+};
+template <> struct VGroup<4> : UGroup<4> {
+  __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
+    switch (p) {
+      case 0: return u32_as_h2(dq_pair<0, 4>(w));
+      case 1: return u32_as_h2(dq_pair<4, 4>(w));
+      case 2: return u32_as_h2(dq_pair<0, 4>(w >> 8));
+      default: return u32_as_h2(dq_pair<4, 4>(w >> 8));
+    }
+  }
+};
+template <> struct VGroup<8> : UGroup<8> {
+  __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
+    const u32 sel = (u32)p * 0x11u + (u32)(4 + p) * 0x1100u;   // bytes [p, p, 4+p, 4+p]
+    return u32_as_h2(dq_pair<0, 8>(__byte_perm(w0, w1, sel)));
+  }
+};
+template <> struct VGroup<16> : UGroup<16> {};
+
+// Decode paths: the table path (any codebook), the v4 affine path, the v5 affine path.
+enum DecodePath { PATH_TABLE = 0, PATH_AFFINE_V4 = 1, PATH_AFFINE = 2 };
+
+// The group type of a bit width on each path.
+template <int B, int PATH> struct GroupOf { typedef Group<B> type; };
+template <int B> struct GroupOf<B, PATH_AFFINE_V4> { typedef UGroup<B> type; };
+template <int B> struct GroupOf<B, PATH_AFFINE> { typedef VGroup<B> type; };
 
 // D = A(16x16, row) * B(16x8, col) + C, fp16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
