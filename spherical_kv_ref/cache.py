@@ -46,6 +46,11 @@ class CompressPolicy:
         been appended to the last layer since the previous compress (None: only when asked).
     budget_bytes: the budget of the automatic runs (required with ``every``).
     method: the RDR solver, "fast" or "milp".
+    prior: weight of a uniform prior mixed into the attention estimate,
+        p̂ = (1 − prior)·p_window + prior/n. The window sees a few queries; the queries
+        that come later attend elsewhere too, and a state the window never looked at is
+        not worthless. Measured on SmolLM2/Austen (docs/rdr.md): 0.2 cut ΔPPL at 25 % and
+        15 % budgets by about half against 0, and did not hurt at 10 %.
     """
     sinks: int = 4
     recent: int = 32
@@ -53,8 +58,11 @@ class CompressPolicy:
     every: Optional[int] = None
     budget_bytes: Optional[int] = None
     method: str = "fast"
+    prior: float = 0.2
 
     def __post_init__(self):
+        if not (0.0 <= float(self.prior) <= 1.0):
+            raise ValueError(f"policy.prior must be in [0, 1], got {self.prior!r}")
         for name in ("sinks", "recent", "window"):
             v = getattr(self, name)
             if int(v) != v or v < 0:
@@ -427,6 +435,7 @@ class SphericalKVCache:
             z -= z.max(axis=1, keepdims=True)
             e = np.exp(z)
             p = (e / e.sum(axis=1, keepdims=True)).mean(axis=0)
+            p = (1.0 - self.policy.prior) * p + self.policy.prior / n
             q2 = float(np.mean(np.sum(qs * qs, axis=1)))
         else:
             p = np.full(n, 1.0 / n)

@@ -355,7 +355,8 @@ def plot(rows, path: Path) -> None:
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="spherical-kv evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="CI smoke test: 1K context, fewer methods")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test (under 5 minutes on 2 cores): 512-token contexts, one budget")
     p.add_argument("--long", action="store_true", help="also an 8K context")
     p.add_argument("--contexts", type=int, nargs="+", default=None)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.50, 0.25, 0.15, 0.10])
@@ -368,9 +369,9 @@ def parse(argv):
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     if a.quick:
-        a.contexts = a.contexts or [1024]
-        a.budgets = [0.25, 0.10]
-        a.windows, a.continuation, a.generate, a.probe = 2, 64, 16, 16
+        a.contexts = a.contexts or [512]
+        a.budgets = [0.25]
+        a.windows, a.continuation, a.generate, a.probe = 2, 32, 8, 16
         a.out = a.out or Path(os.environ.get("SPHERICAL_KV_RESULTS", "results-quick"))
     a.contexts = a.contexts or ([2048, 4096] + ([8192] if a.long else []))
     a.out = a.out or RESULTS
