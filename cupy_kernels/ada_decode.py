@@ -21,8 +21,12 @@ MAX_GROUP = 8          # query heads per kv-head served by one mma tile
 CTAS_PER_SM = 3        # residency of the table kernel (ptxas: <= 168 registers, ~72 KiB smem)
 CTAS_PER_SM_UNIFORM = 3   # v5 affine kernel: <= 168 registers (DEC_UNI5_CTAS), ~34 KiB smem
 CTAS_PER_SM_UNIFORM_V4 = 4   # v4 affine kernel: <= 128 registers (DEC_UNI_CTAS)
-VERSIONS = (4, 5)      # kernel generations (docs/PERF_NOTES.md); 5 is the default
-DEFAULT_VERSION = 5
+VERSIONS = (4, 5)      # kernel generations (docs/PERF_NOTES.md)
+# Measured on one H200 (docs/PERF_NOTES.md, v5): v5 is faster or equal on the affine path
+# (uniform codebook) but slower on the table path for 3-bit and mixed tiers, so each path
+# defaults to its faster generation.
+DEFAULT_VERSION_AFFINE = 5
+DEFAULT_VERSION_TABLE = 4
 LUT_BYTES = 37888      # csrc/spherical_common.cuh LUT_BYTES (replicated look-up tables)
 
 
@@ -32,8 +36,14 @@ def uses_affine_path(tables: KernelTables) -> bool:
     return tables.codebook == "uniform"
 
 
-def ctas_per_sm(tables: KernelTables, version: int = DEFAULT_VERSION) -> int:
+def default_version(tables: KernelTables) -> int:
+    """The kernel generation ``ada_decode`` uses for this pool when none is asked for."""
+    return DEFAULT_VERSION_AFFINE if uses_affine_path(tables) else DEFAULT_VERSION_TABLE
+
+
+def ctas_per_sm(tables: KernelTables, version: int | None = None) -> int:
     """Residency of the decode kernel that ``ada_decode`` picks for this pool and version."""
+    version = default_version(tables) if version is None else version
     _check_version(version)
     if not uses_affine_path(tables):
         return CTAS_PER_SM
@@ -128,7 +138,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
                sigma_k, sigma_v, *, num_kv_heads: int, mean_k=None, mean_v=None,
                softmax_scale: float | None = None, num_splits: int | None = None,
                out=None, workspace: DecodeWorkspace | None = None, validate: bool = True,
-               version: int = DEFAULT_VERSION):
+               version: int | None = None):
     """o (batch, num_q_heads, d) float32 = ADA attention over the paged, encoded cache.
 
     q: (batch, Hq, d) float (any strides; copied to float32 only if it is not float32 with a
@@ -136,8 +146,10 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     page_bytes/4). page_tier, page_count: int32 (num_pages,). indptr: int32 (rows+1,),
     indices: int32, rows = batch * num_kv_heads in (sequence, kv-head) order. sigma_k,
     sigma_v: float32 (num_kv_heads, d) rotation signs. mean_k, mean_v: float32 (rows, d)
-    or None. version: 5 (default: 32-state softmax steps, lop3 + fma affine decode) or 4 (the
-    previous kernels, kept for comparison). Returns a CuPy array (a torch tensor if q is one)."""
+    or None. version: 5 (32-state softmax steps, lop3 + fma affine decode), 4 (16-state steps)
+    or None (``default_version``: 5 on the affine path, 4 on the table path). Returns a CuPy
+    array (a torch tensor if q is one)."""
+    version = default_version(tables) if version is None else version
     _check_version(version)
     cp = cupy()
     if type(q).__module__.startswith("torch") and getattr(q, "dtype", None) is not None \

@@ -115,7 +115,7 @@ def build_ada(batch, context, tiers_name, tables, seed=0):
                 sigma_k=sig_k, sigma_v=sig_v), (sum(enc_times), enc_bytes)
 
 
-def ada_step(state, tables, q, batch, version=5):
+def ada_step(state, tables, q, batch, version=None):
     """A captured CUDA graph of one decode step; returns (replay fn, output)."""
     import cupy as cp
     from cupy_kernels import ada_decode, choose_splits, make_workspace
@@ -125,7 +125,7 @@ def ada_step(state, tables, q, batch, version=5):
                            ctas_per_sm=ctas_per_sm(tables, version))
     ws = make_workspace(rows, HQ // HKV, D, splits)
     out = cp.empty((batch, HQ, D), cp.float32)
-    kw = dict(num_kv_heads=HKV, out=out, workspace=ws, version=version)
+    kw = dict(num_kv_heads=HKV, out=out, workspace=ws, version=version)   # None: the default
     args = (q, state["pages"], state["page_tier"], state["page_count"], state["indptr"],
             state["indices"], tables, state["sigma_k"], state["sigma_v"])
     ada_decode(*args, **kw)                      # validates once, compiles

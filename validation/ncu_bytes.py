@@ -19,7 +19,7 @@ import sys
 LIMIT = 1.1
 
 
-def child(batch, context, tiers_name, codebook="lloyd-max", version=5):
+def child(batch, context, tiers_name, codebook="lloyd-max", version=0):
     import cupy as cp
     import numpy as np
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ def child(batch, context, tiers_name, codebook="lloyd-max", version=5):
     q = cp.random.standard_normal((batch, HQ, D), dtype=cp.float32)
     out = ada_decode(q, state["pages"], state["page_tier"], state["page_count"], state["indptr"],
                      state["indices"], tables, state["sigma_k"], state["sigma_v"],
-                     num_kv_heads=HKV, validate=False, version=version)
+                     num_kv_heads=HKV, validate=False, version=version or None)
     cp.cuda.Device().synchronize()
     assert bool(cp.all(cp.isfinite(out)))
     expected = dict(cache_bytes=lay.cache_bytes, page_bytes=lay.page_bytes_total,
@@ -100,7 +100,8 @@ def main(argv=None):
     ap.add_argument("--tiers", default="4/4,rdr-mix")
     ap.add_argument("--codebooks", default="lloyd-max,uniform")
     ap.add_argument("--codebook", default="lloyd-max", help="(child) the pool's codebook")
-    ap.add_argument("--version", type=int, default=5, help="decode kernel version")
+    ap.add_argument("--version", type=int, default=0,
+                    help="decode kernel version (0: the launcher's default for the codebook)")
     ap.add_argument("--out", default="ncu_bytes.json")
     ap.add_argument("--timeout", type=int, default=200)
     args = ap.parse_args(argv)

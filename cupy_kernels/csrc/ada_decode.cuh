@@ -4,7 +4,8 @@
 //   grid (num_splits, rows): one CTA per (sequence, kv-head) row and split of its page list;
 //   the split takes pages [s*ceil(n/S), (s+1)*ceil(n/S)) of the row's n pages.
 //   block = 4 warps; warp w walks the split's pages w, w+4, w+8, ... and, in each page, tiles
-//   of 16 states. The warp serves all G <= 8 query heads of the kv-head's GQA group from one
+//   of 16 * NSUB states (v4: 16; v5: 32 = two independent m16 sub-tiles per softmax step;
+//   below, "tile" is one 16-state sub-tile). The warp serves all G <= 8 query heads of the kv-head's GQA group from one
 //   read of the page (the heads are the n = 8 columns of the m16n8k16 tensor-core tile).
 //   lane = 4*g + t  (g = lane / 4, t = lane % 4, the mma "group" and "thread in group"):
 //   * logits  S^T[16 states, 8 heads] = K[16, D] . Q'^T[D, 8]: lane (g, t) decodes states
