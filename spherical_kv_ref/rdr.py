@@ -656,7 +656,7 @@ def _solve_fast(problem: Problem) -> Allocation:
     tier[free] = ftier
     if page_bytes:
         obj = problem.objective_of(tier)
-        if obj > 0 and obj - lower > _SEARCH_GAP * obj:
+        if obj > 0 and obj - lower > _SEARCH_GAP * obj and free.size <= _SEARCH_MAX_STATES:
             lam = seg_gain[srt[m_lp]] if m_lp < srt.size else 0.0
             better = _search_pages(problem, free, gorder, gstart, counts, lam)
             if better is not None and problem.objective_of(better) < obj:
@@ -668,6 +668,10 @@ def _solve_fast(problem: Problem) -> Allocation:
 #: gap: the search cannot win more than the gap, and with many pages per group (the serving
 #: case) the greedy is already that close
 _SEARCH_GAP = 1e-5
+#: ... and only up to this many free states: the search costs about a quarter second per
+#: group of 500 states on one core (23 s for 90 groups of a 512-token prefill of SmolLM2),
+#: far more than it can win where groups hold many pages
+_SEARCH_MAX_STATES = 20_000
 
 
 def _search_pages(problem, free, gorder, gstart, counts, lam, max_rounds=8):
