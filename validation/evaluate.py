@@ -260,9 +260,10 @@ def run(args) -> list[dict]:
             dense_nll.append(runner.score(_exact_store(pre), pre, cont).mean())
             ref_tokens = (runner.greedy(_exact_store(pre), pre, args.generate)
                           if w == 0 and args.generate else None)
-            # the retrieval probe of this window
-            pctx, span, p0 = probe_context(ids[s:], T, args.probe, rng)
-            ppre = runner.prefill(pctx)
+            # the retrieval probe: one planted context per context length (the first window)
+            if w == 0:
+                pctx, span, p0 = probe_context(ids[s:], T, args.probe, rng)
+                ppre = runner.prefill(pctx)
             for m in _progress(methods, desc=f"T={T} window {w + 1}/{len(starts)}", leave=False):
                 store, nbytes = m.build(pre)
                 fresh = copy.deepcopy(store) if ref_tokens is not None else None   # scoring appends
@@ -274,6 +275,8 @@ def run(args) -> list[dict]:
                     got = runner.greedy(fresh, pre, args.generate)
                     mismatch = np.flatnonzero(got != ref_tokens)
                     per[m.name]["agree"].append((mismatch[0] if mismatch.size else len(got)) / len(got))
+                if w > 0:
+                    continue
                 pstore, _ = m.build(ppre)
                 per[m.name]["ret"].append(runner.score(pstore, ppre, span)[1:].mean())
                 if m.protects:
