@@ -52,21 +52,24 @@ def _inputs(case: Case):
     return q, k, v
 
 
+def _stored(prefix: str, codec: SphericalCodec, enc) -> dict:
+    """The arrays a port needs to reproduce one encoded set: scale, codes, and the codec's
+    levels, rotation signs and the centring mean where they exist."""
+    out = {f"{prefix}_scale": enc.scale, f"{prefix}_codes": enc.codes}
+    for name, a in (("levels", codec.levels), ("signs", codec.signs), ("mean", enc.mean)):
+        if a is not None:
+            out[f"{prefix}_{name}"] = a
+    return out
+
+
 def build(case: Case) -> dict:
     """Inputs and reference outputs of one case, as named NumPy arrays."""
     if case.op not in OPS:
         raise ValueError(f"unknown op {case.op!r}; expected one of {OPS}")
     q, k, v = _inputs(case)
     kc = SphericalCodec(case.dim, case.key_bits, case.seed, salt=KEY_SALT)
-    mu_k = k.mean(axis=0) if case.centred else None
-    ke = kc.encode(k, mean=mu_k)
-    out = {"k": k, "key_scale": ke.scale, "key_codes": ke.codes}
-    if kc.levels is not None:
-        out["key_levels"] = kc.levels
-    if kc.signs is not None:
-        out["key_signs"] = kc.signs
-    if ke.mean is not None:
-        out["key_mean"] = ke.mean
+    ke = kc.encode(k, mean=k.mean(axis=0) if case.centred else None)
+    out = {"k": k, **_stored("key", kc, ke)}
     if case.op in ("logits", "attention"):
         out["q"] = q
     if case.op == "logits":
@@ -74,14 +77,7 @@ def build(case: Case) -> dict:
     if case.op == "attention":
         vc = SphericalCodec(case.dim, case.value_bits, case.seed, salt=VALUE_SALT)
         ve = vc.encode(v, mean=v.mean(axis=0) if case.centred else None)
-        out.update(v=v, value_scale=ve.scale, value_codes=ve.codes,
-                   attention=attention(q, ke, ve, kc, vc))
-        if vc.levels is not None:
-            out["value_levels"] = vc.levels
-        if vc.signs is not None:
-            out["value_signs"] = vc.signs
-        if ve.mean is not None:
-            out["value_mean"] = ve.mean
+        out.update(v=v, attention=attention(q, ke, ve, kc, vc), **_stored("value", vc, ve))
     return out
 
 
