@@ -43,6 +43,11 @@ def timing_row(n, groups, repeat):
             "argsort_s": sort, "ratio": fast / sort, "fast_gap_to_lp": rdr.solve(p).gap}
 
 
+#: HiGHS's own limit; with fast's cutoff solve and the model build the whole milp call stays
+#: under the 60 s the issue allows
+MILP_LIMIT_S = 55
+
+
 def gap_row(n, groups, time_limit, mip_rel_gap):
     p = rdr.synthetic_problem(n, num_groups=groups)
     t = time.perf_counter()
@@ -70,7 +75,7 @@ def main():
     timing = [timing_row(n_time, 256, repeat=3)]
     gaps = []
     for n, groups in [(10**3, 1), (10**3, 2), (10**4, 4), (10**4, 8), (10**4, 16)]:
-        gaps.append(gap_row(n, groups, time_limit=60, mip_rel_gap=1e-4))
+        gaps.append(gap_row(n, groups, time_limit=MILP_LIMIT_S, mip_rel_gap=1e-4))
         print(gaps[-1], flush=True)
     out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                        "numpy": np.__version__},
@@ -88,7 +93,7 @@ def main():
     for r in timing:
         lines.append(f"| {r['states']} | {r['options']} | {r['groups']} | {r['fast_s']:.3f} | "
                      f"{r['argsort_s']:.3f} | {r['ratio']:.2f} | {r['fast_gap_to_lp']:.2e} |")
-    lines += ["", "## fast vs milp (HiGHS, mip_rel_gap 1e-4, time limit 60 s)", "",
+    lines += ["", f"## fast vs milp (HiGHS, mip_rel_gap 1e-4, HiGHS time limit {MILP_LIMIT_S} s)", "",
               "| states | groups | milp (s) | milp proved (gap to its bound) | fast (s) | "
               "gap fast vs milp | gap fast vs milp bound |", "|---:|---:|---:|:---:|---:|---:|---:|"]
     for r in gaps:
