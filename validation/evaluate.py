@@ -81,12 +81,13 @@ def _dense_store(keys, values, keep, num_q_heads, nbytes):
 
 
 def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(), centre=True,
-                     policy=None, page_bytes=2048, seed=0):
+                     policy=None, page_bytes=2048, seed=0, extra_tokens=512):
     from spherical_kv_ref.hf import SphericalStore
     L = len(prefill.keys)
     H, T, d = prefill.keys[0].shape
-    per_state = max(ladder.bytes_per_state(t, d) for t in range(1, len(ladder) + 1))
-    pool = (L * H * (T // max(1, page_bytes // per_state) + 4) + 16) * page_bytes
+    # room for the context and the tokens scoring/generation append (at the top tier)
+    per_page = max(1, page_bytes // ladder.bytes_per_state(ladder.top, d))
+    pool = (L * H * ((T + extra_tokens) // per_page + len(ladder) + 2) + 16) * page_bytes
     kv = SphericalKVCache(L, H, d, ladder, page_bytes=page_bytes, pool_bytes=pool, seed=seed,
                           num_q_heads=cfg.num_attention_heads, centre=centre,
                           policy=policy or CompressPolicy(sinks=4, recent=32, window=OBSERVE))
@@ -377,6 +378,9 @@ def parse(argv):
         a.windows, a.continuation, a.generate, a.probe = 2, 32, 8, 16
         a.out = a.out or Path(os.environ.get("SPHERICAL_KV_RESULTS", "results-quick"))
     a.contexts = a.contexts or ([2048, 4096] + ([8192] if a.long else []))
+    if max(a.continuation, a.generate, a.probe) > 512:
+        p.error("--continuation, --generate and --probe are at most 512 tokens "
+                "(the page pools are sized for 512 appended tokens)")
     a.out = a.out or RESULTS
     return a
 
