@@ -342,15 +342,18 @@ def plot(rows, path: Path) -> None:
         for fam, rs in sorted(fams.items()):
             rs.sort(key=lambda r: r["bytes_fraction"])
             x = [100 * r["bytes_fraction"] for r in rs]
-            y = [max(r["delta_ppl_pct"], 1e-3) for r in rs]
+            y = [r["delta_ppl_pct"] for r in rs]
             ax.plot(x, y, marker="o", lw=2.5 if fam == "skv-rdr" else 1.2, label=fam)
         ax.set_xscale("log")
-        ax.set_yscale("log")
+        ax.set_yscale("symlog", linthresh=0.1)    # ΔPPL can be slightly negative (noise)
+        ticks = [10, 15, 20, 25, 30, 40, 50]
+        ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_xlabel("cache bytes, % of bf16 (all overheads counted)")
-        ax.set_ylabel("ΔPPL vs dense, % (log)")
+        ax.set_ylabel("ΔPPL vs dense, % (symmetric log)")
         ax.set_title(f"context {T} tokens")
         ax.grid(True, which="both", alpha=0.3)
         ax.axhline(1.0, color="k", ls=":", lw=1)
+        ax.axhline(0.0, color="k", lw=0.6)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
