@@ -184,6 +184,23 @@ class SphericalStore(ContextStore):
         return self.kv.bytes_in_use(self.seq)
 
 
+def fill_cache(kv: SphericalKVCache, keys, values, queries=None, protect=()) -> int:
+    """Put a dense prefill into a new sequence of ``kv`` and return its id.
+
+    keys, values: per layer (num_kv_heads, n, d); queries: per layer the observation window
+    (num_q_heads, w, d) or None, recorded for RDR's attention estimate; protect: token
+    spans [start, stop) kept at the top tier."""
+    seq = kv.new_sequence()
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        kv.append(seq, layer, k, v)
+        q = None if queries is None else queries[layer]
+        for t in range(0 if q is None else q.shape[1]):
+            kv.observe(seq, layer, q[:, t])
+    for a, b in protect:
+        kv.protect(seq, a, b)
+    return seq
+
+
 # ------------------------------------------------------------------------- the HF cache
 
 class _Layer(CacheLayerMixin):
@@ -285,15 +302,8 @@ class SphericalCache(Cache):
             kw["pool_bytes"] = max(4 << 20, 2 * self.num_layers * self.num_kv_heads * n * 4 * self.head_dim)
         kv = SphericalKVCache(self.num_layers, self.num_kv_heads, self.head_dim,
                               num_q_heads=self.num_q_heads, **kw)
-        seq = kv.new_sequence()
-        for layer in range(self.num_layers):
-            k, v = self.dense_kv(layer)
-            kv.append(seq, layer, k, v)
-            if self.observed[layer] is not None:
-                for t in range(self.observed[layer].shape[1]):
-                    kv.observe(seq, layer, self.observed[layer][:, t])
-        for a, b in protect:
-            kv.protect(seq, a, b)
+        keys, values = zip(*[self.dense_kv(layer) for layer in range(self.num_layers)])
+        seq = fill_cache(kv, keys, values, self.observed, protect)
         report = kv.compress(seq, int(budget_bytes), method=method)
         self.kv, self.seq = kv, seq
         self.set_store(SphericalStore(kv, seq))

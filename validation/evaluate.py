@@ -82,7 +82,7 @@ def _dense_store(keys, values, keep, num_q_heads, nbytes):
 
 def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(), centre=True,
                      policy=None, page_bytes=2048, seed=0, extra_tokens=512):
-    from spherical_kv_ref.hf import SphericalStore
+    from spherical_kv_ref.hf import SphericalStore, fill_cache
     L = len(prefill.keys)
     H, T, d = prefill.keys[0].shape
     # room for the context and the tokens scoring/generation append (at the top tier)
@@ -91,13 +91,7 @@ def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(),
     kv = SphericalKVCache(L, H, d, ladder, page_bytes=page_bytes, pool_bytes=pool, seed=seed,
                           num_q_heads=cfg.num_attention_heads, centre=centre,
                           policy=policy or CompressPolicy(sinks=4, recent=32, window=OBSERVE))
-    seq = kv.new_sequence()
-    for layer in range(L):
-        kv.append(seq, layer, prefill.keys[layer], prefill.values[layer])
-        for t in range(prefill.queries[layer].shape[1]):
-            kv.observe(seq, layer, prefill.queries[layer][:, t])
-    for a, b in protect:
-        kv.protect(seq, a, b)
+    seq = fill_cache(kv, prefill.keys, prefill.values, prefill.queries, protect)
     if budget_bytes is not None:
         kv.compress(seq, int(budget_bytes))
     return SphericalStore(kv, seq), kv.bytes_in_use(seq)
