@@ -21,11 +21,10 @@ MAX_GROUP = 8          # query heads per kv-head served by one mma tile
 CTAS_PER_SM = 3        # residency of the table kernel (ptxas: <= 168 registers, ~72 KiB smem)
 CTAS_PER_SM_UNIFORM = 3   # v5 affine kernel: <= 168 registers (DEC_UNI5_CTAS), ~34 KiB smem
 CTAS_PER_SM_UNIFORM_V4 = 4   # v4 affine kernel: <= 128 registers (DEC_UNI_CTAS)
-VERSIONS = (4, 5)      # kernel generations (docs/PERF_NOTES.md)
-# Measured on one H200 (docs/PERF_NOTES.md, v5): v5 is faster or equal on the affine path
-# (uniform codebook) but slower on the table path for 3-bit and mixed tiers, so each path
-# defaults to its faster generation.
-DEFAULT_VERSION_AFFINE = 5
+CTAS_PER_SM_UNIFORM_V6 = 4   # v6 affine kernel: <= 128 registers (DEC_UNI6_CTAS)
+VERSIONS = (4, 5, 6)   # kernel generations (docs/PERF_NOTES.md)
+# Each path defaults to its fastest generation measured on one H200 (docs/PERF_NOTES.md).
+DEFAULT_VERSION_AFFINE = 6
 DEFAULT_VERSION_TABLE = 4
 LUT_BYTES = 37888      # csrc/spherical_common.cuh LUT_BYTES (replicated look-up tables)
 
@@ -47,7 +46,7 @@ def ctas_per_sm(tables: KernelTables, version: int | None = None) -> int:
     _check_version(version)
     if not uses_affine_path(tables):
         return CTAS_PER_SM
-    return CTAS_PER_SM_UNIFORM if version == 5 else CTAS_PER_SM_UNIFORM_V4
+    return {4: CTAS_PER_SM_UNIFORM_V4, 5: CTAS_PER_SM_UNIFORM, 6: CTAS_PER_SM_UNIFORM_V6}[version]
 
 
 def _check_version(version) -> None:
@@ -146,9 +145,10 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     page_bytes/4). page_tier, page_count: int32 (num_pages,). indptr: int32 (rows+1,),
     indices: int32, rows = batch * num_kv_heads in (sequence, kv-head) order. sigma_k,
     sigma_v: float32 (num_kv_heads, d) rotation signs. mean_k, mean_v: float32 (rows, d)
-    or None. version: 5 (32-state softmax steps, lop3 + fma affine decode), 4 (16-state steps)
-    or None (``default_version``: 5 on the affine path, 4 on the table path). Returns a CuPy
-    array (a torch tensor if q is one)."""
+    or None. version: 5 (32-state softmax steps, lop3 + fma affine decode), 4 (16-state steps),
+    6 (P' transposed in registers, a lazy running maximum, the query fragment re-read from
+    shared memory; 4 CTAs per SM on the affine path) or None (``default_version``: the
+    fastest measured per path). Returns a CuPy array (a torch tensor if q is one)."""
     version = default_version(tables) if version is None else version
     _check_version(version)
     cp = cupy()
@@ -242,8 +242,8 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     po = workspace.part_o if splits > 1 else null
     pl = workspace.part_lse if splits > 1 else null
     name = "ada_decode_uniform_kernel" if uniform else "ada_decode_kernel"
-    if version == 4:
-        name = name.replace("_kernel", "_v4_kernel")
+    if version != 5:
+        name = name.replace("_kernel", f"_v{version}_kernel")
     kern = kernel(name, d)
     smem = decode_smem_bytes(d, tables.page_bytes, uniform)
     levels = dev["half_steps"] if uniform else dev["levels32"]

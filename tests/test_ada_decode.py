@@ -46,7 +46,8 @@ def decode_shapes(draw):
 
 
 @settings(max_examples=40, deadline=None)
-@given(shape=decode_shapes(), splits=st.sampled_from([None, 1, 2, 5]), version=st.sampled_from([5, 4]))
+@given(shape=decode_shapes(), splits=st.sampled_from([None, 1, 2, 5]),
+       version=st.sampled_from([6, 5, 4]))
 def test_matches_reference(shape, splits, version):
     from cupy_kernels.cases import build_case, run_case
     case = build_case(**shape)
@@ -62,7 +63,7 @@ def test_long_rows_split_k_and_softmax_scale(codebook):
     _check(case, run_case(case))
 
 
-@pytest.mark.parametrize("version", [5, 4])
+@pytest.mark.parametrize("version", [6, 5, 4])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_uniform_every_bit_width(dim, version):
     """The affine path at every bit width (1, 2, 3, 4, 8 and the fp16 top tier), one tier per
@@ -75,27 +76,44 @@ def test_uniform_every_bit_width(dim, version):
         _check(case, run_case(case, num_splits=3, version=version))
 
 
+@pytest.mark.parametrize("version", [6, 5])
 @pytest.mark.parametrize("codebook", ["lloyd-max", "uniform"])
-def test_v5_and_v4_agree(codebook):
+def test_versions_agree_with_v4(codebook, version):
     """v5 (32-state softmax steps; on the affine path u = c - 2^(B-1) plus the per-head
-    corrections) and v4 decode the same pool to the kernels' rounding scale, on tiers of every
-    width, with partial pages, one split and several."""
+    corrections), v6 (P' transposed in registers, lazy running maximum, q . mu_K left out)
+    and v4 decode the same pool to the kernels' rounding scale, on tiers of every width,
+    with partial pages, one split and several."""
     from cupy_kernels.cases import build_case, run_case
     case = build_case(2, 2, 4, 128, [1000, 37, 515, 300], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
                       seed=31, centred=True, codebook=codebook)
     for splits in (1, 4):
-        a = run_case(case, num_splits=splits, version=5)
+        a = run_case(case, num_splits=splits, version=version)
         b = run_case(case, num_splits=splits, version=4).get()
         diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
         assert float(np.max(diff / case.error_scale())) <= BOUND
         _check(case, a)
 
 
+@pytest.mark.parametrize("codebook", ["lloyd-max", "uniform"])
+def test_peaked_softmax_lazy_maximum(codebook):
+    """A softmax scale 45x the usual one spreads the logits over hundreds of log2 units, so
+    the running maximum keeps moving by more than v6's lazy slack deep into each row (every
+    such step rescales the accumulators) and p = 2^(z - m) spans the whole fp32 range."""
+    from cupy_kernels.cases import build_case, run_case
+    case = build_case(1, 2, 8, 128, [2500, 900], WIDE_LADDER, [2, 3, 4, 5, 6], seed=41,
+                      centred=True, codebook=codebook)
+    for version in (6, 5, 4):
+        for splits in (1, 3):
+            _check(case, run_case(case, num_splits=splits, softmax_scale=4.0, version=version),
+                   softmax_scale=4.0)
+
+
 def test_bad_version_rejected():
     from cupy_kernels.cases import build_case, run_case
     case = build_case(1, 1, 4, 64, [20], LADDER, [5], seed=1)
-    with pytest.raises(ValueError):
-        run_case(case, version=3)
+    for bad in (3, 7):
+        with pytest.raises(ValueError):
+            run_case(case, version=bad)
 
 
 def test_uniform_and_table_paths_agree_on_uniform_codes():

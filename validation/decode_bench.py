@@ -3,8 +3,10 @@ FlashInfer paged decode (bf16, fp8 e4m3) and the "decompress to HBM, then attend
 
 Shapes of one Llama-3.1-8B layer (32 query heads, 8 kv-heads, d = 128). Every timing is the
 median of CUDA-event timings with the L2 flushed (a 256 MiB memset) before each repetition.
-Writes a list of rows (method, batch, context, tiers, codebook, us, bytes_read, gbps,
-copy_gbps, speedup_vs_sdpa_bf16) as JSON, and prints a table. ADA and encode rows are
+Writes a list of rows (method, version, batch, context, tiers, codebook, us, bytes_read, gbps,
+copy_gbps, speedup_vs_sdpa_bf16; on ADA rows also the speedups against FlashInfer bf16 and fp8
+measured in the same process, and whether the version is ``ada_decode``'s default) as JSON,
+and prints a table. ADA and encode rows are
 repeated per codebook (``--codebooks``): Lloyd–Max decodes on the table path, uniform on
 the affine path (cupy_kernels/csrc/ada_decode.cuh).
 
@@ -25,6 +27,7 @@ HQ, HKV, D = 32, 8, 128
 SHAPES = [(32, 8192), (8, 32768), (2, 131072), (1, 131072)]
 LADDER = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
 TIERS = {"4/4": 3, "3/3": 2, "2/2": 1}
+ENCODE_VERSION = 1   # encode kernel generation (docs/PERF_NOTES.md)
 
 
 def rdr_mix(context: int) -> dict:
@@ -265,7 +268,7 @@ def main(argv=None):
     ap.add_argument("--tiers", default="4/4,3/3,2/2,rdr-mix")
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--codebooks", default="lloyd-max,uniform")
-    ap.add_argument("--versions", default="5,4",
+    ap.add_argument("--versions", default="6,5,4",
                     help="decode kernel versions to time side by side (rows carry 'version')")
     ap.add_argument("--quality", action="store_true",
                     help="CPU only: attention error of the codebooks (no GPU, no timing)")
@@ -278,6 +281,7 @@ def main(argv=None):
     import torch
     import torch.nn.functional as F
     from cupy_kernels import kernel_tables
+    from cupy_kernels.ada_decode import default_version
 
     shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x"))
                                                   for s in args.shapes.split(",")]
@@ -298,12 +302,17 @@ def main(argv=None):
         sdpa_us = timer(lambda: F.scaled_dot_product_attention(q_t, k, v, enable_gqa=True))
         del k, v
 
-        def row(method, tiers, us, nbytes, codebook=None):
-            r = dict(method=method, batch=batch, context=context, tiers=tiers, codebook=codebook,
-                     us=round(us, 2),
+        fi_us = {}   # FlashInfer times of this shape, this process
+
+        def row(method, tiers, us, nbytes, codebook=None, version=None):
+            r = dict(method=method, version=version, batch=batch, context=context, tiers=tiers,
+                     codebook=codebook, us=round(us, 2),
                      bytes_read=int(nbytes), gbps=round(nbytes / (us * 1e-6) / 1e9, 1),
                      copy_gbps=round(copy_gbps, 1),
                      speedup_vs_sdpa_bf16=round(sdpa_us / us, 3))
+            if method == "ada":
+                for name, t in fi_us.items():
+                    r[f"speedup_vs_flashinfer_{name}"] = round(t / us, 3)
             rows.append(r)
             print(json.dumps(r), flush=True)
 
@@ -316,11 +325,13 @@ def main(argv=None):
                     fn()
                     torch.cuda.synchronize()
                     print(f"flashinfer {name} ready in {time.time() - t0:.1f} s", flush=True)
-                    row(f"flashinfer_{name}", "bf16" if name == "bf16" else "fp8_e4m3", timer(fn), nb)
+                    fi_us[name] = timer(fn)
+                    row(f"flashinfer_{name}", "bf16" if name == "bf16" else "fp8_e4m3", fi_us[name], nb)
                     del fn
                 except Exception as e:  # report, never hide: the row says why it is missing
                     print(f"flashinfer {name} unavailable: {type(e).__name__}: {e}"[:400], flush=True)
-                    rows.append(dict(method=f"flashinfer_{name}", batch=batch, context=context,
+                    rows.append(dict(method=f"flashinfer_{name}", version=None, batch=batch,
+                                     context=context,
                                      tiers=name, us=None, bytes_read=None, gbps=None,
                                      copy_gbps=round(copy_gbps, 1), speedup_vs_sdpa_bf16=None,
                                      error=f"{type(e).__name__}: {e}"[:300]))
@@ -329,24 +340,24 @@ def main(argv=None):
             tables = all_tables[cb]
             state, (enc_us, enc_bytes) = build_ada(batch, context, tiers_name, tables)
             lay = state["layout"]
-            row("ada_encode", tiers_name, enc_us, enc_bytes, cb)
+            row("ada_encode", tiers_name, enc_us, enc_bytes, cb, ENCODE_VERSION)
             outs = {}
             for ver in versions:
                 run, out, splits = ada_step(state, tables, q_c, batch, ver)
                 meta = (lay.indptr.size + 3 * lay.indices.size) * 4
                 nbytes = lay.cache_bytes + q_c.size * 4 + meta + out.size * 4
                 us = timer(run)
-                row("ada", tiers_name, us, nbytes, cb)
+                row("ada", tiers_name, us, nbytes, cb, ver)
                 rows[-1]["splits"] = splits
                 rows[-1]["cache_bytes"] = lay.cache_bytes
-                rows[-1]["version"] = ver
+                rows[-1]["default"] = ver == default_version(tables)
                 outs[ver] = out
                 del run
-            if len(outs) > 1:   # the versions must agree (same codes, different fp16 roundings)
-                a, b = (outs[v] for v in versions[:2])
+            for ver in versions[1:]:   # the versions must agree (same codes, other fp16 roundings)
+                a, b = outs[versions[0]], outs[ver]
                 rel = float(cp.linalg.norm(a - b) / max(float(cp.linalg.norm(b)), 1e-30))
-                rows[-1]["rel_diff_vs_v%d" % versions[0]] = rel
-                print(f"  v{versions[0]} vs v{versions[1]}: relative difference {rel:.2e}", flush=True)
+                rows[-1]["rel_diff_v%d_vs_v%d" % (versions[0], ver)] = rel
+                print(f"  v{versions[0]} vs v{ver}: relative difference {rel:.2e}", flush=True)
             out = outs[versions[0]]
             if tiers_name in TIERS and cb == codebooks[0]:
                 try:
@@ -364,15 +375,16 @@ def main(argv=None):
         json.dump(rows, f, indent=1)
     print()
     print(f"{'method':24s} {'B':>3s} {'ctx':>7s} {'tiers':>9s} {'codebook':>12s} {'us':>9s} "
-          f"{'GB/s':>7s} {'%copy':>6s} {'x sdpa':>7s}")
+          f"{'GB/s':>7s} {'%copy':>6s} {'x sdpa':>7s} {'x fi16':>7s} {'x fi8':>7s}")
     for r in rows:
-        cb = (r.get("codebook") or "-") + (f" v{r['version']}" if "version" in r else "")
+        cb = (r.get("codebook") or "-") + (f" v{r['version']}" if r.get("version") else "")
         if r["us"] is None:
             print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s} {cb:>12s}  unavailable")
             continue
         print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s} {cb:>12s} "
               f"{r['us']:9.1f} {r['gbps']:7.0f} {100 * r['gbps'] / r['copy_gbps']:6.1f} "
-              f"{r['speedup_vs_sdpa_bf16']:7.2f}")
+              f"{r['speedup_vs_sdpa_bf16']:7.2f} {r.get('speedup_vs_flashinfer_bf16') or 0:7.2f} "
+              f"{r.get('speedup_vs_flashinfer_fp8') or 0:7.2f}")
     return 0
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
 #   validation/gpu_suite.sh tests sanitize ncu bench-quick bench flashinfer
+# (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
 set -u
 OUT=${OUT:-/tmp/skv_gpu_suite}
@@ -29,18 +30,34 @@ for stage in "$@"; do
       timeout 300 python3 validation/ncu_bytes.py --out "$OUT/ncu_bytes.json" --tiers 4/4,rdr-mix 2>&1 | tail -n 20
       rc=${PIPESTATUS[0]};;
     profile)
-      timeout 200 ncu --clock-control none --kernel-name regex:ada_decode --launch-count 1 \
-        --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
-        --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats \
-        python3 validation/ncu_bytes.py --child --tiers 4/4 > "$OUT/ncu_profile.txt" 2>&1
-      rc=$?; grep -E "Duration|Throughput|Warp Cycles|Stall|Occupancy|Issued|Eligible|Registers|Bank" "$OUT/ncu_profile.txt" | head -n 40;;
+      # counters of the decode kernel at (8, 32K) 4/4, per version (PROFILE_VERSIONS) and
+      # codebook (PROFILE_CODEBOOK: uniform = affine path, lloyd-max = table path)
+      rc=0
+      for v in ${PROFILE_VERSIONS:-6 5}; do
+        timeout ${PROFILE_LIMIT:-200} ncu --clock-control none --kernel-name regex:ada_decode --launch-count 1 \
+          --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+          --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats \
+          python3 validation/ncu_bytes.py --child --tiers 4/4 --codebook ${PROFILE_CODEBOOK:-uniform} \
+          --version $v > "$OUT/ncu_profile_v$v.txt" 2>&1
+        r=$?; [ $r -ne 0 ] && rc=$r
+        note "profile v$v rc=$r"
+        grep -E "Duration|DRAM Throughput|Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Eligible Warps|Active Warps Per|Executed Instructions  " "$OUT/ncu_profile_v$v.txt" | head -n 16
+      done;;
     bench-quick)
       timeout 200 python3 validation/decode_bench.py --out "$OUT/decode_quick.json" --reps 10 \
         --shapes ${QUICK_SHAPES:-8x32768,1x131072} --tiers 4/4,rdr-mix 2>&1 | tee "$OUT/bench_quick.log" | tail -n 30
       rc=${PIPESTATUS[0]};;
     bench)
-      timeout ${BENCH_LIMIT:-420} python3 validation/decode_bench.py --out "$OUT/decode_h200.json" --reps ${BENCH_REPS:-20} \
-        2>&1 | tee "$OUT/bench.log" | tail -n 45
+      # FlashInfer (when its wheel is carried in .whl/) is timed in the same process as SDPA
+      # and ADA, so every ADA row carries its speedups against FlashInfer bf16 and fp8.
+      fi_flag=""
+      if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+          > "$OUT/flashinfer_install.log" 2>&1 && fi_flag=--flashinfer
+      fi
+      PYTHONPATH=/tmp/site:$PYTHONPATH timeout ${BENCH_LIMIT:-420} python3 validation/decode_bench.py \
+        --out "$OUT/decode_h200.json" --reps ${BENCH_REPS:-20} --versions ${BENCH_VERSIONS:-6,5,4} \
+        $fi_flag 2>&1 | tee "$OUT/bench.log" | tail -n 45
       rc=${PIPESTATUS[0]};;
     flashinfer)
       rc=0

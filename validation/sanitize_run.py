@@ -1,5 +1,5 @@
 """A small representative run of every kernel (encode, decode on the table and the affine path,
-v5 and v4, with and without split-K, merge, re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
+v6, v5 and v4, with and without split-K, merge, re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 validation/sanitize_run.py
 """
@@ -17,7 +17,7 @@ def main():
                               seed=1, centred=True, fill_random=True, reference_parts=False,
                               codebook=codebook)
             dev = to_device(case)
-            for splits, version in ((1, 5), (3, 5), (3, 4)):
+            for splits, version in ((1, 6), (3, 6), (1, 5), (3, 5), (3, 4)):
                 out = run_case(case, dev, num_splits=splits, version=version)
                 assert bool(cp.all(cp.isfinite(out)))
         tables = case.tables

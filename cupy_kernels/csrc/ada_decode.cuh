@@ -46,6 +46,18 @@ constexpr int DEC_HEADS = 8;   // n of the mma tile: GQA groups up to 8 query he
 #ifndef DEC_UNI5_CTAS
 #define DEC_UNI5_CTAS 3         // v5 affine kernel: 168 registers (at 128 it spills ~20 B)
 #endif
+#ifndef DEC_UNI6_CTAS
+#define DEC_UNI6_CTAS 4         // v6 affine kernel: <= 128 registers
+#endif
+#ifndef DEC_TABLE6_CTAS
+#define DEC_TABLE6_CTAS 3       // v6 table kernel (72 KiB of shared memory allow 3 anyway)
+#endif
+#ifndef DEC_UNI6_SUB
+#define DEC_UNI6_SUB 1          // v6 affine kernel: 16-state sub-tiles per softmax step
+#endif
+#ifndef DEC_LAZY_MAX
+#define DEC_LAZY_MAX 4.0f       // v6: log2 slack of the running maximum (see decode_page)
+#endif
 
 template <int D>
 struct DecodeSmem {   // static part; tables and page buffers are dynamic (see below)
@@ -57,7 +69,9 @@ struct DecodeSmem {   // static part; tables and page buffers are dynamic (see b
   float lse[DEC_HEADS];    // combined log2-sum-exp per head
   float kfac[DEC_HEADS];   // qfac * softmax scale * log2(e)
   float hstep[8];          // affine path: half step of the uniform codebook per level row
-  float qhalf[DEC_HEADS];  // affine v5: sum of the fp16 q' per head / 2
+  float qhalf[DEC_HEADS];  // affine v5/v6: sum of the fp16 q' per head / 2
+  uint2 qfrag[D / 16][32];  // v6: the query's B fragments, [chunk][lane]
+  int prange[2];            // v6: the CTA's pages [prange[0] + pbeg, prange[0] + prange[1])
 };
 
 // Dynamic shared memory: [LUT_BYTES tables][region], region = max(2 page buffers per warp,
@@ -75,12 +89,48 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
 __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
+// Where the logit mma reads its B operand (the rotated query, fp16): v4/v5 hold the whole
+// fragment in registers (QRegs, 16 registers at D = 128); v6 re-reads chunk c from shared
+// memory once per 32-state step (QShared: one 8-byte ld.shared per chunk and lane,
+// conflict-free), which frees those registers for a fourth CTA per SM.
+template <int D>
+struct QRegs {
+  u32 v[D / 16][2];
+  __device__ __forceinline__ void get(int c, u32& b0, u32& b1) const { b0 = v[c][0]; b1 = v[c][1]; }
+};
+struct QShared {
+  u32 a;   // shared address of this lane's chunk 0; chunk c at a + 256 c ([chunk][lane] uint2)
+  __device__ __forceinline__ void get(int c, u32& b0, u32& b1) const {
+    // volatile: keeps the load inside the page loop (a hoisted copy would pin the registers)
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(b0), "=r"(b1) : "r"(a + 256 * c));
+  }
+};
+
+__device__ __forceinline__ int tid_x() {
+  int v;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(v));
+  return v;
+}
+__device__ __forceinline__ int lds_s32(u32 a) {   // not hoisted out of a loop (volatile)
+  int v;
+  asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+
+// 8x8 transpose of 16-bit elements across the warp (the C fragment of the logit mma to the
+// B fragment of the value mma, in registers).
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+  u32 y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // Logit phase for NSUB sub-tiles of 16 states: s[u][0..3] = <q~[2t], c(st0)>, <q~[2t+1],
 // c(st0)>, the same for st1, with st0 = tile0 + 16u + g, st1 = st0 + 8. The sub-tiles' mma
 // chains are independent, so the scheduler interleaves them.
-template <int B, int PATH, int D, int NSUB, class R>
+template <int B, int PATH, int D, int NSUB, class R, class QF>
 __device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int tile0, int count,
-                                            const u32 (&qf)[D / 16][2], const Luts& lut, int g,
+                                            const QF& qf, const Luts& lut, int g,
                                             int t, float (&s)[NSUB][4]) {
   constexpr bool UNI = PATH != PATH_TABLE;
   R r0[NSUB], r1[NSUB];
@@ -100,14 +150,15 @@ __device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int tile
     for (int i = 0; i < D / 32; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        u32 b0, b1;
+        qf.get(2 * i + h, b0, b1);
 #pragma unroll
         for (int u = 0; u < NSUB; ++u) {
           const int w = 4 * (t + 4 * i) + h;
           const u32 x0 = ok0[u] ? r0[u].w(w) : 0u, y0 = ok0[u] ? r0[u].w(w + 2) : 0u;
           const u32 x1 = ok1[u] ? r1[u].w(w) : 0u, y1 = ok1[u] ? r1[u].w(w + 2) : 0u;
           mma_16816(s[u], __byte_perm(x0, y0, 0x5410u), __byte_perm(x1, y1, 0x5410u),
-                    __byte_perm(x0, y0, 0x7632u), __byte_perm(x1, y1, 0x7632u),
-                    qf[2 * i + h][0], qf[2 * i + h][1]);
+                    __byte_perm(x0, y0, 0x7632u), __byte_perm(x1, y1, 0x7632u), b0, b1);
         }
       }
     }
@@ -130,6 +181,9 @@ __device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int tile
   }
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) {
+    u32 qb[2][2];
+    qf.get(2 * i, qb[0][0], qb[0][1]);
+    qf.get(2 * i + 1, qb[1][0], qb[1][1]);
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
       if (!EAGER) {
@@ -142,7 +196,7 @@ __device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int tile
         u32 a2 = h2_as_u32(a[u][i].pair(lut, 2 * h + 1));
         u32 a1 = h2_as_u32(b[u][i].pair(lut, 2 * h));
         u32 a3 = h2_as_u32(b[u][i].pair(lut, 2 * h + 1));
-        mma_16816(s[u], a0, a1, a2, a3, qf[2 * i + h][0], qf[2 * i + h][1]);
+        mma_16816(s[u], a0, a1, a2, a3, qb[h][0], qb[h][1]);
       }
     }
   }
@@ -250,12 +304,12 @@ __device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile
   }
 }
 
-template <int D, int PATH, int NSUB, class R>
+template <int D, int PATH, int NSUB, class R, class QF>
 __device__ __forceinline__ void dispatch_logits(int bits, const R& kbase, int kwords, int tile0,
-                                                int count, const u32 (&qf)[D / 16][2],
+                                                int count, const QF& qf,
                                                 const Luts& lut, int g, int t,
                                                 float (&s)[NSUB][4]) {
-#define SKV_LOGITS(BB) tile_logits<BB, PATH, D, NSUB, R>(kbase, kwords, tile0, count, qf, lut, g, t, s)
+#define SKV_LOGITS(BB) tile_logits<BB, PATH, D, NSUB, R, QF>(kbase, kwords, tile0, count, qf, lut, g, t, s)
   switch (bits) {
     case 1: SKV_LOGITS(1); break;
     case 2: SKV_LOGITS(2); break;
@@ -303,13 +357,64 @@ __device__ __forceinline__ void finish_heads(float* buf, int G, const float* sig
   }
 }
 
+__device__ __forceinline__ int ldg_s32(const int* p, bool vol) {
+  if (!vol) return __ldg(p);
+  int v;   // volatile: re-read where it is used instead of held in a register
+  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float lds_f32(const float* p, bool vol) {
+  if (!vol) return *p;
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(static_cast<u32>(__cvta_generic_to_shared(p))));
+  return v;
+}
+
+// The constants of one page's tier for lane (g, t): geometry (docs/format.md), and the
+// per-head logit factors of heads 2t, 2t + 1. Affine paths: the half step (doubled on
+// v5/v6, where the operand is u = c - 2^(B-1)) joins the scales; v5/v6 add sum(q')/2 to the
+// mma's logit sum (qk). v6 leaves q . mu_K out (mu = 0, decode_page).
+struct PageConsts {
+  int kbits, vbits, kwords, vwords, voff, ksoff, vsoff;
+  float kf0, kf1, mu0, mu1, qk0, qk1, hv;
+  bool vaff;
+  template <bool UNI, bool HALF, bool VOL>
+  __device__ __forceinline__ void load(const int* gm, const float* kfac, const float* qmu,
+                                       const float* hstep, const float* qhalf, int t) {
+    kbits = ldg_s32(gm + G_KBITS, VOL); vbits = ldg_s32(gm + G_VBITS, VOL);
+    kwords = ldg_s32(gm + G_KWORDS, VOL); vwords = ldg_s32(gm + G_VWORDS, VOL);
+    voff = ldg_s32(gm + G_VOFF, VOL); ksoff = ldg_s32(gm + G_KSOFF, VOL);
+    vsoff = ldg_s32(gm + G_VSOFF, VOL);
+    const bool kaff = UNI && kbits != 16;
+    vaff = HALF && vbits != 16;
+    const float hk = kaff ? lds_f32(hstep + level_row(kbits), VOL) : 1.0f;
+    hv = (UNI && vbits != 16) ? lds_f32(hstep + level_row(vbits), VOL) : 1.0f;
+    kf0 = lds_f32(kfac + 2 * t, VOL) * hk;
+    kf1 = lds_f32(kfac + 2 * t + 1, VOL) * hk;
+    mu0 = VOL ? 0.0f : qmu[2 * t];
+    mu1 = VOL ? 0.0f : qmu[2 * t + 1];
+    qk0 = (HALF && kaff) ? lds_f32(qhalf + 2 * t, VOL) : 0.0f;
+    qk1 = (HALF && kaff) ? lds_f32(qhalf + 2 * t + 1, VOL) : 0.0f;
+  }
+};
+
 // One page: tiles of 16 * NSUB states, logits -> online softmax -> values (see the map
-// above). NSUB = 2 (v5): one running-maximum update, one shuffle reduction and one P'
+// above). NSUB = 2 (v5, v6): one running-maximum update, one shuffle reduction and one P'
 // exchange per 32 states; each lane first reduces its own 2 * NSUB states per head.
-// ps0, ps1: sum of the fp16 P' of the affine (v5) tiers, for the "+1/2" of u = c - 2^(B-1).
-template <int D, int PATH, int NSUB, class R>
+// ps0, ps1: sum of the fp16 P' of the affine (v5, v6) tiers, for the "+1/2" of u = c - 2^(B-1).
+// V6 differs in three places:
+//   * P' goes from the C fragment of the logit mma (state rows, head columns) to the B
+//     fragment of the value mma (state k, head n) by two movmatrix transposes per sub-tile:
+//     no shared-memory tile, no __syncwarp;
+//   * lazy maximum: the running maximum m of a head moves only when a logit exceeds it by
+//     more than DEC_LAZY_MAX (log2 units), so after the first tiles a step costs one vote
+//     and no shuffles. Then p = 2^(z - m) <= 2^DEC_LAZY_MAX: P' = p s_V stays in fp16 for
+//     s_V * half step < 65504 / 2^DEC_LAZY_MAX (4094 at 4), far above real value norms;
+//   * q . mu_K is left out of the logits: it is the same for every state of a head (every
+//     warp and split), so the softmax and the output do not see it (only the internal lse).
+template <int D, int PATH, int NSUB, bool V6, class R, class QF>
 __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int count,
-                                            const u32 (&qf)[D / 16][2], const Luts& lut,
+                                            const QF& qf, const Luts& lut,
                                             const float* kfac, const float* qmu,
                                             const float* hstep, const float* qhalf, __half* pt,
                                             int g, int t, float (&acc)[D / 16][4],
@@ -317,21 +422,20 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
                                             float& ps0, float& ps1) {
   constexpr bool UNI = PATH != PATH_TABLE;
   constexpr int TS = 16 * NSUB;        // states per tile (row stride of the P' tile)
-  const int kbits = __ldg(gm + G_KBITS), vbits = __ldg(gm + G_VBITS);
-  const int kwords = __ldg(gm + G_KWORDS), vwords = __ldg(gm + G_VWORDS);
-  const int voff = __ldg(gm + G_VOFF), ksoff = __ldg(gm + G_KSOFF), vsoff = __ldg(gm + G_VSOFF);
-  const int h0 = 2 * t, h1 = 2 * t + 1;
   const float top = sqrtf((float)D);   // 16-bit tier: logit = sqrt(D) <q', y>, no scale
-  // Affine paths: the half step (doubled on v5, where the operand is u = c - 2^(B-1)) joins
-  // the scales; v5 adds sum(q')/2 to the mma's logit sum.
-  const bool kaff = UNI && kbits != 16, vaff = PATH == PATH_AFFINE && vbits != 16;
-  const float hk = kaff ? hstep[level_row(kbits)] : 1.0f;
-  const float hv = (UNI && vbits != 16) ? hstep[level_row(vbits)] : 1.0f;
-  const float kf0 = kfac[h0] * hk, kf1 = kfac[h1] * hk, mu0 = qmu[h0], mu1 = qmu[h1];
-  const float qk0 = (PATH == PATH_AFFINE && kaff) ? qhalf[h0] : 0.0f;
-  const float qk1 = (PATH == PATH_AFFINE && kaff) ? qhalf[h1] : 0.0f;
-  const R vbase = pg.at(voff);
+  PageConsts pc;
+  // v4/v5 read the page's constants once; v6 re-reads them (L1-resident) at every step, so
+  // that they do not hold registers across the step (4 CTAs per SM at 128 registers).
+  if constexpr (!V6) pc.template load<UNI, PATH == PATH_AFFINE, false>(gm, kfac, qmu, hstep, qhalf, t);
   for (int tile0 = 0; tile0 < count; tile0 += TS) {
+    if constexpr (V6) pc.template load<UNI, PATH == PATH_AFFINE, true>(gm, kfac, qmu, hstep, qhalf, t);
+    const int kbits = pc.kbits, vbits = pc.vbits, kwords = pc.kwords, vwords = pc.vwords;
+    const int ksoff = pc.ksoff, vsoff = pc.vsoff;
+    const float kf0 = pc.kf0, kf1 = pc.kf1, mu0 = pc.mu0, mu1 = pc.mu1, qk0 = pc.qk0, qk1 = pc.qk1;
+    const float hv = pc.hv;
+    const bool vaff = pc.vaff;
+    const int h0 = 2 * t, h1 = 2 * t + 1;
+    const R vbase = pg.at(pc.voff);
     float s[NSUB][4];
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
@@ -356,53 +460,83 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
       x0 = fmaxf(x0, fmaxf(z[u][0], z[u][2]));
       x1 = fmaxf(x1, fmaxf(z[u][1], z[u][3]));
     }
-#pragma unroll
-    for (int m = 4; m <= 16; m <<= 1) {
-      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, m));
-      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, m));
+    // v4/v5: the exact running maximum (one shuffle reduction per step), accumulators
+    // rescaled when some head's maximum moved. v6: the same, only when a logit passed m + lazy.
+    bool move;
+    if constexpr (V6) {
+      move = __any_sync(0xffffffffu, x0 > m0 + DEC_LAZY_MAX || x1 > m1 + DEC_LAZY_MAX);
+    } else {
+      move = true;
     }
-    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: the tile has a state
-    // Rescale the accumulators only when some head's running maximum moved (warp-uniform).
-    if (__any_sync(0xffffffffu, n0 != m0 || n1 != m1)) {
-      const float al0 = exp2f(m0 - n0), al1 = exp2f(m1 - n1);
-      l0 *= al0; l1 *= al1;
-      if (PATH == PATH_AFFINE) { ps0 *= al0; ps1 *= al1; }
+    if (move) {
 #pragma unroll
-      for (int i = 0; i < D / 16; ++i) {
-        acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1;
+      for (int m = 4; m <= 16; m <<= 1) {
+        x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, m));
+        x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, m));
       }
-      m0 = n0; m1 = n1;
-    }
-    __half P[NSUB][4];
+      const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: the tile has a state
+      // Rescale the accumulators only when some head's running maximum moved (warp-uniform).
+      if (__any_sync(0xffffffffu, n0 != m0 || n1 != m1)) {
+        const float al0 = exp2f(m0 - n0), al1 = exp2f(m1 - n1);
+        l0 *= al0; l1 *= al1;
+        if (PATH == PATH_AFFINE) { ps0 *= al0; ps1 *= al1; }
 #pragma unroll
-    for (int u = 0; u < NSUB; ++u) {
-      const float p0 = exp2f(z[u][0] - m0), p1 = exp2f(z[u][1] - m1);
-      const float p2 = exp2f(z[u][2] - m0), p3 = exp2f(z[u][3] - m1);
-      l0 += p0 + p2;
-      l1 += p1 + p3;
-      P[u][0] = __float2half_rn(p0 * sv[u][0]);
-      P[u][1] = __float2half_rn(p1 * sv[u][0]);
-      P[u][2] = __float2half_rn(p2 * sv[u][1]);
-      P[u][3] = __float2half_rn(p3 * sv[u][1]);
-      if (PATH == PATH_AFFINE && vaff) {
-        ps0 += __half2float(P[u][0]) + __half2float(P[u][2]);
-        ps1 += __half2float(P[u][1]) + __half2float(P[u][3]);
+        for (int i = 0; i < D / 16; ++i) {
+          acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1;
+        }
+        m0 = n0; m1 = n1;
       }
     }
-    __syncwarp();   // every lane has read the previous tile's P'
-#pragma unroll
-    for (int u = 0; u < NSUB; ++u) {
-      pt[h0 * TS + 16 * u + g] = P[u][0];
-      pt[h1 * TS + 16 * u + g] = P[u][1];
-      pt[h0 * TS + 16 * u + g + 8] = P[u][2];
-      pt[h1 * TS + 16 * u + g + 8] = P[u][3];
-    }
-    __syncwarp();
     u32 pb[NSUB][2];
+    if constexpr (V6) {
 #pragma unroll
-    for (int u = 0; u < NSUB; ++u) {
-      pb[u][0] = *reinterpret_cast<const u32*>(pt + g * TS + 16 * u + 2 * t);
-      pb[u][1] = *reinterpret_cast<const u32*>(pt + g * TS + 16 * u + 2 * t + 8);
+      for (int u = 0; u < NSUB; ++u) {
+        const float p0 = exp2f(z[u][0] - m0), p1 = exp2f(z[u][1] - m1);
+        const float p2 = exp2f(z[u][2] - m0), p3 = exp2f(z[u][3] - m1);
+        l0 += p0 + p2;
+        l1 += p1 + p3;
+        // (state g, heads h0 h1) and (state g + 8, heads h0 h1): rows of two 8x8 blocks
+        const __half2 w01 = __floats2half2_rn(p0 * sv[u][0], p1 * sv[u][0]);
+        const __half2 w23 = __floats2half2_rn(p2 * sv[u][1], p3 * sv[u][1]);
+        if (PATH == PATH_AFFINE && vaff) {
+          const float2 f01 = __half22float2(w01), f23 = __half22float2(w23);
+          ps0 += f01.x + f23.x;
+          ps1 += f01.y + f23.y;
+        }
+        pb[u][0] = transpose8x8(h2_as_u32(w01));   // (head g, states 2t, 2t + 1)
+        pb[u][1] = transpose8x8(h2_as_u32(w23));   // (head g, states 2t + 8, 2t + 9)
+      }
+    } else {
+      __half P[NSUB][4];
+#pragma unroll
+      for (int u = 0; u < NSUB; ++u) {
+        const float p0 = exp2f(z[u][0] - m0), p1 = exp2f(z[u][1] - m1);
+        const float p2 = exp2f(z[u][2] - m0), p3 = exp2f(z[u][3] - m1);
+        l0 += p0 + p2;
+        l1 += p1 + p3;
+        P[u][0] = __float2half_rn(p0 * sv[u][0]);
+        P[u][1] = __float2half_rn(p1 * sv[u][0]);
+        P[u][2] = __float2half_rn(p2 * sv[u][1]);
+        P[u][3] = __float2half_rn(p3 * sv[u][1]);
+        if (PATH == PATH_AFFINE && vaff) {
+          ps0 += __half2float(P[u][0]) + __half2float(P[u][2]);
+          ps1 += __half2float(P[u][1]) + __half2float(P[u][3]);
+        }
+      }
+      __syncwarp();   // every lane has read the previous tile's P'
+#pragma unroll
+      for (int u = 0; u < NSUB; ++u) {
+        pt[h0 * TS + 16 * u + g] = P[u][0];
+        pt[h1 * TS + 16 * u + g] = P[u][1];
+        pt[h0 * TS + 16 * u + g + 8] = P[u][2];
+        pt[h1 * TS + 16 * u + g + 8] = P[u][3];
+      }
+      __syncwarp();
+#pragma unroll
+      for (int u = 0; u < NSUB; ++u) {
+        pb[u][0] = *reinterpret_cast<const u32*>(pt + g * TS + 16 * u + 2 * t);
+        pb[u][1] = *reinterpret_cast<const u32*>(pt + g * TS + 16 * u + 2 * t + 8);
+      }
     }
     dispatch_values<D, PATH, NSUB>(vbits, vbase, vwords, tile0, count, pb, lut, g, t, acc);
   }
@@ -424,8 +558,8 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
 // The body of the decode kernels. PATH_TABLE: any codebook (`levels` is the (5, 256) float32
 // level table). PATH_AFFINE(_V4): uniform codebook (`levels` holds the 5 half steps hs_b of
 // b = 1, 2, 3, 4, 8 bits; no tables in shared memory). NSUB: 16-state sub-tiles per softmax
-// step (v4: 1, v5: 2).
-template <int D, int PATH, int NSUB>
+// step (v4: 1, v5 and v6: 2). V6: see decode_page.
+template <int D, int PATH, int NSUB, bool V6>
 __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   constexpr bool UNI = PATH != PATH_TABLE;
   __shared__ DecodeSmem<D> sm;
@@ -452,7 +586,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     int gg = idx / D, j = idx % D;
     qs[idx] = gg < G ? qrow[gg * q_sh + j] * sk[j] : 0.0f;
   }
-  if (threadIdx.x < DEC_HEADS) {
+  if (!V6 && threadIdx.x < DEC_HEADS) {   // v6 leaves q . mu_K out (decode_page)
     float mu = 0.0f;
     if (mean_k && threadIdx.x < G) {
       const float* mk = mean_k + (size_t)row * D;
@@ -474,7 +608,8 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   // Q fragment: lane (g, t) holds head g of group 8*(t+4i); k16 chunk (i, h) takes the
   // group's pairs 2h and 2h+1, i.e. coordinates 4h + (0, 1 | 2, 3) on the table path and
   // 2h + (0, 4 | 1, 5) on the affine path (UGroup pairs coordinates p and p + 4).
-  u32 qf[D / 16][2];
+  QRegs<D> qr;
+  u32 (&qf)[D / 16][2] = qr.v;
   {
     float inv = sm.qfac[g] > 0.0f ? 1.0f / (sm.qfac[g] * (float)D) : 0.0f;
 #pragma unroll
@@ -506,7 +641,20 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
     if (warp == 0 && t == 0) sm.qhalf[g] = 0.5f * qsum;
   }
+  if (V6 && warp == 0) {
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) sm.qfrag[i][lane] = make_uint2(qf[i][0], qf[i][1]);
+  }
+  QShared qsh;
+  qsh.a = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane]));
   const int h0 = 2 * t, h1 = 2 * t + 1;
+  const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
+  const int per = (n + num_splits - 1) / num_splits;
+  const int pbeg = split * per, pend = min(n, pbeg + per);
+  // v6 re-reads the CTA's page range from shared memory at each page: held in registers
+  // across the page loop, ptxas spills it to local memory at the 128-register cap.
+  if (V6 && threadIdx.x == 0) { sm.prange[0] = rbeg; sm.prange[1] = pend; }
+  const u32 prange = static_cast<u32>(__cvta_generic_to_shared(&sm.prange[0]));
   __syncthreads();  // the query staging area becomes page buffers
 
   float acc[D / 16][4];
@@ -514,9 +662,6 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   float m0 = -SKV_INF, m1 = -SKV_INF, l0 = 0.0f, l1 = 0.0f, ps0 = 0.0f, ps1 = 0.0f;
 
-  const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
-  const int per = (n + num_splits - 1) / num_splits;
-  const int pbeg = split * per, pend = min(n, pbeg + per);
   __half* pt = &sm.ptile[warp][0][0];
   u32* bufs = reinterpret_cast<u32*>(region) + (size_t)warp * 2 * page_words;
   // Page header of the warp's first page; a full page starts streaming at once.
@@ -536,13 +681,13 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
   cp_async_commit();
   int buf = 0;
-  for (; pi < pend; pi += DEC_WARPS) {
+  for (; pi < (V6 ? lds_s32(prange + 4) : pend); pi += DEC_WARPS) {
     // header of the next page, and its copy into the other buffer
     const int ni = pi + DEC_WARPS;
     int nxt_page = 0, nxt_tier = 0, nxt_count = 0;
     bool nxt_full = false;
-    if (ni < pend) {
-      nxt_page = indices[rbeg + ni];
+    if (ni < (V6 ? lds_s32(prange + 4) : pend)) {
+      nxt_page = indices[(V6 ? lds_s32(prange) : rbeg) + ni];
       nxt_tier = page_tier[nxt_page];
       nxt_count = page_count[nxt_page];
       nxt_full = nxt_count == __ldg(geom + nxt_tier * SKV_GEOM_STRIDE + G_P);
@@ -559,15 +704,27 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     if (cur_full) {
       SharedRow r;
       r.a = static_cast<u32>(__cvta_generic_to_shared(bufs + buf * page_words));
-      decode_page<D, PATH, NSUB>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qf, lut,
-                                 sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1,
-                                 l0, l1, ps0, ps1);
+      if constexpr (V6) {
+        decode_page<D, PATH, NSUB, V6>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qsh,
+                                       lut, sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc,
+                                       m0, m1, l0, l1, ps0, ps1);
+      } else {
+        decode_page<D, PATH, NSUB, V6>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qr,
+                                       lut, sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc,
+                                       m0, m1, l0, l1, ps0, ps1);
+      }
     } else {
       GlobalRow r;
       r.p = pages + (size_t)cur_page * page_words;
-      decode_page<D, PATH, NSUB>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qf, lut,
-                                 sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1,
-                                 l0, l1, ps0, ps1);
+      if constexpr (V6) {
+        decode_page<D, PATH, NSUB, V6>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qsh,
+                                       lut, sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc,
+                                       m0, m1, l0, l1, ps0, ps1);
+      } else {
+        decode_page<D, PATH, NSUB, V6>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qr,
+                                       lut, sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc,
+                                       m0, m1, l0, l1, ps0, ps1);
+      }
     }
     __syncwarp();   // every lane is done with this buffer before it is refilled
     buf ^= 1;
@@ -649,14 +806,15 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   } else {
     const size_t base = ((size_t)split * gridDim.y + row) * G;
     for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) part_o[base * D + idx] = obuf[idx];
-    if (threadIdx.x < G) part_lse[base + threadIdx.x] = sm.lse[threadIdx.x];
+    const int tid = tid_x();   // re-read: held across the page loop it would cost a register
+    if (tid < G) part_lse[base + tid] = sm.lse[tid];
   }
 }
 
 // Table path (Lloyd–Max or any codebook): 37 KiB of replicated tables, 3 CTAs per SM.
 template <int D>
 __global__ void __launch_bounds__(DEC_WARPS * 32, 3) ada_decode_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, PATH_TABLE, DEC_TABLE_SUB>(SKV_DECODE_ARGS);
+  decode_cta<D, PATH_TABLE, DEC_TABLE_SUB, false>(SKV_DECODE_ARGS);
 }
 
 // Affine path (uniform codebook), v5: lop3 + fma per pair, 32-state softmax steps; no
@@ -664,19 +822,31 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) ada_decode_kernel(SKV_DECOD
 template <int D>
 __global__ void __launch_bounds__(DEC_WARPS * 32, DEC_UNI5_CTAS)
 ada_decode_uniform_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, PATH_AFFINE, DEC_UNI_SUB>(SKV_DECODE_ARGS);
+  decode_cta<D, PATH_AFFINE, DEC_UNI_SUB, false>(SKV_DECODE_ARGS);
 }
 
 // The v4 kernels (16-state softmax steps; affine pairs by shift, and, or, hadd2), kept for
 // the side-by-side benchmark and as a fallback (ada_decode(version=4)).
 template <int D>
 __global__ void __launch_bounds__(DEC_WARPS * 32, 3) ada_decode_v4_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, PATH_TABLE, 1>(SKV_DECODE_ARGS);
+  decode_cta<D, PATH_TABLE, 1, false>(SKV_DECODE_ARGS);
 }
 template <int D>
 __global__ void __launch_bounds__(DEC_WARPS * 32, DEC_UNI_CTAS)
 ada_decode_uniform_v4_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, PATH_AFFINE_V4, 1>(SKV_DECODE_ARGS);
+  decode_cta<D, PATH_AFFINE_V4, 1, false>(SKV_DECODE_ARGS);
+}
+
+// v6 (decode_page): P' transposed in registers, lazy running maximum, the query fragment
+// re-read from shared memory; the affine kernel fits 128 registers (4 CTAs per SM).
+template <int D>
+__global__ void __launch_bounds__(DEC_WARPS * 32, DEC_TABLE6_CTAS) ada_decode_v6_kernel(SKV_DECODE_PARAMS) {
+  decode_cta<D, PATH_TABLE, DEC_TABLE_SUB, true>(SKV_DECODE_ARGS);
+}
+template <int D>
+__global__ void __launch_bounds__(DEC_WARPS * 32, DEC_UNI6_CTAS)
+ada_decode_uniform_v6_kernel(SKV_DECODE_PARAMS) {
+  decode_cta<D, PATH_AFFINE, DEC_UNI6_SUB, true>(SKV_DECODE_ARGS);
 }
 
 // Split-K merge: one CTA per row, D threads; o = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M),
