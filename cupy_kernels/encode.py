@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._module import cupy, kernel
-from .pages import KernelTables, as_device, device_tables
+from .pages import KernelTables, as_device, device_tables, pool_views
 
 THREADS = 256
 _STATUS = ((1, "an input vector contains NaN or Inf"),
@@ -56,16 +56,7 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
     if (xa.dtype != np.float32 or xa.strides[1] != 4 or xa.strides[0] % 16
             or xa.data.ptr % 16):   # the kernel loads rows with 16-byte vector loads
         xa = cp.ascontiguousarray(xa, dtype=cp.float32)
-    pg, _ = as_device(pages, "pages", ndim=2)
-    if pg.dtype == np.uint8 and pg.shape[1] == tables.page_bytes:
-        pg = pg.view(cp.uint32)
-    elif not (pg.dtype == np.uint32 and pg.shape[1] == tables.page_words):
-        raise ValueError(f"pages must be uint8 (N, {tables.page_bytes}) or uint32 (N, {tables.page_words})")
-    if not pg.flags.c_contiguous:
-        raise ValueError("pages must be C-contiguous")
-    pt, _ = as_device(page_tier, "page_tier", np.int32, 1)
-    if pt.shape[0] != pg.shape[0]:
-        raise ValueError("page_tier must have one entry per page")
+    pg, pt = pool_views(pages, page_tier, tables)
     sg, _ = as_device(sigma, "sigma", np.float32, 2)
     if sg.shape[1] != d:
         raise ValueError(f"sigma must have shape (H, {d})")

@@ -241,3 +241,22 @@ def as_device(x, name: str, dtype=None, ndim: int | None = None):
     if ndim is not None and arr.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {arr.shape}")
     return arr, torch_in
+
+
+def pool_views(pages, page_tier, tables: KernelTables):
+    """(pages as uint32 (num_pages, page_words), page_tier int32 (num_pages,)) for the kernels
+    that write into the pool (encode, re-tier): pages is the pool itself, uint8
+    (num_pages, page_bytes) or uint32, C-contiguous (never copied); ValueError otherwise."""
+    from ._module import cupy
+    cp = cupy()
+    pg, _ = as_device(pages, "pages", ndim=2)
+    if pg.dtype == np.uint8 and pg.shape[1] == tables.page_bytes:
+        pg = pg.view(cp.uint32)
+    elif not (pg.dtype == np.uint32 and pg.shape[1] == tables.page_words):
+        raise ValueError(f"pages must be uint8 (N, {tables.page_bytes}) or uint32 (N, {tables.page_words})")
+    if not pg.flags.c_contiguous:
+        raise ValueError("pages must be C-contiguous")
+    pt, _ = as_device(page_tier, "page_tier", np.int32, 1)
+    if pt.shape[0] != pg.shape[0]:
+        raise ValueError("page_tier must have one entry per page")
+    return pg, pt

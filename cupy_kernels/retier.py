@@ -13,22 +13,13 @@ import numpy as np
 
 from ._module import cupy, kernel
 from .encode import THREADS, _index, raise_status
-from .pages import KernelTables, as_device, device_tables
+from .pages import KernelTables, as_device, device_tables, pool_views
 
 
 def retier(pages, page_tier, tables: KernelTables, src_page, src_slot, dst_page, dst_slot,
            *, check: bool = True, status=None):
     cp = cupy()
-    pg, _ = as_device(pages, "pages", ndim=2)
-    if pg.dtype == np.uint8 and pg.shape[1] == tables.page_bytes:
-        pg = pg.view(cp.uint32)
-    elif not (pg.dtype == np.uint32 and pg.shape[1] == tables.page_words):
-        raise ValueError(f"pages must be uint8 (N, {tables.page_bytes}) or uint32 (N, {tables.page_words})")
-    if not pg.flags.c_contiguous:
-        raise ValueError("pages must be C-contiguous")
-    pt, _ = as_device(page_tier, "page_tier", np.int32, 1)
-    if pt.shape[0] != pg.shape[0]:
-        raise ValueError("page_tier must have one entry per page")
+    pg, pt = pool_views(pages, page_tier, tables)
     sp, _ = as_device(src_page, "src_page", np.int32, 1)
     n = sp.shape[0]
     sp = _index(sp, "src_page", n)

@@ -21,6 +21,8 @@ VARIANTS = {
     "sub2_ctas3": dict(DEC_UNI6_SUB=2, DEC_UNI6_CTAS=3),
     "sub1_lazy0": dict(DEC_LAZY_MAX="0.0f"),
 }
+# v6 as built with twice the split-K splits (choose_splits aims at ~4 waves instead of ~2)
+WAVES4 = "v6_4waves"
 CASES = [(32, 8192, "4/4"), (8, 32768, "4/4"), (8, 32768, "2/2"), (1, 131072, "4/4"),
          (8, 32768, "rdr-mix")]
 
@@ -42,9 +44,11 @@ def main(argv=None):
     ap.add_argument("--out", default="decode_variants.json")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
+    import importlib
     import cupy as cp
-    import cupy_kernels.ada_decode as ad
     from cupy_kernels import kernel_tables
+    ad = importlib.import_module("cupy_kernels.ada_decode")   # the module (the package
+    # exports the function of the same name)
     timer = Timer(args.reps)
     copy_gbps = copy_bandwidth(timer)
     print(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s", flush=True)
@@ -58,10 +62,12 @@ def main(argv=None):
         q = cp.random.standard_normal((batch, HQ, D), dtype=cp.float32)
         nbytes = lay.cache_bytes + q.size * 4 + (lay.indptr.size + 3 * lay.indices.size) * 4
         ref = None
-        for name in ["v5", "v6", *VARIANTS]:
+        for name in ["v5", "v6", WAVES4, *VARIANTS]:
             if name in VARIANTS:
                 ad.kernel = getters[name]
                 ad.CTAS_PER_SM_UNIFORM_V6 = int(VARIANTS[name].get("DEC_UNI6_CTAS", built_ctas))
+            elif name == WAVES4:
+                ad.CTAS_PER_SM_UNIFORM_V6 = 2 * built_ctas
             try:
                 run, out, splits = ada_step(state, tables, q, batch, 5 if name == "v5" else 6)
                 us = timer(run)

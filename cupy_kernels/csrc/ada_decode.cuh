@@ -117,6 +117,16 @@ __device__ __forceinline__ int lds_s32(u32 a) {   // not hoisted out of a loop (
   return v;
 }
 
+// The query fragment source of a version: shared memory on v6, registers before.
+template <bool V6> struct QSource {
+  template <int D>
+  static __device__ __forceinline__ const QRegs<D>& of(const QShared&, const QRegs<D>& r) { return r; }
+};
+template <> struct QSource<true> {
+  template <int D>
+  static __device__ __forceinline__ const QShared& of(const QShared& s, const QRegs<D>&) { return s; }
+};
+
 // 8x8 transpose of 16-bit elements across the warp (the C fragment of the logit mma to the
 // B fragment of the value mma, in registers).
 __device__ __forceinline__ u32 transpose8x8(u32 x) {
@@ -487,49 +497,40 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
         m0 = n0; m1 = n1;
       }
     }
+    // P' = p * s_V in fp16: w[u][0] = (state g; heads h0, h1), w[u][1] = (state g + 8; h0, h1),
+    // i.e. rows of the two 8x8 blocks (states x heads) of the sub-tile's C fragment.
+    __half2 w[NSUB][2];
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+      const float p0 = exp2f(z[u][0] - m0), p1 = exp2f(z[u][1] - m1);
+      const float p2 = exp2f(z[u][2] - m0), p3 = exp2f(z[u][3] - m1);
+      l0 += p0 + p2;
+      l1 += p1 + p3;
+      w[u][0] = __floats2half2_rn(p0 * sv[u][0], p1 * sv[u][0]);
+      w[u][1] = __floats2half2_rn(p2 * sv[u][1], p3 * sv[u][1]);
+      if (PATH == PATH_AFFINE && vaff) {
+        const float2 f01 = __half22float2(w[u][0]), f23 = __half22float2(w[u][1]);
+        ps0 += f01.x + f23.x;
+        ps1 += f01.y + f23.y;
+      }
+    }
+    // ... to the B fragment of the value mma: pb[u][0] = (head g; states 2t, 2t + 1),
+    // pb[u][1] = (head g; states 2t + 8, 2t + 9).
     u32 pb[NSUB][2];
-    if constexpr (V6) {
+    if constexpr (V6) {   // in registers
 #pragma unroll
       for (int u = 0; u < NSUB; ++u) {
-        const float p0 = exp2f(z[u][0] - m0), p1 = exp2f(z[u][1] - m1);
-        const float p2 = exp2f(z[u][2] - m0), p3 = exp2f(z[u][3] - m1);
-        l0 += p0 + p2;
-        l1 += p1 + p3;
-        // (state g, heads h0 h1) and (state g + 8, heads h0 h1): rows of two 8x8 blocks
-        const __half2 w01 = __floats2half2_rn(p0 * sv[u][0], p1 * sv[u][0]);
-        const __half2 w23 = __floats2half2_rn(p2 * sv[u][1], p3 * sv[u][1]);
-        if (PATH == PATH_AFFINE && vaff) {
-          const float2 f01 = __half22float2(w01), f23 = __half22float2(w23);
-          ps0 += f01.x + f23.x;
-          ps1 += f01.y + f23.y;
-        }
-        pb[u][0] = transpose8x8(h2_as_u32(w01));   // (head g, states 2t, 2t + 1)
-        pb[u][1] = transpose8x8(h2_as_u32(w23));   // (head g, states 2t + 8, 2t + 9)
+        pb[u][0] = transpose8x8(h2_as_u32(w[u][0]));
+        pb[u][1] = transpose8x8(h2_as_u32(w[u][1]));
       }
-    } else {
-      __half P[NSUB][4];
-#pragma unroll
-      for (int u = 0; u < NSUB; ++u) {
-        const float p0 = exp2f(z[u][0] - m0), p1 = exp2f(z[u][1] - m1);
-        const float p2 = exp2f(z[u][2] - m0), p3 = exp2f(z[u][3] - m1);
-        l0 += p0 + p2;
-        l1 += p1 + p3;
-        P[u][0] = __float2half_rn(p0 * sv[u][0]);
-        P[u][1] = __float2half_rn(p1 * sv[u][0]);
-        P[u][2] = __float2half_rn(p2 * sv[u][1]);
-        P[u][3] = __float2half_rn(p3 * sv[u][1]);
-        if (PATH == PATH_AFFINE && vaff) {
-          ps0 += __half2float(P[u][0]) + __half2float(P[u][2]);
-          ps1 += __half2float(P[u][1]) + __half2float(P[u][3]);
-        }
-      }
+    } else {              // through the warp's shared tile
       __syncwarp();   // every lane has read the previous tile's P'
 #pragma unroll
       for (int u = 0; u < NSUB; ++u) {
-        pt[h0 * TS + 16 * u + g] = P[u][0];
-        pt[h1 * TS + 16 * u + g] = P[u][1];
-        pt[h0 * TS + 16 * u + g + 8] = P[u][2];
-        pt[h1 * TS + 16 * u + g + 8] = P[u][3];
+        pt[h0 * TS + 16 * u + g] = __low2half(w[u][0]);
+        pt[h1 * TS + 16 * u + g] = __high2half(w[u][0]);
+        pt[h0 * TS + 16 * u + g + 8] = __low2half(w[u][1]);
+        pt[h1 * TS + 16 * u + g + 8] = __high2half(w[u][1]);
       }
       __syncwarp();
 #pragma unroll
@@ -647,6 +648,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
   QShared qsh;
   qsh.a = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane]));
+  const auto& qsrc = QSource<V6>::of(qsh, qr);
   const int h0 = 2 * t, h1 = 2 * t + 1;
   const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
   const int per = (n + num_splits - 1) / num_splits;
@@ -704,27 +706,15 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     if (cur_full) {
       SharedRow r;
       r.a = static_cast<u32>(__cvta_generic_to_shared(bufs + buf * page_words));
-      if constexpr (V6) {
-        decode_page<D, PATH, NSUB, V6>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qsh,
-                                       lut, sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc,
-                                       m0, m1, l0, l1, ps0, ps1);
-      } else {
-        decode_page<D, PATH, NSUB, V6>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qr,
-                                       lut, sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc,
-                                       m0, m1, l0, l1, ps0, ps1);
-      }
+      decode_page<D, PATH, NSUB, V6>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qsrc, lut,
+                                     sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1,
+                                     l0, l1, ps0, ps1);
     } else {
       GlobalRow r;
       r.p = pages + (size_t)cur_page * page_words;
-      if constexpr (V6) {
-        decode_page<D, PATH, NSUB, V6>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qsh,
-                                       lut, sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc,
-                                       m0, m1, l0, l1, ps0, ps1);
-      } else {
-        decode_page<D, PATH, NSUB, V6>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qr,
-                                       lut, sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc,
-                                       m0, m1, l0, l1, ps0, ps1);
-      }
+      decode_page<D, PATH, NSUB, V6>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qsrc, lut,
+                                     sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1,
+                                     l0, l1, ps0, ps1);
     }
     __syncwarp();   // every lane is done with this buffer before it is refilled
     buf ^= 1;

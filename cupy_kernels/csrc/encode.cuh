@@ -25,10 +25,8 @@ encode_kernel(const float* __restrict__ x, long long x_row_stride, int n,
               const double* __restrict__ levels, const double* __restrict__ mids,
               int* __restrict__ status) {
   constexpr int V = D / 32;
-  // levels and cell midpoints of every bit width, in shared memory (20 KiB)
-  __shared__ double s_lev[5 * 256], s_mid[5 * 256];
-  for (int k = threadIdx.x; k < 5 * 256; k += blockDim.x) { s_lev[k] = levels[k]; s_mid[k] = mids[k]; }
-  __syncthreads();
+  __shared__ QuantTables qt;   // 20 KiB
+  qt.load(levels, mids);
   const int lane = threadIdx.x & 31;
   const int warps = (gridDim.x * blockDim.x) >> 5;
   for (int i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < n; i += warps) {
@@ -80,8 +78,7 @@ encode_kernel(const float* __restrict__ x, long long x_row_stride, int n,
     const int soff = part == 0 ? gm[G_KSOFF] : gm[G_VSOFF];
     __half* sc = soff >= 0 ? reinterpret_cast<__half*>(reinterpret_cast<char*>(pg) + soff) + slot
                            : nullptr;
-    const int lr = bits == 16 ? 0 : level_row(bits);
-    const int st = warp_encode<D>(y, bits, s_lev + lr * 256, s_mid + lr * 256, codes, sc, lane);
+    const int st = qt.encode<D>(y, bits, codes, sc, lane);
     if (st && lane == 0) atomicOr(status, st);
   }
 }

@@ -23,9 +23,8 @@ retier_kernel(int n, const int* __restrict__ src_page, const int* __restrict__ s
               const double* __restrict__ levels, const double* __restrict__ mids,
               int* __restrict__ status) {
   constexpr int V = D / 32;
-  __shared__ double s_lev[5 * 256], s_mid[5 * 256];
-  for (int k = threadIdx.x; k < 5 * 256; k += blockDim.x) { s_lev[k] = levels[k]; s_mid[k] = mids[k]; }
-  __syncthreads();
+  __shared__ QuantTables qt;   // 20 KiB
+  qt.load(levels, mids);
   const int lane = threadIdx.x & 31;
   const int warps = (gridDim.x * blockDim.x) >> 5;
   for (int i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < n; i += warps) {
@@ -71,12 +70,11 @@ retier_kernel(int n, const int* __restrict__ src_page, const int* __restrict__ s
         }
       } else {
         const double s = (double)__half2float(*scs) / sqrt((double)D);
-        const double* lev = s_lev + level_row(bs) * 256;
+        const double* lev = qt.lev + level_row(bs) * 256;
 #pragma unroll
         for (int k = 0; k < V; ++k) y[k] = s * lev[read_code<D>(cs, bs, lane * V + k)];
       }
-      const int lr = level_row(bd);
-      const int st = warp_encode<D>(y, bd, s_lev + lr * 256, s_mid + lr * 256, cd, scd, lane);
+      const int st = qt.encode<D>(y, bd, cd, scd, lane);
       if (st && lane == 0) atomicOr(status, st);
     }
   }

@@ -493,6 +493,22 @@ __device__ __forceinline__ void warp_pack_fields(const int (&code)[D / 32], int 
   if ((lane % lanes_per_word) == 0) dst[bit0 >> 5] = word;
 }
 
+// Levels and cell midpoints of every bit width (rows b = 1, 2, 3, 4, 8 of 256, float64),
+// copied into shared memory by the whole block: the quantiser's tables for warp_encode
+// (encode and re-tier kernels). Ends with a barrier.
+struct QuantTables {
+  double lev[5 * 256], mid[5 * 256];
+  __device__ __forceinline__ void load(const double* __restrict__ levels,
+                                       const double* __restrict__ mids) {
+    for (int k = threadIdx.x; k < 5 * 256; k += blockDim.x) { lev[k] = levels[k]; mid[k] = mids[k]; }
+    __syncthreads();
+  }
+  // Quantises y at `bits` with the tables of that width (warp_encode, below).
+  template <int D>
+  __device__ __forceinline__ int encode(const double (&y)[D / 32], int bits, u32* codes,
+                                        __half* scale, int lane) const;
+};
+
 // Quantises and packs one rotated, centred vector y (float64, lane-distributed) at `bits`
 // per coordinate into codes[] (+ *scale for bits < 16). lev/mid: the bit width's levels and
 // midpoints (float64). Returns status bits (0 = fine). All lanes return the same value.
@@ -558,6 +574,13 @@ __device__ int warp_encode(const double (&y)[D / 32], int bits, const double* le
     warp_pack_fields<D>(code, bits, 0, (1u << bits) - 1u, codes, lane);
   }
   return status;
+}
+
+template <int D>
+__device__ __forceinline__ int QuantTables::encode(const double (&y)[D / 32], int bits, u32* codes,
+                                                   __half* scale, int lane) const {
+  const int lr = bits == 16 ? 0 : level_row(bits);
+  return warp_encode<D>(y, bits, lev + lr * 256, mid + lr * 256, codes, scale, lane);
 }
 
 // Reads the code of coordinate j (0..D-1) of a vector stored at `bits` (< 16).
