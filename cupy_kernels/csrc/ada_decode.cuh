@@ -53,7 +53,7 @@ constexpr int DEC_HEADS = 8;   // n of the mma tile: GQA groups up to 8 query he
 #define DEC_TABLE6_CTAS 3       // v6 table kernel (72 KiB of shared memory allow 3 anyway)
 #endif
 #ifndef DEC_UNI6_SUB
-#define DEC_UNI6_SUB 1          // v6 affine kernel: 16-state sub-tiles per softmax step
+#define DEC_UNI6_SUB 2          // v6 affine kernel: 16-state sub-tiles per softmax step (see below)
 #endif
 #ifndef DEC_LAZY_MAX
 #define DEC_LAZY_MAX 4.0f       // v6: log2 slack of the running maximum (see decode_page)
@@ -828,7 +828,10 @@ ada_decode_uniform_v4_kernel(SKV_DECODE_PARAMS) {
 }
 
 // v6 (decode_page): P' transposed in registers, lazy running maximum, the query fragment
-// re-read from shared memory; the affine kernel fits 128 registers (4 CTAs per SM).
+// re-read from shared memory; the affine kernel fits 128 registers (4 CTAs per SM) with two
+// sub-tiles per step, at the price of one page-loop variable in 4 bytes of local memory
+// (stored and loaded in the page header, never inside a step). With DEC_UNI6_SUB=1 it needs
+// no local memory but was measured 4-12 % slower on uniform tiers (docs/PERF_NOTES.md v6).
 template <int D>
 __global__ void __launch_bounds__(DEC_WARPS * 32, DEC_TABLE6_CTAS) ada_decode_v6_kernel(SKV_DECODE_PARAMS) {
   decode_cta<D, PATH_TABLE, DEC_TABLE_SUB, true>(SKV_DECODE_ARGS);
