@@ -56,6 +56,31 @@ def _softmax_part(q, k, v, scale, causal_offset=None):
     return out, (zmax + np.log(den))[..., 0]
 
 
+class _Rows:
+    """A (n, d) float64 array that grows at the end in amortised O(1) per row (decode
+    appends one token per step; re-concatenating a 4K-state row every step costs more
+    than the attention itself)."""
+
+    def __init__(self, a):
+        a = np.asarray(a, np.float64)
+        self._buf = np.array(a, np.float64, copy=True)
+        self._n = a.shape[0]
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self._buf[:self._n]
+
+    def extend(self, x) -> None:
+        x = np.asarray(x, np.float64)
+        need = self._n + x.shape[0]
+        if need > self._buf.shape[0]:
+            grown = np.empty((max(need, 2 * self._buf.shape[0], 16), self._buf.shape[1]))
+            grown[:self._n] = self._buf[:self._n]
+            self._buf = grown
+        self._buf[self._n:need] = x
+        self._n = need
+
+
 class ContextStore:
     """What a layer's new tokens attend to besides themselves. Subclasses implement
     ``attend`` (q (num_q_heads, T, d) → out, lse over the stored states), ``append``
@@ -82,11 +107,11 @@ class DenseStore(ContextStore):
 
     def __init__(self, keys, values, num_q_heads: int, nbytes: int,
                  bytes_per_state: Optional[int] = None):
-        self.keys = [[np.asarray(kh, np.float64) for kh in k] for k in keys]
-        self.values = [[np.asarray(vh, np.float64) for vh in v] for v in values]
+        self.keys = [[_Rows(kh) for kh in k] for k in keys]
+        self.values = [[_Rows(vh) for vh in v] for v in values]
         self.num_kv_heads = len(self.keys[0])
         self.num_q_heads = int(num_q_heads)
-        d = self.keys[0][0].shape[-1]
+        d = self.keys[0][0].rows.shape[-1]
         self._nbytes = int(nbytes)
         self._per_state = 4 * d if bytes_per_state is None else int(bytes_per_state)
 
@@ -95,7 +120,7 @@ class DenseStore(ContextStore):
         out = np.empty(q.shape)
         lse = np.empty(q.shape[:2])
         for h in range(self.num_kv_heads):
-            k, v = self.keys[layer][h], self.values[layer][h]
+            k, v = self.keys[layer][h].rows, self.values[layer][h].rows
             sl = slice(h * G, (h + 1) * G)
             if k.shape[0] == 0:
                 out[sl], lse[sl] = 0.0, -np.inf
@@ -105,8 +130,8 @@ class DenseStore(ContextStore):
 
     def append(self, layer, k, v):
         for h in range(self.num_kv_heads):
-            self.keys[layer][h] = np.concatenate([self.keys[layer][h], k[h]])
-            self.values[layer][h] = np.concatenate([self.values[layer][h], v[h]])
+            self.keys[layer][h].extend(k[h])
+            self.values[layer][h].extend(v[h])
         self._nbytes += k.shape[0] * k.shape[1] * self._per_state
 
     def nbytes(self):
@@ -140,8 +165,8 @@ class SphericalStore(ContextStore):
                     ks.append(ke.scale.astype(np.float64)[:, None] * kc.rotated_points(ke))
                     vs.append(ve.scale.astype(np.float64)[:, None] * vc.rotated_points(ve))
                 d = self.kv.head_dim
-                rows.append([np.concatenate(ks) if ks else np.zeros((0, d)),
-                             np.concatenate(vs) if vs else np.zeros((0, d))])
+                rows.append((_Rows(np.concatenate(ks) if ks else np.zeros((0, d))),
+                             _Rows(np.concatenate(vs) if vs else np.zeros((0, d)))))
             self._snap[layer] = rows
         return self._snap[layer]
 
@@ -151,7 +176,8 @@ class SphericalStore(ContextStore):
         kb, vb = kv.ladder.bits(kv.ladder.top)
         out = np.empty(q.shape)
         lse = np.empty(q.shape[:2])
-        for h, (krot, vrot) in enumerate(self._snapshot(layer)):
+        for h, (kbuf, vbuf) in enumerate(self._snapshot(layer)):
+            krot, vrot = kbuf.rows, vbuf.rows
             qh = q[h * G:(h + 1) * G]
             if krot.shape[0] == 0:
                 out[h * G:(h + 1) * G], lse[h * G:(h + 1) * G] = 0.0, -np.inf
@@ -177,8 +203,8 @@ class SphericalStore(ContextStore):
             kc, vc = kv.codec(layer, h, kb, KEY_SALT), kv.codec(layer, h, vb, VALUE_SALT)
             ke = kc.encode(k[h], mean=s.mean_k[layer, h] if kv.centre else None)
             ve = vc.encode(v[h], mean=s.mean_v[layer, h] if kv.centre else None)
-            row[0] = np.concatenate([row[0], ke.scale.astype(np.float64)[:, None] * kc.rotated_points(ke)])
-            row[1] = np.concatenate([row[1], ve.scale.astype(np.float64)[:, None] * vc.rotated_points(ve)])
+            row[0].extend(ke.scale.astype(np.float64)[:, None] * kc.rotated_points(ke))
+            row[1].extend(ve.scale.astype(np.float64)[:, None] * vc.rotated_points(ve))
 
     def nbytes(self):
         return self.kv.bytes_in_use(self.seq)

@@ -55,10 +55,11 @@ def _stat(name, x, n):
 
 
 def distortion(attn_prob, query_sq_norm, key_radius, value_norm, value_residual,
-               key_error, value_error, dim, softmax_scale=None):
+               key_error, value_error, dim, softmax_scale=None, eviction_factor=1.0,
+               key_term="linear"):
     """Surrogate attention-output error D[i, t] per state and option (DESIGN §5, docs/rdr.md).
 
-        D[i, 0] = p_i² · ‖v_i − o‖²                                          (evicted)
+        D[i, 0] = κ_i · p_i² · ‖v_i − o‖²                                     (evicted)
         D[i, t] = p_i² · ( s² · Q_i² · r_i² · eK[t]/d · ‖v_i − o‖²  +  ‖v_i‖² · eV[t] )
 
     with s the softmax scale (logits are s·q·k), eK[t], eV[t] = E[ε_θ²] of tier t's key and
@@ -71,8 +72,18 @@ def distortion(attn_prob, query_sq_norm, key_radius, value_norm, value_residual,
     key_error, value_error: (T,) E[ε_θ²] of the key and value code of tiers 1..T (plain
     arrays; :func:`tier_error_constants` builds them from a ladder).
     dim: head dimension d. softmax_scale: default 1/√d.
+    eviction_factor: κ_i ≥ 1, scalar or (n,): how much more the evictions of a row cost
+    than their independent squares. Code errors come from random rotations and add in
+    quadrature; the output shifts of evicted states do not (they share a direction), and
+    ``SphericalKVCache`` measures κ per row on its observed queries (docs/rdr.md §1).
+    key_term: "linear" (the first-order term σ², σ² = s²·Q²·r²·eK/d the logit-error
+    variance) or "lognormal": E[(e^δ − 1)²] = e^{2σ²} − 2e^{σ²/2} + 1 for δ ~ N(0, σ²),
+    the squared change of the state's softmax weight to all orders (equal to σ² + O(σ⁴);
+    at 2 bits on SmolLM2 σ² reaches ~1, where it is several times the first-order term).
     Returns D (n, T+1) float64, column 0 = evict.
     """
+    if key_term not in ("linear", "lognormal"):
+        raise ValueError(f"key_term must be 'linear' or 'lognormal', got {key_term!r}")
     dim = int(dim)
     if dim < 1:
         raise ValueError(f"dim must be a positive integer, got {dim}")
@@ -96,13 +107,19 @@ def distortion(attn_prob, query_sq_norm, key_radius, value_norm, value_residual,
     s = 1.0 / np.sqrt(dim) if softmax_scale is None else float(softmax_scale)
     if not np.isfinite(s) or s <= 0:
         raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale!r}")
+    kappa = _stat("eviction_factor", eviction_factor, n)
+    if np.any(kappa < 1.0):
+        raise ValueError("eviction_factor must be >= 1 (evictions add at least in quadrature)")
     p2 = p * p
     res2 = res * res
     out = np.empty((n, ek.size + 1))
-    out[:, 0] = p2 * res2
+    out[:, 0] = kappa * p2 * res2
     logit_var = (s * s) * q2 * r * r / dim                  # E[δ²] per unit E[ε_θ²]
-    out[:, 1:] = p2[:, None] * ((logit_var * res2)[:, None] * ek[None, :]
-                                + (vn * vn)[:, None] * ev[None, :])
+    sigma2 = logit_var[:, None] * ek[None, :]
+    if key_term == "lognormal":
+        with np.errstate(over="ignore"):
+            sigma2 = np.minimum(np.expm1(2.0 * sigma2) - 2.0 * np.expm1(0.5 * sigma2), np.finfo(float).max)
+    out[:, 1:] = p2[:, None] * (res2[:, None] * sigma2 + (vn * vn)[:, None] * ev[None, :])
     return out
 
 

@@ -178,6 +178,57 @@ def test_observed_queries_steer_what_is_kept():
     assert blind.paged.states((s2, 0, 0)).tier.max() < LADDER.top
 
 
+def test_coherence_factor_matches_its_definition():
+    rng = np.random.default_rng(9)
+    nq, n, dim = 5, 30, D
+    P = rng.dirichlet(np.ones(n), size=nq)
+    yv = rng.standard_normal((n, dim))
+    o = P @ yv
+    dist2 = np.sum((yv[None] - o[:, None]) ** 2, axis=2)
+    p2 = (P * P).mean(axis=0)
+    cand = np.ones(n, bool)
+    cand[:3] = False                                   # protected: never in S
+    got = SphericalKVCache._coherence(P, o, yv, dist2, p2, cand)
+    idx = np.flatnonzero(cand)
+    S = idx[p2[idx] <= np.median(p2[idx])]
+    coh = np.mean([np.sum((P[q, S] @ (o[q] - yv[S])) ** 2) for q in range(nq)])
+    ind = np.mean([np.sum(P[q, S] ** 2 * dist2[q, S]) for q in range(nq)])
+    assert got == pytest.approx(max(1.0, coh / ind))
+    # values of the low-attention states all equal: the factor is about |S|
+    yv2 = yv.copy()
+    yv2[S] = yv[S[0]]
+    o2 = P @ yv2
+    d2 = np.sum((yv2[None] - o2[:, None]) ** 2, axis=2)
+    assert SphericalKVCache._coherence(P, o2, yv2, d2, p2, cand) > 0.5 * len(S)
+    assert SphericalKVCache._coherence(P, o, yv, dist2, p2, np.zeros(n, bool)) == 1.0
+
+
+def test_coherence_is_large_only_when_evicted_values_align():
+    rng = np.random.default_rng(10)
+    n = 80
+    q = rng.standard_normal((1, D))
+    k = rng.standard_normal((1, n, D)) * 0.3
+    k[0, n // 2:] += q[0]                                # the query looks at the second half
+    v_random = rng.standard_normal((1, n, D))
+    u = rng.standard_normal(D)
+    v_aligned = 0.1 * rng.standard_normal((1, n, D))
+    v_aligned[0, :n // 2] += u                           # the ignored half shares a value
+    v_aligned[0, n // 2:] -= u
+    kappa = {}
+    for name, v in (("random", v_random), ("aligned", v_aligned)):
+        cache = make_cache(L=1, H=1, G=1, policy=CompressPolicy(sinks=0, recent=0))
+        seq = cache.new_sequence()
+        cache.append(seq, 0, k, v)
+        cache.observe(seq, 0, q)
+        st = cache.paged.states((seq, 0, 0))
+        *_, kap = cache._row_statistics(seq, cache._seqs[seq], 0, 0, st, np.ones(n, bool))
+        kappa[name] = np.median(kap)
+    assert kappa["random"] < 4
+    assert kappa["aligned"] > 10
+    with pytest.raises(ValueError, match="coherence"):
+        CompressPolicy(coherence=1)
+
+
 def test_policy_recompresses_during_decode():
     rng = np.random.default_rng(6)
     budget = 3 * 1024 * 2 * 2

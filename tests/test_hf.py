@@ -35,7 +35,7 @@ def test_prefill_then_dense_store_reproduces_the_model(tiny_model):
         b = model(ids[:, 40:], past_key_values=cache).logits.double()
     assert torch.allclose(a, ref[:, :40], atol=1e-5)
     assert torch.allclose(b, ref[:, 40:], atol=1e-5)
-    assert store.keys[0][0].shape[0] == 61                 # the chunk entered the store
+    assert store.keys[0][0].rows.shape[0] == 61                # the chunk entered the store
 
 
 def test_compressed_store_attention_equals_the_paged_reference_decode(tiny_model):

@@ -290,6 +290,42 @@ def test_surrogate_matches_expected_error_of_random_key_perturbation():
     assert d[0, 1] == pytest.approx(np.mean(err), rel=0.1)
 
 
+def test_eviction_factor_scales_only_the_eviction_column():
+    rng = np.random.default_rng(11)
+    n, dim = 6, 16
+    args = (rng.uniform(0.01, 0.3, n), 3.0, rng.uniform(1, 2, n), rng.uniform(1, 2, n),
+            rng.uniform(0.5, 1, n), [0.1, 0.01], [0.2, 0.02], dim)
+    base = rdr.distortion(*args)
+    kappa = rng.uniform(1, 50, n)
+    got = rdr.distortion(*args, eviction_factor=kappa)
+    assert np.allclose(got[:, 0], kappa * base[:, 0])
+    assert np.array_equal(got[:, 1:], base[:, 1:])
+    with pytest.raises(ValueError, match="eviction_factor must be >= 1"):
+        rdr.distortion(*args, eviction_factor=0.5)
+    with pytest.raises(ValueError, match="eviction_factor"):
+        rdr.distortion(*args, eviction_factor=[1.0, np.nan, 1, 1, 1, 1])
+
+
+def test_evictions_of_a_shared_direction_add_up():
+    # states whose values share one direction: evicting m of them shifts the output by the
+    # sum of their shifts, (Σp)²‖o − v‖², not by Σ p²‖o − v‖²: the first-order surrogate's
+    # independent-error sum is short by Σp²/... = m for equal p, which κ measures
+    rng = np.random.default_rng(12)
+    n, dim, m = 40, 8, 10
+    v = rng.standard_normal((n, dim))
+    v[:m] = v[0]
+    logits = rng.standard_normal(n)
+    logits[:m] = -1.0
+    p, o = _attention(logits, v)
+    keep = np.arange(n) >= m
+    _, o2 = _attention(logits[keep], v[keep])
+    exact = np.sum((o2 - o) ** 2)
+    independent = np.sum(p[:m] ** 2 * np.sum((v[:m] - o) ** 2, axis=1))
+    coherent = np.sum((p[:m].sum() * o - p[:m] @ v[:m]) ** 2)
+    assert coherent == pytest.approx(m * independent)
+    assert exact == pytest.approx(coherent / (1 - p[:m].sum()) ** 2)
+
+
 def test_surrogate_rejects_nan_statistics():
     with pytest.raises(ValueError, match="key_radius"):
         rdr.distortion([0.5, 0.5], 1.0, [1.0, np.nan], [1, 1], [1, 1], [0.1], [0.1], 8)

@@ -9,10 +9,15 @@ chunk, merged exactly):
 
 * ΔPPL: perplexity of the next C tokens (teacher forced) vs the dense cache, in %;
   mean and spread (max − min) over windows;
+* KL: mean next-token KL(dense ‖ method) over those C positions, in nats (every
+  position's whole distribution counts, so it is far less noisy than ΔPPL), and top-1
+  agreement: the share of positions where both predict the same token;
 * retrieval probe: R random words planted at T/8 and repeated after the context; the
   mean loss on the repeat (Spherical KV also with the planted span protected);
-* greedy agreement: common prefix of G greedy tokens with dense, over G;
-* attention-output relative error of the last 32 context queries of every layer.
+* greedy agreement: common prefix of G greedy tokens with dense, over G, averaged over
+  the windows (one prompt per window);
+* attention-output relative error over the context, for the queries of the C scored
+  tokens (queries the compression never saw; every 4th position), averaged over layers.
 
 Writes ``evaluate.json``, ``evaluate.md`` and ``pareto.png`` under ``--out``.
 """
@@ -166,15 +171,20 @@ class Runner:
             lay.is_initialized = True
         return cache
 
-    def score(self, store, pre: Prefill, cont: np.ndarray) -> np.ndarray:
-        """NLL per token of ``cont`` after the stored context (first token from the dense
-        prefill logits, the rest teacher-forced through the store)."""
+    def logprobs(self, store, pre: Prefill, cont: np.ndarray) -> np.ndarray:
+        """Log-probabilities (len(cont), vocab) of the next token at each position of
+        ``cont`` after the stored context (the first from the dense prefill logits, the
+        rest teacher-forced through the store)."""
         torch = self.torch
         cache = self._cache(store, pre.length)
         with torch.no_grad():
             lg = self.model(torch.as_tensor(cont[:-1])[None], past_key_values=cache).logits[0].double()
         lg = torch.cat([torch.as_tensor(pre.last_logits)[None], lg])
-        return torch.nn.functional.cross_entropy(lg, torch.as_tensor(cont), reduction="none").numpy()
+        return torch.log_softmax(lg, dim=-1).numpy()
+
+    def score(self, store, pre: Prefill, cont: np.ndarray) -> np.ndarray:
+        """NLL per token of ``cont`` after the stored context."""
+        return -self.logprobs(store, pre, cont)[np.arange(len(cont)), cont]
 
     def greedy(self, store, pre: Prefill, steps: int) -> np.ndarray:
         torch = self.torch
@@ -195,13 +205,33 @@ def _exact_store(pre: Prefill):
     return DenseStore(pre.keys, pre.values, pre.queries[0].shape[0], 0)
 
 
-def attention_error(store, pre: Prefill) -> float:
-    """‖o_store − o_dense‖/‖o_dense‖ of the trailing prefill queries over the context,
-    averaged over layers (attention over the context only, exact dense as truth)."""
+class _RecordingStore:
+    """A store that passes everything to ``inner`` and keeps every query it is asked to
+    attend with, per layer: the queries of the scored tokens, for ``attention_error``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.num_q_heads, self.num_kv_heads = inner.num_q_heads, inner.num_kv_heads
+        self.queries = {}
+
+    def attend(self, layer, q, scale):
+        self.queries.setdefault(layer, []).append(np.array(q))
+        return self.inner.attend(layer, q, scale)
+
+    def append(self, layer, k, v):
+        self.inner.append(layer, k, v)
+
+    def nbytes(self):
+        return self.inner.nbytes()
+
+
+def attention_error(store, pre: Prefill, queries) -> float:
+    """‖o_store − o_dense‖/‖o_dense‖ over the context (the stored states only, exact dense
+    as truth) for ``queries[layer]`` (q_heads, n, d), averaged over layers."""
     dense = _exact_store(pre)
     errs = []
     scale = 1.0 / math.sqrt(pre.keys[0].shape[2])
-    for layer, q in enumerate(pre.queries):
+    for layer, q in enumerate(queries):
         ref, _ = dense.attend(layer, q, scale)
         got, _ = store.attend(layer, q, scale)
         errs.append(np.linalg.norm(got - ref) / np.linalg.norm(ref))
@@ -246,15 +276,18 @@ def run(args) -> list[dict]:
     rows = []
     for T in args.contexts:
         starts = np.linspace(0, len(ids) - T - args.continuation - 1, args.windows + 2)[1:-1].astype(int)
-        per = {m.name: {"nll": [], "bytes": [], "err": [], "agree": [], "ret": [], "ret_p": []}
-               for m in methods}
+        per = {m.name: {"nll": [], "bytes": [], "err": [], "agree": [], "ret": [], "ret_p": [],
+                        "kl": [], "top1": []} for m in methods}
         dense_nll = []
         for w, s in enumerate(starts):
             ctx, cont = ids[s:s + T], ids[s + T:s + T + args.continuation]
             pre = runner.prefill(ctx)
-            dense_nll.append(runner.score(_exact_store(pre), pre, cont).mean())
-            ref_tokens = (runner.greedy(_exact_store(pre), pre, args.generate)
-                          if w == 0 and args.generate else None)
+            rec = _RecordingStore(_exact_store(pre))
+            dense_lp = runner.logprobs(rec, pre, cont)
+            dense_nll.append(-dense_lp[np.arange(len(cont)), cont].mean())
+            # the scored tokens' own queries (every 4th): what later decoding asks of the context
+            future_q = [q[0][:, ::4] for _, q in sorted(rec.queries.items())]
+            ref_tokens = runner.greedy(_exact_store(pre), pre, args.generate) if args.generate else None
             # the retrieval probe: one planted context per context length (the first window)
             if w == 0:
                 pctx, span, p0 = probe_context(ids[s:], T, args.probe, rng)
@@ -264,8 +297,11 @@ def run(args) -> list[dict]:
                 fresh = copy.deepcopy(store) if ref_tokens is not None else None   # scoring appends
                 per[m.name]["bytes"].append(nbytes / (2 * cfg.num_hidden_layers * pre.keys[0].shape[0]
                                                       * T * pre.keys[0].shape[2] * 2))
-                per[m.name]["err"].append(attention_error(store, pre))
-                per[m.name]["nll"].append(runner.score(store, pre, cont).mean())
+                per[m.name]["err"].append(attention_error(store, pre, future_q))
+                lp = runner.logprobs(store, pre, cont)
+                per[m.name]["nll"].append(-lp[np.arange(len(cont)), cont].mean())
+                per[m.name]["kl"].append(float(np.mean(np.sum(np.exp(dense_lp) * (dense_lp - lp), axis=1))))
+                per[m.name]["top1"].append(float(np.mean(lp.argmax(axis=1) == dense_lp.argmax(axis=1))))
                 if ref_tokens is not None:
                     got = runner.greedy(fresh, pre, args.generate)
                     mismatch = np.flatnonzero(got != ref_tokens)
@@ -291,6 +327,8 @@ def run(args) -> list[dict]:
                 "retrieval_loss_protected": float(np.mean(r["ret_p"])) if r["ret_p"] else None,
                 "greedy_agreement": float(np.mean(r["agree"])) if r["agree"] else None,
                 "attn_out_rel_err": float(np.mean(r["err"])),
+                "kl_nats": float(np.mean(r["kl"])),
+                "top1_agreement": float(np.mean(r["top1"])),
             })
         print(f"T={T}: {len(methods)} methods x {len(starts)} windows done "
               f"({time.time() - t0:.0f} s)", file=sys.stderr)
@@ -309,12 +347,13 @@ def write_reports(rows, meta, out: Path) -> None:
              f"probe of {meta['probe_tokens']} planted tokens; run took {meta['seconds']} s.", ""]
     for T in sorted({r["context"] for r in rows}):
         lines += [f"## Context {T} tokens", "",
-                  "| method | bytes % of bf16 | ΔPPL % | spread | retrieval loss | protected | greedy agree | attn err |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| method | bytes % of bf16 | ΔPPL % | spread | KL (nats) | top-1 agree | retrieval loss | protected | greedy agree | attn err |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in sorted((r for r in rows if r["context"] == T), key=lambda r: -r["bytes_fraction"]):
             f = lambda v, p=3: "—" if v is None else f"{v:.{p}f}"
             lines.append(f"| {r['method']} | {100 * r['bytes_fraction']:.1f} | {r['delta_ppl_pct']:.2f} | "
-                         f"{r['delta_ppl_spread']:.2f} | {f(r['retrieval_loss'])} | "
+                         f"{r['delta_ppl_spread']:.2f} | {r['kl_nats']:.4f} | {r['top1_agreement']:.3f} | "
+                         f"{f(r['retrieval_loss'])} | "
                          f"{f(r['retrieval_loss_protected'])} | {f(r['greedy_agreement'], 2)} | "
                          f"{f(r['attn_out_rel_err'])} |")
         lines.append("")
@@ -323,32 +362,40 @@ def write_reports(rows, meta, out: Path) -> None:
 
 
 def plot(rows, path: Path) -> None:
+    """Bytes vs ΔPPL (top) and vs next-token KL (bottom), one line per method family,
+    one column per context length."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     contexts = sorted({r["context"] for r in rows})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
-    for ax, T in zip(axes[0], contexts):
-        fams = {}
-        for r in rows:
-            if r["context"] == T and r["family"] != "dense":
-                fams.setdefault(r["family"], []).append(r)
-        for fam, rs in sorted(fams.items()):
-            rs.sort(key=lambda r: r["bytes_fraction"])
-            x = [100 * r["bytes_fraction"] for r in rs]
-            y = [r["delta_ppl_pct"] for r in rs]
-            ax.plot(x, y, marker="o", lw=2.5 if fam == "skv-rdr" else 1.2, label=fam)
-        ax.set_xscale("log")
-        ax.set_yscale("symlog", linthresh=0.1)    # ΔPPL can be slightly negative (noise)
-        ticks = [10, 15, 20, 25, 30, 40, 50]
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-        ax.set_xlabel("cache bytes, % of bf16 (all overheads counted)")
-        ax.set_ylabel("ΔPPL vs dense, % (symmetric log)")
-        ax.set_title(f"context {T} tokens")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.axhline(1.0, color="k", ls=":", lw=1)
-        ax.axhline(0.0, color="k", lw=0.6)
-        ax.legend(fontsize=8)
+    fig, axes = plt.subplots(2, len(contexts), figsize=(6 * len(contexts), 9), squeeze=False)
+    metrics = [("delta_ppl_pct", "ΔPPL vs dense, % (symmetric log)"),
+               ("kl_nats", "next-token KL(dense ‖ method), nats (log)")]
+    for row, (key, label) in enumerate(metrics):
+        for ax, T in zip(axes[row], contexts):
+            fams = {}
+            for r in rows:
+                if r["context"] == T and r["family"] != "dense":
+                    fams.setdefault(r["family"], []).append(r)
+            for fam, rs in sorted(fams.items()):
+                rs.sort(key=lambda r: r["bytes_fraction"])
+                x = [100 * r["bytes_fraction"] for r in rs]
+                y = [max(r[key], 1e-5) if key == "kl_nats" else r[key] for r in rs]
+                ax.plot(x, y, marker="o", lw=2.5 if fam == "skv-rdr" else 1.2, label=fam)
+            ax.set_xscale("log")
+            if key == "kl_nats":
+                ax.set_yscale("log")
+            else:
+                ax.set_yscale("symlog", linthresh=0.1)    # ΔPPL can be slightly negative (noise)
+                ax.axhline(1.0, color="k", ls=":", lw=1)
+                ax.axhline(0.0, color="k", lw=0.6)
+            ticks = [10, 15, 20, 25, 30, 40, 50]
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.set_xlabel("cache bytes, % of bf16 (all overheads counted)")
+            ax.set_ylabel(label)
+            ax.set_title(f"context {T} tokens")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
