@@ -23,7 +23,11 @@ CTAS_PER_SM_UNIFORM = 3   # v5 affine kernel: <= 168 registers (DEC_UNI5_CTAS), 
 CTAS_PER_SM_UNIFORM_V4 = 4   # v4 affine kernel: <= 128 registers (DEC_UNI_CTAS)
 CTAS_PER_SM_UNIFORM_V6 = 4   # v6 affine kernel: <= 128 registers (DEC_UNI6_CTAS)
 VERSIONS = (4, 5, 6)   # kernel generations (docs/PERF_NOTES.md)
-# Each path defaults to its fastest generation measured on one H200 (docs/PERF_NOTES.md).
+# Each path defaults to its fastest generation measured on one H200 (docs/PERF_NOTES.md, v6
+# run): the affine path v6 (fastest on 11 of 16 shape x tier rows; 3-18 % under v5 from
+# 32 x 8K to 2 x 128K but for +2 % on one RDR mix, 0-7 % over it at 1 x 128K); the table
+# path v4 (v6 is 5-13 % faster at 4/4 and 2/2 but 3-21 % slower at
+# 3/3 and on the RDR mix, and slower summed over all rows).
 DEFAULT_VERSION_AFFINE = 6
 DEFAULT_VERSION_TABLE = 4
 LUT_BYTES = 37888      # csrc/spherical_common.cuh LUT_BYTES (replicated look-up tables)
