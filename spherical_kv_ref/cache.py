@@ -53,9 +53,12 @@ class CompressPolicy:
         15 % budgets by about half against 0, and did not hurt at 10 %.
     coherence: charge evictions with the row's measured coherence factor (the output
         shifts of evicted states share a direction and add up, code errors do not;
-        docs/rdr.md §1). Measured on SmolLM2/Austen it is 8–60 per row, and turning it on
-        cut the next-token KL divergence at 25 % and 15 % budgets by 2–4×. False gives
-        the independent-errors surrogate.
+        docs/rdr.md §1). Measured on SmolLM2/Austen (4K contexts) it is about 8–60 per
+        row, and with it the next-token KL divergence fell 3–4× at 10–25 % budgets
+        (docs/rdr.md §5). False gives the independent-errors surrogate.
+    key_term: "lognormal" (default) or "linear", the key-error term of
+        ``rdr.distortion``: at 2 bits the logit error is large enough that the
+        first-order term underestimates it several times.
     """
     sinks: int = 4
     recent: int = 32
@@ -65,7 +68,7 @@ class CompressPolicy:
     method: str = "fast"
     prior: float = 0.2
     coherence: bool = True
-    key_term: str = "linear"
+    key_term: str = "lognormal"
 
     def __post_init__(self):
         if not isinstance(self.coherence, (bool, np.bool_)):

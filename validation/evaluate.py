@@ -191,11 +191,16 @@ class Runner:
         cache = self._cache(store, pre.length)
         tok = int(np.argmax(pre.last_logits))
         out = [tok]
-        with torch.no_grad():
-            for _ in range(steps - 1):
-                lg = self.model(torch.tensor([[tok]]), past_key_values=cache).logits[0, -1]
-                tok = int(torch.argmax(lg))
-                out.append(tok)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)     # one-token steps: extra threads only fight numpy's (2.6x slower)
+        try:
+            with torch.no_grad():
+                for _ in range(steps - 1):
+                    lg = self.model(torch.tensor([[tok]]), past_key_values=cache).logits[0, -1]
+                    tok = int(torch.argmax(lg))
+                    out.append(tok)
+        finally:
+            torch.set_num_threads(threads)
         return np.array(out)
 
 
@@ -262,79 +267,128 @@ def probe_context(ids: np.ndarray, T: int, R: int, rng) -> tuple[np.ndarray, np.
     return ctx, span, start
 
 
+_WORKER = {}
+
+
+def _worker_setup(threads: Optional[int]) -> None:
+    """Load the model once per process (``threads``: torch threads, None = leave)."""
+    if _WORKER:
+        return
+    import torch
+    from validation.model import load_model
+    if threads:
+        torch.set_num_threads(threads)
+    model, tok = load_model()
+    _WORKER.update(runner=Runner(model, tok), cfg=model.config, tok=tok)
+
+
+def _unit(job) -> dict:
+    """One (context length, window): a dense prefill, then every method through its own
+    compressed copy; window 0 also runs the retrieval probe. Returns per-method lists."""
+    T, w, s, args, ids, position = job
+    runner, cfg = _WORKER["runner"], _WORKER["cfg"]
+    methods = [m for m in lineup(cfg, args.budgets) if not args.methods or
+               any(m.name.startswith(p) for p in args.methods)]
+    ctx, cont = ids[s:s + T], ids[s + T:s + T + args.continuation]
+    pre = runner.prefill(ctx)
+    rec = _RecordingStore(_exact_store(pre))
+    dense_lp = runner.logprobs(rec, pre, cont)
+    # the scored tokens' own queries (every 4th): what later decoding asks of the context
+    future_q = [q[0][:, ::4] for _, q in sorted(rec.queries.items())]
+    ref_tokens = runner.greedy(_exact_store(pre), pre, args.generate) if args.generate else None
+    if w == 0:      # the retrieval probe: one planted context per context length
+        pctx, span, p0 = probe_context(ids[s:], T, args.probe, np.random.default_rng([args.seed, T]))
+        ppre = runner.prefill(pctx)
+    out = {"T": T, "w": w, "dense_nll": float(-dense_lp[np.arange(len(cont)), cont].mean()), "methods": {}}
+    dense_bytes = 2 * cfg.num_hidden_layers * pre.keys[0].shape[0] * T * pre.keys[0].shape[2] * 2
+    for m in _progress(methods, desc=f"T={T} window {w + 1}", leave=False, position=position):
+        r = out["methods"][m.name] = {}
+        store, nbytes = m.build(pre)
+        fresh = copy.deepcopy(store) if ref_tokens is not None else None   # scoring appends
+        r["bytes"] = nbytes / dense_bytes
+        r["err"] = attention_error(store, pre, future_q)
+        lp = runner.logprobs(store, pre, cont)
+        r["nll"] = float(-lp[np.arange(len(cont)), cont].mean())
+        r["kl"] = float(np.mean(np.sum(np.exp(dense_lp) * (dense_lp - lp), axis=1)))
+        r["top1"] = float(np.mean(lp.argmax(axis=1) == dense_lp.argmax(axis=1)))
+        if ref_tokens is not None:
+            got = runner.greedy(fresh, pre, args.generate)
+            mismatch = np.flatnonzero(got != ref_tokens)
+            r["agree"] = (mismatch[0] if mismatch.size else len(got)) / len(got)
+        if w > 0:
+            continue
+        pstore, _ = m.build(ppre)
+        r["ret"] = float(runner.score(pstore, ppre, span)[1:].mean())
+        if m.protects:
+            pstore, _ = m.build(ppre, protect=[(p0, p0 + args.probe)])
+            r["ret_p"] = float(runner.score(pstore, ppre, span)[1:].mean())
+    return out
+
+
+def _pool_run(jobs, procs: int):
+    """Run the units, in ``procs`` worker processes of one thread each (two processes on
+    two cores beat one process of two threads: numpy's BLAS and torch's threads fight)."""
+    if procs <= 1:
+        _worker_setup(None)
+        return [_unit(j) for j in jobs]
+    import multiprocessing as mp
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    os.environ.update({k: "1" for k in saved})          # the workers' BLAS reads this at import
+    try:
+        with mp.get_context("spawn").Pool(procs, initializer=_worker_setup, initargs=(1,)) as pool:
+            return list(_progress(pool.imap_unordered(_unit, jobs), total=len(jobs),
+                                  desc="(context, window) units", position=procs))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run(args) -> list[dict]:
     from validation.model import load_model
     t0 = time.time()
     model, tok = load_model()
-    runner = Runner(model, tok)
     cfg = model.config
-    rng = np.random.default_rng(args.seed)
     need = max(args.contexts) + args.continuation
     ids, source = corpus_tokens(tok, need * (args.windows + 1))
+    del model
     methods = [m for m in lineup(cfg, args.budgets) if not args.methods or
                any(m.name.startswith(p) for p in args.methods)]
-    rows = []
+    jobs = []
     for T in args.contexts:
         starts = np.linspace(0, len(ids) - T - args.continuation - 1, args.windows + 2)[1:-1].astype(int)
-        per = {m.name: {"nll": [], "bytes": [], "err": [], "agree": [], "ret": [], "ret_p": [],
-                        "kl": [], "top1": []} for m in methods}
-        dense_nll = []
-        for w, s in enumerate(starts):
-            ctx, cont = ids[s:s + T], ids[s + T:s + T + args.continuation]
-            pre = runner.prefill(ctx)
-            rec = _RecordingStore(_exact_store(pre))
-            dense_lp = runner.logprobs(rec, pre, cont)
-            dense_nll.append(-dense_lp[np.arange(len(cont)), cont].mean())
-            # the scored tokens' own queries (every 4th): what later decoding asks of the context
-            future_q = [q[0][:, ::4] for _, q in sorted(rec.queries.items())]
-            ref_tokens = runner.greedy(_exact_store(pre), pre, args.generate) if args.generate else None
-            # the retrieval probe: one planted context per context length (the first window)
-            if w == 0:
-                pctx, span, p0 = probe_context(ids[s:], T, args.probe, rng)
-                ppre = runner.prefill(pctx)
-            for m in _progress(methods, desc=f"T={T} window {w + 1}/{len(starts)}", leave=False):
-                store, nbytes = m.build(pre)
-                fresh = copy.deepcopy(store) if ref_tokens is not None else None   # scoring appends
-                per[m.name]["bytes"].append(nbytes / (2 * cfg.num_hidden_layers * pre.keys[0].shape[0]
-                                                      * T * pre.keys[0].shape[2] * 2))
-                per[m.name]["err"].append(attention_error(store, pre, future_q))
-                lp = runner.logprobs(store, pre, cont)
-                per[m.name]["nll"].append(-lp[np.arange(len(cont)), cont].mean())
-                per[m.name]["kl"].append(float(np.mean(np.sum(np.exp(dense_lp) * (dense_lp - lp), axis=1))))
-                per[m.name]["top1"].append(float(np.mean(lp.argmax(axis=1) == dense_lp.argmax(axis=1))))
-                if ref_tokens is not None:
-                    got = runner.greedy(fresh, pre, args.generate)
-                    mismatch = np.flatnonzero(got != ref_tokens)
-                    per[m.name]["agree"].append((mismatch[0] if mismatch.size else len(got)) / len(got))
-                if w > 0:
-                    continue
-                pstore, _ = m.build(ppre)
-                per[m.name]["ret"].append(runner.score(pstore, ppre, span)[1:].mean())
-                if m.protects:
-                    pstore, _ = m.build(ppre, protect=[(p0, p0 + args.probe)])
-                    per[m.name]["ret_p"].append(runner.score(pstore, ppre, span)[1:].mean())
-        ppl_dense = np.exp(np.array(dense_nll))
+        jobs += [(T, w, int(s), args, ids) for w, s in enumerate(starts)]
+    jobs.sort(key=lambda j: (-j[0], j[1]))              # longest first: the pool ends together
+    jobs = [j + (i % max(args.jobs, 1),) for i, j in enumerate(jobs)]
+    units = _pool_run(jobs, args.jobs)
+    rows = []
+    for T in args.contexts:
+        mine = sorted((u for u in units if u["T"] == T), key=lambda u: u["w"])
+        ppl_dense = np.exp(np.array([u["dense_nll"] for u in mine]))
         for m in methods:
-            r = per[m.name]
-            dppl = (np.exp(np.array(r["nll"])) / ppl_dense - 1) * 100
+            rs = [u["methods"][m.name] for u in mine]
+            get = lambda k: [r[k] for r in rs if k in r]
+            dppl = (np.exp(np.array(get("nll"))) / ppl_dense - 1) * 100
             rows.append({
                 "method": m.name, "family": m.family, "budget_fraction": m.budget,
-                "bytes_fraction": float(np.mean(r["bytes"])), "context": int(T),
-                "windows": len(starts), "ppl_dense": float(ppl_dense.mean()),
+                "bytes_fraction": float(np.mean(get("bytes"))), "context": int(T),
+                "windows": len(mine), "ppl_dense": float(ppl_dense.mean()),
                 "delta_ppl_pct": float(dppl.mean()),
                 "delta_ppl_spread": float(dppl.max() - dppl.min()),
-                "retrieval_loss": float(np.mean(r["ret"])),
-                "retrieval_loss_protected": float(np.mean(r["ret_p"])) if r["ret_p"] else None,
-                "greedy_agreement": float(np.mean(r["agree"])) if r["agree"] else None,
-                "attn_out_rel_err": float(np.mean(r["err"])),
-                "kl_nats": float(np.mean(r["kl"])),
-                "top1_agreement": float(np.mean(r["top1"])),
+                "retrieval_loss": float(np.mean(get("ret"))),
+                "retrieval_loss_protected": float(np.mean(get("ret_p"))) if get("ret_p") else None,
+                "greedy_agreement": float(np.mean(get("agree"))) if get("agree") else None,
+                "attn_out_rel_err": float(np.mean(get("err"))),
+                "kl_nats": float(np.mean(get("kl"))),
+                "top1_agreement": float(np.mean(get("top1"))),
             })
-        print(f"T={T}: {len(methods)} methods x {len(starts)} windows done "
-              f"({time.time() - t0:.0f} s)", file=sys.stderr)
+    print(f"{len(methods)} methods x {len(units)} (context, window) units done "
+          f"({time.time() - t0:.0f} s)", file=sys.stderr)
     meta = {"model": "SmolLM2-135M-Instruct", "corpus": source, "continuation": args.continuation,
             "generate": args.generate, "probe_tokens": args.probe, "seed": args.seed,
-            "seconds": round(time.time() - t0, 1)}
+            "windows": args.windows, "processes": args.jobs, "seconds": round(time.time() - t0, 1)}
     return rows, meta
 
 
@@ -407,13 +461,15 @@ def parse(argv):
                    help="smoke test (under 5 minutes on 2 cores): 512-token contexts, one budget")
     p.add_argument("--long", action="store_true", help="also an 8K context")
     p.add_argument("--contexts", type=int, nargs="+", default=None)
-    p.add_argument("--budgets", type=float, nargs="+", default=[0.50, 0.25, 0.15, 0.10])
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.50, 0.25, 0.20, 0.15, 0.10])
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--continuation", type=int, default=256)
     p.add_argument("--generate", type=int, default=128)
     p.add_argument("--probe", type=int, default=32)
     p.add_argument("--methods", nargs="*", default=None, help="name prefixes to keep")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="worker processes, one thread each (default: 2, or 1 on one core)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     if a.quick:
