@@ -1,8 +1,10 @@
 """GPU tests of the encode/append and re-tier/compaction kernels against the reference.
 
-The kernels compute in float64 like the reference, so codes and fp16 scales must match
-bit for bit (a coordinate within ~1e-16 of a cell boundary could differ; random inputs
-never land there).
+Codes and fp16 scales must match the float64 reference bit for bit. Encode v1 and re-tier
+compute in float64 like the reference (a coordinate within ~1e-16 of a cell boundary could
+differ; no input here lands there); encode v2 computes in float32 and takes the float64 path
+for any coordinate or scale within its float32 error bound of a boundary, which the
+near-boundary test below forces.
 """
 import numpy as np
 import pytest
@@ -28,8 +30,9 @@ def _read_back(tables, pages, tier, page_ids, slots):
 
 @settings(max_examples=30, deadline=None)
 @given(dim=st.sampled_from([64, 128]), tier=st.integers(1, len(LADDER)), n=st.integers(1, 97),
-       centred=st.booleans(), seed=st.integers(0, 2 ** 16), strided=st.booleans())
-def test_encode_matches_reference(dim, tier, n, centred, seed, strided):
+       centred=st.booleans(), seed=st.integers(0, 2 ** 16), strided=st.booleans(),
+       version=st.sampled_from([1, 2]))
+def test_encode_matches_reference(dim, tier, n, centred, seed, strided, version):
     import cupy as cp
     from spherical_kv_ref import SphericalCodec
     from cupy_kernels import encode_into_pages, kernel_tables, rotation_signs
@@ -55,10 +58,10 @@ def test_encode_matches_reference(dim, tier, n, centred, seed, strided):
     kw = {} if not centred else dict(mean=cp.asarray(means), mean_index=cp.asarray(head))
     sig_k = cp.asarray(rotation_signs(kcs))
     encode_into_pages(xd, pages, page_tier, tables, sig_k, cp.asarray(head), cp.asarray(page_ids),
-                      cp.asarray(slots), part="key", **kw)
+                      cp.asarray(slots), part="key", version=version, **kw)
     encode_into_pages(cp.asarray(v.astype(np.float32)), pages, page_tier, tables,
                       cp.asarray(rotation_signs(vcs)), cp.asarray(head), cp.asarray(page_ids),
-                      cp.asarray(slots), part="value", **kw)
+                      cp.asarray(slots), part="value", version=version, **kw)
     kc, ks, vc, vs = _read_back(tables, pages.get(), tier, page_ids, slots)
     for i in range(n):
         h = head[i]
@@ -70,9 +73,12 @@ def test_encode_matches_reference(dim, tier, n, centred, seed, strided):
         assert ks[i] == ek.scale[0] and vs[i] == ev.scale[0]
 
 
-def test_encode_rejects_bad_input():
+@pytest.mark.parametrize("version", [1, 2])
+def test_encode_rejects_bad_input(version):
     import cupy as cp
+    from functools import partial
     from cupy_kernels import encode_into_pages, kernel_tables
+    enc = partial(encode_into_pages, version=version)
     tables = kernel_tables(LADDER, 64)
     pages = cp.zeros((2, tables.page_bytes), cp.uint8)
     tier = cp.asarray([5, 0], cp.int32)
@@ -81,17 +87,80 @@ def test_encode_rejects_bad_input():
     x = cp.ones((1, 64), cp.float32)
     bad = x.copy(); bad[0, 3] = np.nan
     with pytest.raises(ValueError, match="NaN"):
-        encode_into_pages(bad, pages, tier, tables, sig, z, z, z)
+        enc(bad, pages, tier, tables, sig, z, z, z)
     with pytest.raises(ValueError, match="fp16"):
-        encode_into_pages(x * 3e4, pages, tier, tables, sig, z, z, z)
+        enc(x * 3e4, pages, tier, tables, sig, z, z, z)
     with pytest.raises(ValueError, match="free"):
-        encode_into_pages(x, pages, tier, tables, sig, z, z + 1, z)
+        enc(x, pages, tier, tables, sig, z, z + 1, z)
     with pytest.raises(ValueError, match="slot"):
-        encode_into_pages(x, pages, tier, tables, sig, z, z, z + 500)
+        enc(x, pages, tier, tables, sig, z, z, z + 500)
     with pytest.raises(ValueError):
-        encode_into_pages(x.astype(cp.int32), pages, tier, tables, sig, z, z, z)
+        enc(x.astype(cp.int32), pages, tier, tables, sig, z, z, z)
     with pytest.raises(ValueError):
-        encode_into_pages(x.get(), pages, tier, tables, sig, z, z, z)    # host array
+        enc(x.get(), pages, tier, tables, sig, z, z, z)    # host array
+    with pytest.raises(ValueError, match="version"):
+        encode_into_pages(x, pages, tier, tables, sig, z, z, z, version=3)
+
+
+def _near_boundary_rows(codec, n, rng):
+    """n float32 rows x whose rotated, normalised coordinates t = sqrt(d) y_j / |y| sit on
+    cell boundaries (midpoints of the codebook) up to the float32 rounding of x, at four
+    coordinates per row, and at radii from 1e-20 to 1e3 (one row all zero)."""
+    d = codec.dim
+    mids = 0.5 * (codec.levels[1:] + codec.levels[:-1])
+    rows = []
+    mids = mids[np.abs(mids) <= 3.0]
+    for i in range(n):
+        y = rng.normal(0, 1, d)
+        js = rng.choice(d, 4, replace=False)
+        a = rng.choice(mids, 4) / np.sqrt(d)     # want y_j = a_j |y|: |y| = |rest| / sqrt(1 - sum a^2)
+        y[js] = 0.0
+        y[js] = a * np.linalg.norm(y) / np.sqrt(1.0 - np.sum(a * a))
+        y *= 10.0 ** rng.uniform(-20, 3) if i % 3 else 1.0
+        rows.append(codec.rotation.inverse(y[None])[0])
+    x = np.asarray(rows, np.float32)
+    x[0] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_encode_near_cell_boundaries_mixed_tiers(version, dim):
+    """Every tier of the ladder in one launch (groups of one warp at different bit widths),
+    inputs on cell boundaries (v2's float64 path) and at extreme radii: the reference's bytes."""
+    import cupy as cp
+    from spherical_kv_ref import SphericalCodec
+    from cupy_kernels import encode_into_pages, kernel_tables, rotation_signs
+    tables = kernel_tables(LADDER, dim)
+    rng = np.random.default_rng(11 + dim)
+    per = 13
+    tiers = np.repeat(np.arange(1, len(LADDER) + 1), per)
+    rng.shuffle(tiers)
+    n = tiers.size
+    pages = cp.asarray(rng.integers(0, 256, (n, tables.page_bytes), dtype=np.uint8))
+    page_tier = cp.asarray(tiers.astype(np.int32))        # vector i -> page i, slot i % 3
+    page_ids = np.arange(n, dtype=np.int32)
+    slots = (np.arange(n) % 3).astype(np.int32)
+    head = np.zeros(n, np.int32)
+    x = np.zeros((n, dim), np.float32)
+    for t in range(1, len(LADDER) + 1):
+        bits = LADDER[t - 1][0]
+        idx = np.flatnonzero(tiers == t)
+        probe = SphericalCodec(dim, bits if bits < 16 else 4, seed=5, salt=0)
+        x[idx] = _near_boundary_rows(probe, idx.size, rng)
+    sig = cp.asarray(rotation_signs([SphericalCodec(dim, 4, seed=5, salt=0)]))
+    for part in ("key", "value"):
+        encode_into_pages(cp.asarray(x), pages, page_tier, tables, sig, cp.asarray(head),
+                          cp.asarray(page_ids), cp.asarray(slots), part=part, version=version)
+    host = pages.get()
+    for t in range(1, len(LADDER) + 1):
+        idx = np.flatnonzero(tiers == t)
+        kc, ks, vc, vs = _read_back(tables, host, t, page_ids[idx], slots[idx])
+        for part, (codes, scales) in (("key", (kc, ks)), ("value", (vc, vs))):
+            bits = LADDER[t - 1][0 if part == "key" else 1]
+            ref = SphericalCodec(dim, bits, seed=5, salt=0).encode(x[idx].astype(np.float64))
+            np.testing.assert_array_equal(codes, ref.codes)
+            np.testing.assert_array_equal(scales, ref.scale)
 
 
 @settings(max_examples=20, deadline=None)

@@ -27,7 +27,6 @@ HQ, HKV, D = 32, 8, 128
 SHAPES = [(32, 8192), (8, 32768), (2, 131072), (1, 131072)]
 LADDER = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
 TIERS = {"4/4": 3, "3/3": 2, "2/2": 1}
-ENCODE_VERSION = 1   # encode kernel generation (docs/PERF_NOTES.md)
 
 
 def rdr_mix(context: int) -> dict:
@@ -78,14 +77,25 @@ def copy_bandwidth(timer) -> float:
     return 2 * n / (us * 1e-6) / 1e9
 
 
+def _layout(batch, context, tiers_name, tables, seed=0):
+    from cupy_kernels.cases import synthetic_layout
+    counts = rdr_mix(context) if tiers_name == "rdr-mix" else {TIERS[tiers_name]: context}
+    return synthetic_layout(batch, HKV, context, tables, counts, seed=seed)
+
+
+def encode_bytes(lay) -> int:
+    """Bytes an encode of keys and values moves: x read twice (float32), codes and scales
+    written, head / page / slot indices read twice."""
+    n = lay.dst_page.size
+    return 2 * n * D * 4 + lay.cache_bytes + 3 * n * 4 * 2
+
+
 def build_ada(batch, context, tiers_name, tables, seed=0):
     """Encodes random keys/values into a shuffled page pool with the encode kernel.
     Returns (state dict, encode timing row data)."""
     import cupy as cp
     from cupy_kernels import encode_into_pages
-    from cupy_kernels.cases import synthetic_layout
-    counts = rdr_mix(context) if tiers_name == "rdr-mix" else {TIERS[tiers_name]: context}
-    lay = synthetic_layout(batch, HKV, context, tables, counts, seed=seed)
+    lay = _layout(batch, context, tiers_name, tables, seed)
     rng = np.random.default_rng(seed)
     num_pages = lay.page_tier.size
     pages = cp.zeros((num_pages, tables.page_bytes), cp.uint8)
@@ -111,11 +121,57 @@ def build_ada(batch, context, tiers_name, tables, seed=0):
         from cupy_kernels.encode import raise_status
         raise_status(st)
     del x
-    written = lay.cache_bytes
-    enc_bytes = 2 * n * D * 4 + written + 3 * n * 4 * 2
     return dict(layout=lay, pages=pages, page_tier=pt, page_count=cp.asarray(lay.page_count),
                 indptr=cp.asarray(lay.indptr), indices=cp.asarray(lay.indices),
-                sigma_k=sig_k, sigma_v=sig_v), (sum(enc_times), enc_bytes)
+                sigma_k=sig_k, sigma_v=sig_v), (sum(enc_times), encode_bytes(lay))
+
+
+def encode_rows(shapes, tiers_list, codebooks, versions, timer, copy_gbps, all_tables, note=None):
+    """Encode-only timing: keys then values of every state of each (shape, tiers, codebook)
+    into a shuffled pool, each kernel version in ``versions`` (median of the timer's reps, L2
+    flushed), and whether each version's pool bytes equal the first version's."""
+    import cupy as cp
+    from cupy_kernels import encode_into_pages
+    rows = []
+    for (batch, context), tiers_name, cb in [(s, t, c) for s in shapes for t in tiers_list
+                                             for c in codebooks]:
+        tables = all_tables[cb]
+        lay = _layout(batch, context, tiers_name, tables)
+        rng = np.random.default_rng(0)
+        pt = cp.asarray(lay.page_tier)
+        sig = [cp.asarray((1 - 2 * rng.integers(0, 2, (HKV, D))).astype(np.float32)) for _ in "kv"]
+        head, dpg, dsl = (cp.asarray(a) for a in (lay.state_head, lay.dst_page, lay.dst_slot))
+        x = cp.random.standard_normal((lay.dst_page.size, D), dtype=cp.float32)
+        nbytes = encode_bytes(lay)
+        first = None
+        for ver in versions:
+            pages = cp.zeros((lay.page_tier.size, tables.page_bytes), cp.uint8)
+            st = cp.zeros(1, cp.int32)
+
+            def run():
+                for part, sg in zip(("key", "value"), sig):
+                    encode_into_pages(x, pages, pt, tables, sg, head, dpg, dsl, part=part,
+                                      check=False, status=st, version=ver)
+            us = timer(run)
+            from cupy_kernels.encode import raise_status
+            raise_status(st)
+            same = None
+            if first is None:
+                first = pages
+            else:
+                same = bool(cp.array_equal(pages, first))
+            r = dict(method="ada_encode", version=ver, batch=batch, context=context,
+                     tiers=tiers_name, codebook=cb, us=round(us, 2), bytes_read=int(nbytes),
+                     gbps=round(nbytes / (us * 1e-6) / 1e9, 1), copy_gbps=round(copy_gbps, 1),
+                     pct_copy=round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbps, 1))
+            r["bytes_equal_to_v%d" % versions[0]] = same
+            if note:
+                r["run"] = note
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        del x, pages, first
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
 
 
 def ada_step(state, tables, q, batch, version=None):
@@ -270,6 +326,10 @@ def main(argv=None):
     ap.add_argument("--codebooks", default="lloyd-max,uniform")
     ap.add_argument("--versions", default="6,5,4",
                     help="decode kernel versions to time side by side (rows carry 'version')")
+    ap.add_argument("--encode-only", action="store_true",
+                    help="time only the encode kernel (versions --encode-versions); no decode")
+    ap.add_argument("--encode-versions", default="2,1")
+    ap.add_argument("--run-note", default=None, help="a label stored in every encode row")
     ap.add_argument("--quality", action="store_true",
                     help="CPU only: attention error of the codebooks (no GPU, no timing)")
     args = ap.parse_args(argv)
@@ -282,6 +342,7 @@ def main(argv=None):
     import torch.nn.functional as F
     from cupy_kernels import kernel_tables
     from cupy_kernels.ada_decode import default_version
+    from cupy_kernels.encode import DEFAULT_ENCODE_VERSION
 
     shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x"))
                                                   for s in args.shapes.split(",")]
@@ -292,6 +353,13 @@ def main(argv=None):
     codebooks = [c for c in args.codebooks.split(",") if c]
     versions = [int(v) for v in args.versions.split(",") if v]
     all_tables = {c: kernel_tables(LADDER, D, codebook=c) for c in codebooks}
+    if args.encode_only:
+        rows = encode_rows(shapes, tiers_list, codebooks,
+                           [int(v) for v in args.encode_versions.split(",") if v], timer,
+                           copy_gbps, all_tables, note=args.run_note)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+        return 0
     rows = []
     for batch, context in shapes:
         torch.manual_seed(0)
@@ -340,7 +408,7 @@ def main(argv=None):
             tables = all_tables[cb]
             state, (enc_us, enc_bytes) = build_ada(batch, context, tiers_name, tables)
             lay = state["layout"]
-            row("ada_encode", tiers_name, enc_us, enc_bytes, cb, ENCODE_VERSION)
+            row("ada_encode", tiers_name, enc_us, enc_bytes, cb, DEFAULT_ENCODE_VERSION)
             outs = {}
             for ver in versions:
                 run, out, splits = ada_step(state, tables, q_c, batch, ver)

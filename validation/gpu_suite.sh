@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
-#   validation/gpu_suite.sh tests sanitize ncu bench-quick bench flashinfer
+#   validation/gpu_suite.sh tests sanitize ncu bench-quick bench-encode bench flashinfer
 # (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
 set -u
@@ -43,6 +43,13 @@ for stage in "$@"; do
         note "profile v$v rc=$r"
         grep -E "Duration|DRAM Throughput|Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Eligible Warps|Active Warps Per|Executed Instructions  " "$OUT/ncu_profile_v$v.txt" | head -n 16
       done;;
+    bench-encode)
+      # encode only, v2 and v1 in the same process (ENCODE_SHAPES, ENCODE_TIERS, RUN_NOTE)
+      timeout ${ENCODE_LIMIT:-240} python3 validation/decode_bench.py --encode-only \
+        --out "$OUT/encode_bench.json" --reps ${ENCODE_REPS:-10} --encode-versions 2,1 \
+        --shapes ${ENCODE_SHAPES:-all} --tiers ${ENCODE_TIERS:-4/4,3/3,2/2,rdr-mix} \
+        --run-note "${RUN_NOTE:-}" 2>&1 | tee "$OUT/bench_encode.log" | tail -n 40
+      rc=${PIPESTATUS[0]};;
     bench-quick)
       timeout 200 python3 validation/decode_bench.py --out "$OUT/decode_quick.json" --reps 10 \
         --shapes ${QUICK_SHAPES:-8x32768,1x131072} --tiers 4/4,rdr-mix 2>&1 | tee "$OUT/bench_quick.log" | tail -n 30

@@ -1,4 +1,4 @@
-"""A small representative run of every kernel (encode, decode on the table and the affine path,
+"""A small representative run of every kernel (encode v1 and v2, decode on the table and the affine path,
 v6, v5 and v4, with and without split-K, merge, re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 validation/sanitize_run.py
@@ -34,10 +34,16 @@ def main():
         x = cp.random.standard_normal((n, dim), dtype=cp.float32)
         sig = cp.ones((1, dim), cp.float32)
         head = cp.zeros(n, cp.int32)
-        encode_into_pages(x, pages, tier, tables, sig, head, dpg, dsl, part="key")
-        encode_into_pages(x, pages, tier, tables, sig, head, dpg, dsl, part="value")
+        for version in (1, 2):   # v1 and v2 (v2 runs its float64 path for the 16-bit tier)
+            encode_into_pages(x, pages, tier, tables, sig, head, dpg, dsl, part="key",
+                              version=version)
+            encode_into_pages(x, pages, tier, tables, sig, head, dpg, dsl, part="value",
+                              version=version)
         lpg = cp.asarray((8 + slots // p_low).astype(np.int32))
         lsl = cp.asarray((slots % p_low).astype(np.int32))
+        for part in ("key", "value"):   # v2's float32 path, 37 vectors (a part-idle warp)
+            encode_into_pages(x[:37], pages, tier, tables, sig, head[:37], lpg[:37], lsl[:37],
+                              part=part, version=2)
         retier(pages, tier, tables, dpg, dsl, lpg, lsl)                        # demotion
         retier(pages, tier, tables, lpg[:5], lsl[:5], lpg[:5] + 4, lsl[:5])    # compaction
     cp.cuda.Device().synchronize()
