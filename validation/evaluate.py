@@ -102,8 +102,9 @@ def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(),
     return SphericalStore(kv, seq), kv.bytes_in_use(seq)
 
 
-def lineup(cfg, budgets, kivi_residual=32):
-    """Baselines (validation/baselines) + Spherical KV at fixed tiers and with RDR."""
+def lineup(cfg, budgets, kivi_residual=32, rdr_extra=()):
+    """Baselines (validation/baselines) + Spherical KV at fixed tiers and with RDR (at
+    ``budgets`` and the extra points ``rdr_extra``)."""
     from validation import baselines as B
     nq = cfg.num_attention_heads
     methods = []
@@ -124,7 +125,7 @@ def lineup(cfg, budgets, kivi_residual=32):
             return _spherical_store(pre, cfg, ladder, None, centre=False,
                                     policy=CompressPolicy(sinks=0, recent=0, window=OBSERVE))
         methods.append(Method(f"skv-fixed-{bits}/{bits}", "skv-fixed", None, build))
-    for b in budgets:
+    for b in sorted(set(budgets) | set(rdr_extra), reverse=True):
         def build(pre, b=b, protect=()):
             H, T, d = pre.keys[0].shape
             dense = 2 * len(pre.keys) * H * T * d * 2
@@ -186,11 +187,15 @@ class Runner:
         """NLL per token of ``cont`` after the stored context."""
         return -self.logprobs(store, pre, cont)[np.arange(len(cont)), cont]
 
-    def greedy(self, store, pre: Prefill, steps: int) -> np.ndarray:
+    def greedy(self, store, pre: Prefill, steps: int, margins: bool = False):
+        """``steps`` greedy tokens through ``store``; with ``margins`` also, per token, the
+        gap between the top two logits it was chosen from (a near-tie when small)."""
         torch = self.torch
         cache = self._cache(store, pre.length)
         tok = int(np.argmax(pre.last_logits))
         out = [tok]
+        top2 = np.sort(pre.last_logits)[-2:]
+        gaps = [float(top2[1] - top2[0])]
         threads = torch.get_num_threads()
         torch.set_num_threads(1)     # one-token steps: extra threads only fight numpy's (2.6x slower)
         try:
@@ -199,9 +204,12 @@ class Runner:
                     lg = self.model(torch.tensor([[tok]]), past_key_values=cache).logits[0, -1]
                     tok = int(torch.argmax(lg))
                     out.append(tok)
+                    if margins:
+                        t2 = torch.topk(lg, 2).values
+                        gaps.append(float(t2[0] - t2[1]))
         finally:
             torch.set_num_threads(threads)
-        return np.array(out)
+        return (np.array(out), np.array(gaps)) if margins else np.array(out)
 
 
 def _exact_store(pre: Prefill):
@@ -284,44 +292,51 @@ def _worker_setup(threads: Optional[int]) -> None:
 
 def _unit(job) -> dict:
     """One (context length, window): a dense prefill, then every method through its own
-    compressed copy; window 0 also runs the retrieval probe. Returns per-method lists."""
+    compressed copy. Window ``"probe"``: the retrieval probe of that context length.
+    Returns per-method results."""
     T, w, s, args, ids, position = job
     runner, cfg = _WORKER["runner"], _WORKER["cfg"]
-    methods = [m for m in lineup(cfg, args.budgets) if not args.methods or
+    methods = [m for m in lineup(cfg, args.budgets, rdr_extra=args.rdr_extra) if not args.methods or
                any(m.name.startswith(p) for p in args.methods)]
+    out = {"T": T, "w": w, "methods": {}}
+    if w == "probe":        # one planted context per context length
+        pctx, span, p0 = probe_context(ids[s:], T, args.probe, np.random.default_rng([args.seed, T]))
+        ppre = runner.prefill(pctx)
+        for m in _progress(methods, desc=f"T={T} probe", leave=False, position=position):
+            r = out["methods"][m.name] = {}
+            pstore, _ = m.build(ppre)
+            r["ret"] = float(runner.score(pstore, ppre, span)[1:].mean())
+            if m.protects:
+                pstore, _ = m.build(ppre, protect=[(p0, p0 + args.probe)])
+                r["ret_p"] = float(runner.score(pstore, ppre, span)[1:].mean())
+        return out
     ctx, cont = ids[s:s + T], ids[s + T:s + T + args.continuation]
     pre = runner.prefill(ctx)
     rec = _RecordingStore(_exact_store(pre))
     dense_lp = runner.logprobs(rec, pre, cont)
-    # the scored tokens' own queries (every 4th): what later decoding asks of the context
-    future_q = [q[0][:, ::4] for _, q in sorted(rec.queries.items())]
-    ref_tokens = runner.greedy(_exact_store(pre), pre, args.generate) if args.generate else None
-    if w == 0:      # the retrieval probe: one planted context per context length
-        pctx, span, p0 = probe_context(ids[s:], T, args.probe, np.random.default_rng([args.seed, T]))
-        ppre = runner.prefill(pctx)
-    out = {"T": T, "w": w, "dense_nll": float(-dense_lp[np.arange(len(cont)), cont].mean()), "methods": {}}
+    # the scored tokens' own queries (every 8th): what later decoding asks of the context
+    future_q = [q[0][:, ::8] for _, q in sorted(rec.queries.items())]
+    if args.generate:
+        ref_tokens, ref_gaps = runner.greedy(_exact_store(pre), pre, args.generate, margins=True)
+    out["dense_nll"] = float(-dense_lp[np.arange(len(cont)), cont].mean())
     dense_bytes = 2 * cfg.num_hidden_layers * pre.keys[0].shape[0] * T * pre.keys[0].shape[2] * 2
     for m in _progress(methods, desc=f"T={T} window {w + 1}", leave=False, position=position):
         r = out["methods"][m.name] = {}
         store, nbytes = m.build(pre)
-        fresh = copy.deepcopy(store) if ref_tokens is not None else None   # scoring appends
+        fresh = copy.deepcopy(store) if args.generate else None   # scoring appends
         r["bytes"] = nbytes / dense_bytes
         r["err"] = attention_error(store, pre, future_q)
         lp = runner.logprobs(store, pre, cont)
         r["nll"] = float(-lp[np.arange(len(cont)), cont].mean())
         r["kl"] = float(np.mean(np.sum(np.exp(dense_lp) * (dense_lp - lp), axis=1)))
         r["top1"] = float(np.mean(lp.argmax(axis=1) == dense_lp.argmax(axis=1)))
-        if ref_tokens is not None:
+        if args.generate:
             got = runner.greedy(fresh, pre, args.generate)
             mismatch = np.flatnonzero(got != ref_tokens)
-            r["agree"] = (mismatch[0] if mismatch.size else len(got)) / len(got)
-        if w > 0:
-            continue
-        pstore, _ = m.build(ppre)
-        r["ret"] = float(runner.score(pstore, ppre, span)[1:].mean())
-        if m.protects:
-            pstore, _ = m.build(ppre, protect=[(p0, p0 + args.probe)])
-            r["ret_p"] = float(runner.score(pstore, ppre, span)[1:].mean())
+            first = int(mismatch[0]) if mismatch.size else len(got)
+            r["agree"] = first / len(got)
+            # dense's own top-2 logit gap where the method left it (None: never left)
+            r["gap"] = float(ref_gaps[first]) if mismatch.size else None
     return out
 
 
@@ -354,21 +369,24 @@ def run(args) -> list[dict]:
     need = max(args.contexts) + args.continuation
     ids, source = corpus_tokens(tok, need * (args.windows + 1))
     del model
-    methods = [m for m in lineup(cfg, args.budgets) if not args.methods or
+    methods = [m for m in lineup(cfg, args.budgets, rdr_extra=args.rdr_extra) if not args.methods or
                any(m.name.startswith(p) for p in args.methods)]
     jobs = []
     for T in args.contexts:
         starts = np.linspace(0, len(ids) - T - args.continuation - 1, args.windows + 2)[1:-1].astype(int)
         jobs += [(T, w, int(s), args, ids) for w, s in enumerate(starts)]
-    jobs.sort(key=lambda j: (-j[0], j[1]))              # longest first: the pool ends together
+        jobs.append((T, "probe", int(starts[0]), args, ids))
+    # longest first (a window costs about three probes), so the two processes end together
+    jobs.sort(key=lambda j: -j[0] * (1 if j[1] == "probe" else 3))
     jobs = [j + (i % max(args.jobs, 1),) for i, j in enumerate(jobs)]
     units = _pool_run(jobs, args.jobs)
     rows = []
     for T in args.contexts:
-        mine = sorted((u for u in units if u["T"] == T), key=lambda u: u["w"])
+        mine = sorted((u for u in units if u["T"] == T and u["w"] != "probe"), key=lambda u: u["w"])
+        probe = [u for u in units if u["T"] == T and u["w"] == "probe"]
         ppl_dense = np.exp(np.array([u["dense_nll"] for u in mine]))
         for m in methods:
-            rs = [u["methods"][m.name] for u in mine]
+            rs = [u["methods"][m.name] for u in mine + probe]
             get = lambda k: [r[k] for r in rs if k in r]
             dppl = (np.exp(np.array(get("nll"))) / ppl_dense - 1) * 100
             rows.append({
@@ -380,11 +398,13 @@ def run(args) -> list[dict]:
                 "retrieval_loss": float(np.mean(get("ret"))),
                 "retrieval_loss_protected": float(np.mean(get("ret_p"))) if get("ret_p") else None,
                 "greedy_agreement": float(np.mean(get("agree"))) if get("agree") else None,
+                "greedy_agreement_windows": get("agree"),
+                "greedy_dense_gap_at_divergence": [r.get("gap") for r in rs if "agree" in r],
                 "attn_out_rel_err": float(np.mean(get("err"))),
                 "kl_nats": float(np.mean(get("kl"))),
                 "top1_agreement": float(np.mean(get("top1"))),
             })
-    print(f"{len(methods)} methods x {len(units)} (context, window) units done "
+    print(f"{len(methods)} methods x {len(units)} units (context x (windows + probe)) done "
           f"({time.time() - t0:.0f} s)", file=sys.stderr)
     meta = {"model": "SmolLM2-135M-Instruct", "corpus": source, "continuation": args.continuation,
             "generate": args.generate, "probe_tokens": args.probe, "seed": args.seed,
@@ -461,7 +481,10 @@ def parse(argv):
                    help="smoke test (under 5 minutes on 2 cores): 512-token contexts, one budget")
     p.add_argument("--long", action="store_true", help="also an 8K context")
     p.add_argument("--contexts", type=int, nargs="+", default=None)
-    p.add_argument("--budgets", type=float, nargs="+", default=[0.50, 0.25, 0.20, 0.15, 0.10])
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.50, 0.25, 0.15, 0.10],
+                   help="budgets of every evicting method and of RDR (fractions of bf16 bytes)")
+    p.add_argument("--rdr-extra", type=float, nargs="*", default=[0.20],
+                   help="extra RDR budgets (default 0.20: the iso-quality claim's point)")
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--continuation", type=int, default=256)
     p.add_argument("--generate", type=int, default=128)
@@ -474,7 +497,7 @@ def parse(argv):
     a = p.parse_args(argv)
     if a.quick:
         a.contexts = a.contexts or [512]
-        a.budgets = [0.25]
+        a.budgets, a.rdr_extra = [0.25], []
         a.windows, a.continuation, a.generate, a.probe = 2, 32, 8, 16
         a.out = a.out or Path(os.environ.get("SPHERICAL_KV_RESULTS", "results-quick"))
     a.contexts = a.contexts or ([2048, 4096] + ([8192] if a.long else []))

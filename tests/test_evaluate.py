@@ -1,0 +1,68 @@
+"""The evaluation harness on a tiny random Llama (the real run needs SmolLM2): the metrics
+are zero for the exact store and move for a lossy one, greedy margins line up with the
+tokens, and the line-up holds the extra RDR point once."""
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from validation import evaluate as E  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runner():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512)
+    return E.Runner(transformers.LlamaForCausalLM(cfg).eval(), tokenizer=None)
+
+
+def test_exact_store_scores_zero_and_a_lossy_store_does_not(runner):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 101, 200)
+    ctx, cont = ids[:160], ids[160:]
+    pre = runner.prefill(ctx)
+    rec = E._RecordingStore(E._exact_store(pre))
+    dense = runner.logprobs(rec, pre, cont)
+    # the scored tokens' queries were recorded: one chunk of len(cont) - 1 per layer
+    assert sorted(rec.queries) == [0, 1]
+    q = [rec.queries[l][0] for l in range(2)]
+    assert q[0].shape == (4, len(cont) - 1, 16)
+    # teacher-forced log-probs through the exact store are the model's own
+    with torch.no_grad():
+        ref = torch.log_softmax(runner.model(torch.as_tensor(ids)[None]).logits[0].double(), -1).numpy()
+    np.testing.assert_allclose(dense[1:], ref[160:-1], atol=1e-4)
+    assert E.attention_error(E._exact_store(pre), pre, q) == pytest.approx(0.0, abs=1e-12)
+    store, nbytes = E._spherical_store(pre, runner.cfg, E.TierLadder([(2, 2)]), None, centre=False,
+                                       policy=E.CompressPolicy(sinks=0, recent=0, window=8))
+    assert 0 < nbytes < 2 * 2 * 2 * 160 * 16 * 2
+    assert E.attention_error(store, pre, q) > 0.05
+    lossy = runner.logprobs(store, pre, cont)
+    kl = np.sum(np.exp(dense) * (dense - lossy), axis=1)
+    assert np.all(kl >= -1e-9) and kl.mean() > 0
+
+
+def test_greedy_margins_are_the_top_two_gap(runner):
+    rng = np.random.default_rng(1)
+    pre = runner.prefill(rng.integers(0, 101, 100))
+    toks, gaps = runner.greedy(E._exact_store(pre), pre, 12, margins=True)
+    assert toks.shape == gaps.shape == (12,)
+    assert np.all(gaps >= 0)
+    top2 = np.sort(pre.last_logits)[-2:]
+    assert gaps[0] == pytest.approx(top2[1] - top2[0])
+    again = runner.greedy(E._exact_store(pre), pre, 12)
+    np.testing.assert_array_equal(toks, again)
+    assert torch.get_num_threads() >= 1
+
+
+def test_lineup_adds_the_extra_rdr_point_once():
+    class Cfg:
+        num_attention_heads = 9
+    names = [m.name for m in E.lineup(Cfg, [0.5, 0.25], rdr_extra=[0.2, 0.25])]
+    assert len(names) == len(set(names))
+    assert [n for n in names if n.startswith("skv-rdr")] == ["skv-rdr@50%", "skv-rdr@25%", "skv-rdr@20%"]
+    assert "h2o@20%" not in names
