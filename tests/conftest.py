@@ -29,3 +29,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """Build a seeded random 2-layer Llama (4 query / 2 kv-heads, head_dim 16, vocab 101)
+    for the transformers tests: ``tiny_llama(max_positions)``."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    def build(max_positions=256):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=max_positions)
+        return transformers.LlamaForCausalLM(cfg).eval()
+    return build

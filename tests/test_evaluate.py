@@ -13,12 +13,8 @@ from validation import evaluate as E  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def runner():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=512)
-    return E.Runner(transformers.LlamaForCausalLM(cfg).eval(), tokenizer=None)
+def runner(tiny_llama):
+    return E.Runner(tiny_llama(512), tokenizer=None)
 
 
 def test_exact_store_scores_zero_and_a_lossy_store_does_not(runner):

@@ -12,12 +12,8 @@ from spherical_kv_ref.hf import DenseStore, SphericalCache, use_spherical_attent
 
 
 @pytest.fixture(scope="module")
-def tiny_model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=256)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+def tiny_model(tiny_llama):
+    model = tiny_llama(256)
     ids = torch.randint(0, 101, (1, 61), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(ids).logits.double()
