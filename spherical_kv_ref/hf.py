@@ -62,9 +62,8 @@ class _Rows:
     than the attention itself)."""
 
     def __init__(self, a):
-        a = np.asarray(a, np.float64)
-        self._buf = np.array(a, np.float64, copy=True)
-        self._n = a.shape[0]
+        self._buf = np.array(a, np.float64)        # a copy: the store owns its rows
+        self._n = self._buf.shape[0]
 
     @property
     def rows(self) -> np.ndarray:

@@ -278,6 +278,12 @@ def probe_context(ids: np.ndarray, T: int, R: int, rng) -> tuple[np.ndarray, np.
 _WORKER = {}
 
 
+def _methods(cfg, args) -> list:
+    """The line-up of a run: ``lineup`` at its budgets, kept to ``--methods`` prefixes."""
+    return [m for m in lineup(cfg, args.budgets, rdr_extra=args.rdr_extra) if not args.methods or
+            any(m.name.startswith(p) for p in args.methods)]
+
+
 def _worker_setup(threads: Optional[int]) -> None:
     """Load the model once per process (``threads``: torch threads, None = leave)."""
     if _WORKER:
@@ -296,8 +302,7 @@ def _unit(job) -> dict:
     Returns per-method results."""
     T, w, s, args, ids, position = job
     runner, cfg = _WORKER["runner"], _WORKER["cfg"]
-    methods = [m for m in lineup(cfg, args.budgets, rdr_extra=args.rdr_extra) if not args.methods or
-               any(m.name.startswith(p) for p in args.methods)]
+    methods = _methods(cfg, args)
     out = {"T": T, "w": w, "methods": {}}
     if w == "probe":        # one planted context per context length
         pctx, span, p0 = probe_context(ids[s:], T, args.probe, np.random.default_rng([args.seed, T]))
@@ -362,15 +367,18 @@ def _pool_run(jobs, procs: int):
 
 
 def run(args) -> list[dict]:
-    from validation.model import load_model
     t0 = time.time()
-    model, tok = load_model()
-    cfg = model.config
+    if args.jobs <= 1:            # the units run here: load the model once, for them too
+        _worker_setup(None)
+        cfg, tok = _WORKER["cfg"], _WORKER["tok"]
+    else:                         # the workers load their own; this process needs cfg and tokenizer
+        from validation.model import load_model
+        model, tok = load_model()
+        cfg = model.config
+        del model
     need = max(args.contexts) + args.continuation
     ids, source = corpus_tokens(tok, need * (args.windows + 1))
-    del model
-    methods = [m for m in lineup(cfg, args.budgets, rdr_extra=args.rdr_extra) if not args.methods or
-               any(m.name.startswith(p) for p in args.methods)]
+    methods = _methods(cfg, args)
     jobs = []
     for T in args.contexts:
         starts = np.linspace(0, len(ids) - T - args.continuation - 1, args.windows + 2)[1:-1].astype(int)
