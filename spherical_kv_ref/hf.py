@@ -56,6 +56,25 @@ def _softmax_part(q, k, v, scale, causal_offset=None):
     return out, (zmax + np.log(den))[..., 0]
 
 
+def _chunk_part(q, k, v, k_held, v_held, scale):
+    """Causal attention of a chunk's queries q (G, T, d) over the chunk itself: token t reads
+    tokens s < t as held by the store (k_held, v_held (T, d)) and itself exactly (k, v):
+    what a one-token decode step at t sees. Returns out (G, T, d), lse (G, T)."""
+    G, T, d = q.shape
+    z = scale * np.einsum("gtd,sd->gts", q, k_held)
+    diag = np.arange(T)
+    z[:, diag, diag] = scale * np.einsum("gtd,td->gt", q, k)
+    z = np.where(diag[None, :] <= diag[:, None], z, -np.inf)
+    zmax = z.max(axis=2, keepdims=True)
+    e = np.exp(z - zmax)
+    den = e.sum(axis=2, keepdims=True)
+    p = e / den
+    self_w = p[:, diag, diag]
+    p[:, diag, diag] = 0.0
+    out = np.einsum("gts,sd->gtd", p, v_held) + self_w[..., None] * v[None]
+    return out, (zmax + np.log(den))[..., 0]
+
+
 class _Rows:
     """A (n, d) float64 array that grows at the end in amortised O(1) per row (decode
     appends one token per step; re-concatenating a 4K-state row every step costs more
@@ -83,7 +102,7 @@ class _Rows:
 class ContextStore:
     """What a layer's new tokens attend to besides themselves. Subclasses implement
     ``attend`` (q (num_q_heads, T, d) → out, lse over the stored states), ``append``
-    (k, v (num_kv_heads, T, d)) and ``nbytes``."""
+    (k, v (num_kv_heads, T, d) → the same as the store now holds them) and ``nbytes``."""
 
     num_q_heads: int
     num_kv_heads: int
@@ -91,7 +110,8 @@ class ContextStore:
     def attend(self, layer: int, q: np.ndarray, scale: float):
         raise NotImplementedError
 
-    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray):
+        """Store a chunk; return its (k, v) as held (what later tokens will read)."""
         raise NotImplementedError
 
     def nbytes(self) -> int:
@@ -132,6 +152,7 @@ class DenseStore(ContextStore):
             self.keys[layer][h].extend(k[h])
             self.values[layer][h].extend(v[h])
         self._nbytes += k.shape[0] * k.shape[1] * self._per_state
+        return k, v
 
     def nbytes(self):
         return self._nbytes
@@ -194,16 +215,19 @@ class SphericalStore(ContextStore):
     def append(self, layer, k, v):
         kv = self.kv
         kv.append(self.seq, layer, k, v)
-        if self._snap[layer] is None:
-            return
         s = kv._seq(self.seq)
         kb, vb = kv.ladder.bits(kv.ladder.top)
-        for h, row in enumerate(self._snap[layer]):
+        held_k, held_v = np.empty(k.shape), np.empty(v.shape)
+        for h in range(kv.num_kv_heads):     # the top-tier codes the pages now hold
             kc, vc = kv.codec(layer, h, kb, KEY_SALT), kv.codec(layer, h, vb, VALUE_SALT)
             ke = kc.encode(k[h], mean=s.mean_k[layer, h] if kv.centre else None)
             ve = vc.encode(v[h], mean=s.mean_v[layer, h] if kv.centre else None)
-            row[0].extend(ke.scale.astype(np.float64)[:, None] * kc.rotated_points(ke))
-            row[1].extend(ve.scale.astype(np.float64)[:, None] * vc.rotated_points(ve))
+            held_k[h], held_v[h] = kc.decode(ke), vc.decode(ve)
+            if self._snap[layer] is not None:
+                row = self._snap[layer][h]
+                row[0].extend(ke.scale.astype(np.float64)[:, None] * kc.rotated_points(ke))
+                row[1].extend(ve.scale.astype(np.float64)[:, None] * vc.rotated_points(ve))
+        return held_k, held_v
 
     def nbytes(self):
         return self.kv.bytes_in_use(self.seq)
@@ -358,15 +382,20 @@ def spherical_attention(module, query, key, value, attention_mask, scaling=None,
     k_new, v_new = (t[0].detach().double().numpy() for t in owner.layers[layer].pending)
     store = owner.store
     G = store.num_q_heads // store.num_kv_heads
+    out_s, lse_s = store.attend(layer, q, scale)
+    # A chunk reads its earlier tokens as the store holds them and itself exactly, so a
+    # chunk of T tokens computes what T one-token steps compute.
+    k_held, v_held = store.append(layer, k_new, v_new)
+    owner.layers[layer].pending = None
     out_c = np.empty(q.shape)
     lse_c = np.empty(q.shape[:2])
+    exact = k_held is k_new and v_held is v_new       # the store keeps the chunk as given
     for h in range(store.num_kv_heads):
         sl = slice(h * G, (h + 1) * G)
-        out_c[sl], lse_c[sl] = _softmax_part(q[sl], k_new[h], v_new[h], scale, causal_offset=0)
-    out_s, lse_s = store.attend(layer, q, scale)
+        out_c[sl], lse_c[sl] = (_softmax_part(q[sl], k_new[h], v_new[h], scale, causal_offset=0)
+                                if exact else
+                                _chunk_part(q[sl], k_new[h], v_new[h], k_held[h], v_held[h], scale))
     out, _ = _merge(out_s, lse_s, out_c, lse_c)
-    store.append(layer, k_new, v_new)
-    owner.layers[layer].pending = None
     res = torch.from_numpy(out).to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous()
     return res, None
 

@@ -1,6 +1,8 @@
 """The evaluation harness on a tiny random Llama (the real run needs SmolLM2): the metrics
 are zero for the exact store and move for a lossy one, greedy margins line up with the
 tokens, and the line-up holds the extra RDR point once."""
+import copy
+
 import numpy as np
 import pytest
 
@@ -62,3 +64,25 @@ def test_lineup_adds_the_extra_rdr_point_once():
     assert len(names) == len(set(names))
     assert [n for n in names if n.startswith("skv-rdr")] == ["skv-rdr@50%", "skv-rdr@25%", "skv-rdr@20%"]
     assert "h2o@20%" not in names
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_greedy_read_off_the_dense_path_equals_stepping(runner, bits):
+    """The common prefix from one teacher-forced pass along dense's greedy tokens is the
+    one of the method's own step-by-step greedy run (stores append generated tokens alike
+    in one chunk and in steps), and the token share counts the agreeing positions."""
+    rng = np.random.default_rng(2 + bits)
+    pre = runner.prefill(rng.integers(0, 101, 120))
+    ref, gaps = runner.greedy(E._exact_store(pre), pre, 24, margins=True)
+    for seed in range(3):
+        store, _ = E._spherical_store(pre, runner.cfg, E.TierLadder([(bits, bits)]), None,
+                                      centre=False, seed=seed,
+                                      policy=E.CompressPolicy(sinks=0, recent=0, window=8))
+        stepped = runner.greedy(copy.deepcopy(store), pre, 24)
+        got = E.greedy_on_dense_path(runner.logprobs(store, pre, ref), ref, gaps)
+        miss = np.flatnonzero(stepped != ref)
+        assert got["agree"] == (miss[0] if miss.size else 24) / 24
+        assert got["gap"] == (float(gaps[miss[0]]) if miss.size else None)
+        assert got["agree"] <= got["tokens"] <= 1.0
+    exact = E.greedy_on_dense_path(runner.logprobs(E._exact_store(pre), pre, ref), ref, gaps)
+    assert exact == {"agree": 1.0, "gap": None, "tokens": 1.0}
