@@ -6,12 +6,12 @@ It does not touch page_count (the cache's bookkeeping). With ``check=True`` (def
 syncs once and raises ValueError for NaN/Inf input, a norm beyond an fp16 scale, or a bad
 destination; ``check=False`` keeps the call free of host syncs (graph capture).
 
-Three kernel generations (docs/PERF_NOTES.md, "Encode"): ``version=3`` finds each cell
-without a search (the uniform codebook: an affine function of t, rounded; any other: one
+Three kernel generations (docs/PERF_NOTES.md, "Encode"): ``version=3`` (default) finds each
+cell without a search (the uniform codebook: an affine function of t, rounded; any other: one
 bucket look-up and one compare, tables from ``v3_tables``) and streams the next vector's row
-while it encodes the current one; ``version=2`` (default) runs eight lanes per vector in
-float32 with a binary search and a float64 fallback for coordinates near a cell boundary;
-``version=1`` one warp per vector in float64. All write the reference's bytes.
+while it encodes the current one; ``version=2`` runs eight lanes per vector in float32 with a
+binary search; both send vectors near a cell or fp16 boundary through a float64 pipeline;
+``version=1`` is that pipeline alone, one warp per vector. All write the reference's bytes.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .pages import KernelTables, as_device, device_tables, pool_views
 
 THREADS = 256
 ENCODE_VERSIONS = (1, 2, 3)
-DEFAULT_ENCODE_VERSION = 2
+DEFAULT_ENCODE_VERSION = 3   # 1.5-2.1x v2 on one H200, same bytes (docs/PERF_NOTES.md)
 V2_BLOCKS_PER_SM = 4      # __launch_bounds__(256, 4) of encode_v2_kernel and the v3 kernels
 
 # v3 table blob (csrc/encode.cuh, ENC3_*): per bit row (1, 2, 3, 4, 8 bits) 8 parameters; then
