@@ -6,9 +6,12 @@ It does not touch page_count (the cache's bookkeeping). With ``check=True`` (def
 syncs once and raises ValueError for NaN/Inf input, a norm beyond an fp16 scale, or a bad
 destination; ``check=False`` keeps the call free of host syncs (graph capture).
 
-Two kernel generations (docs/PERF_NOTES.md, "Encode"): ``version=2`` (default) runs eight
-lanes per vector in float32 with a float64 fallback for coordinates near a cell boundary,
-``version=1`` one warp per vector in float64. Both write the reference's bytes.
+Three kernel generations (docs/PERF_NOTES.md, "Encode"): ``version=3`` (default) finds each
+cell without a search (the uniform codebook: an affine function of t, rounded; any other: one
+bucket look-up and one compare, tables from ``v3_tables``) and streams the next vector's row
+while it encodes the current one; ``version=2`` runs eight lanes per vector in float32 with a
+binary search; both send vectors near a cell or fp16 boundary through a float64 pipeline;
+``version=1`` is that pipeline alone, one warp per vector. All write the reference's bytes.
 """
 from __future__ import annotations
 
@@ -20,9 +23,25 @@ from ._module import cupy, kernel
 from .pages import KernelTables, as_device, device_tables, pool_views
 
 THREADS = 256
-ENCODE_VERSIONS = (1, 2)
-DEFAULT_ENCODE_VERSION = 2
-V2_BLOCKS_PER_SM = 4      # __launch_bounds__(256, 4) of encode_v2_kernel
+ENCODE_VERSIONS = (1, 2, 3)
+DEFAULT_ENCODE_VERSION = 3   # 1.5-2.1x v2 on one H200, same bytes (docs/PERF_NOTES.md)
+V2_BLOCKS_PER_SM = 4      # __launch_bounds__(256, 4) of encode_v2_kernel and the v3 kernels
+
+# v3 table blob (csrc/encode.cuh, ENC3_*): per bit row (1, 2, 3, 4, 8 bits) 8 parameters; then
+# (codebooks other than uniform) the float32 squared levels, and per row Enc3Row<b>::G
+# buckets: the midpoint inside each (float32, or V3_NO_MID) and the cell below it (int32).
+V3_PRM = 8
+V3_BUCKETS = {1: 8, 2: 32, 3: 64, 4: 128, 8: 768}
+V3_LEV2 = 5 * V3_PRM
+V3_BM = V3_LEV2 + 5 * 256
+V3_NB = sum(V3_BUCKETS.values())
+V3_WORDS = V3_BM + 2 * V3_NB
+V3_NO_MID = np.float32(3.0e38)
+V3_MAGIC_BITS = 0x4B400000   # bits of 1.5 * 2^23 (ENC3_MAGIC_BITS)
+# float32 ulps between the scale and an fp16 rounding boundary below which the float64
+# pipeline decides the scale: about twice the float32 error bound (csrc/encode.cuh, "v3")
+V3_SCALE_GUARD = {"table": 64, "uniform": 48}
+_U = 2.0 ** -24
 _STATUS = ((1, "an input vector contains NaN or Inf"),
            (2, "a vector norm is too large for an fp16 scale (max 65504)"),
            (4, "a rotated coordinate exceeds the fp16 range of the 16-bit tier"),
@@ -51,6 +70,125 @@ def _index(a, name, n):
     return arr if arr.flags.c_contiguous else arr.copy()
 
 
+def v3_margin(bits: int, dim: int, mids: np.ndarray) -> float:
+    """Distance in t (float64) within which the float32 path of encode v3 defers a coordinate
+    to the float64 pipeline: 2 (L + 1) u sqrt(d) + 48 u M (u = 2^-24, L = log2 d, M the
+    largest |midpoint|): at least twice the float32 error of t (csrc/encode.cuh, "v3")."""
+    m = float(np.max(np.abs(mids))) if mids.size else 0.0
+    return 2.0 * (np.log2(dim) + 1.0) * _U * np.sqrt(dim) + 48.0 * _U * m
+
+
+def _v3_uniform_row(lev: np.ndarray, mids: np.ndarray, dim: int) -> np.ndarray:
+    """Parameters of the affine cell A = (t - mid0)/step + 1/2, code = clamp(rint(A)), with
+    the threshold on |A - rint(A)| that keeps every code equal to the float64 count of
+    midpoints below t."""
+    n = lev.size
+    hs = 0.5 * (lev[-1] - lev[0]) / (n - 1)
+    step = 2.0 * hs
+    mid0 = mids[0]
+    dev = float(np.max(np.abs(mids - (mid0 + step * np.arange(n - 1)))))   # ~1e-16
+    big = float(np.max(np.abs(mids)))
+    # the float32 error of t, the midpoints' distance from the exact grid, and the rounding of
+    # A (its constants, the fma.sat, times 2^b - 1), in units of A
+    mar = ((v3_margin(int(np.log2(n)), dim, mids) + dev) / step
+           + 4.0 * _U * (big / step + n) + 2.0 ** -20)
+    if not mar < 0.25:
+        raise ValueError("encode v3: the uniform codebook's cells are too narrow for float32")
+    thr = np.float32(0.5 - mar)
+    if float(thr) > 0.5 - mar:                      # round the threshold down
+        thr = np.nextafter(thr, np.float32(0))
+    row = np.zeros(V3_PRM, np.float64)
+    row[0] = 1.0 / (step * (n - 1))
+    row[1] = (0.5 - mid0 / step) / (n - 1)
+    row[2] = n - 1
+    row[3] = thr
+    row[4] = np.sqrt(dim / 2.0) / hs
+    out = row.astype(np.float32)
+    out[3] = thr
+    out[5:6].view(np.int32)[0] = V3_SCALE_GUARD["uniform"]
+    return out
+
+
+def _v3_bucket_row(bits: int, mids: np.ndarray, dim: int, g: int):
+    """(parameters, midpoints, cells) of the bucket table of one row: bucket b = rint((t - lo)/w)
+    covers [lo + (b - 1/2) w, lo + (b + 1/2) w]; widened by delta (more than the float32 error
+    of t and of the index) it holds at most one midpoint, whose float32 value the bucket
+    stores (V3_NO_MID if none), with the count of midpoints below the widened bucket."""
+    margin = v3_margin(bits, dim, mids)
+    if bits <= 4:    # no clamp: |t| <= sqrt(d) (1 + 2^-18) whenever the radius is in range
+        t_max = np.sqrt(dim) + 0.5
+        lo, w = -t_max, 2.0 * t_max / (g - 1)
+    else:            # clamped to [0, g - 1]; the two end buckets hold no midpoint
+        w = (mids[-1] - mids[0]) / (g - 5)
+        lo = mids[0] - 2.0 * w
+        t_max = max(abs(lo), abs(lo + (g - 1) * w))
+    delta = 2.0 * margin + 16.0 * _U * t_max
+    b = np.arange(g)
+    ext_lo = lo + (b - 0.5) * w - delta
+    ext_hi = lo + (b + 0.5) * w + delta
+    ext_lo[0], ext_hi[-1] = -np.inf, np.inf
+    below = np.searchsorted(mids, ext_lo, side="left")          # midpoints < ext_lo
+    upto = np.searchsorted(mids, ext_hi, side="right")          # midpoints <= ext_hi
+    inside = upto - below
+    if np.any(inside > 1):
+        raise ValueError(f"encode v3: {g} buckets are too coarse for the {bits}-bit codebook")
+    m = np.where(inside == 1, mids[np.minimum(below, mids.size - 1)].astype(np.float32), V3_NO_MID)
+    prm = np.zeros(V3_PRM, np.float32)
+    prm[0] = 1.0 / w
+    prm[1] = -lo / w
+    prm[2] = g - 1
+    prm[3] = margin
+    prm[4] = np.sqrt(dim / 2.0)
+    prm[5:6].view(np.int32)[0] = V3_SCALE_GUARD["table"]
+    prm[6:7].view(np.uint32)[0] = (-4 * V3_MAGIC_BITS) % 2 ** 32   # the kernel's table offset
+    return prm, m.astype(np.float32), below.astype(np.int32)
+
+
+_V3_CACHE: dict = {}
+
+
+def v3_tables(tables: KernelTables) -> np.ndarray:
+    """float32 (V3_WORDS,) blob of the v3 kernels for ``tables`` (cached per tables object)."""
+    key = id(tables)
+    hit = _V3_CACHE.get(key)
+    if hit is not None and hit[0] is tables:
+        return hit[1]
+    from .pages import LEVEL_BITS
+    blob = np.zeros(V3_WORDS, np.float32)
+    ints = blob.view(np.int32)
+    off = V3_BM
+    for r, bits in enumerate(LEVEL_BITS):
+        n = 2 ** bits
+        lev = tables.levels64[r, :n]
+        mids = tables.mids64[r, :n - 1]
+        if tables.codebook == "uniform":
+            blob[r * V3_PRM:(r + 1) * V3_PRM] = _v3_uniform_row(lev, mids, tables.dim)
+        else:
+            g = V3_BUCKETS[bits]
+            prm, m, c0 = _v3_bucket_row(bits, mids, tables.dim, g)
+            blob[r * V3_PRM:(r + 1) * V3_PRM] = prm
+            blob[V3_LEV2 + 256 * r:V3_LEV2 + 256 * r + n] = (lev * lev).astype(np.float32)
+            blob[off:off + g] = m
+            ints[off + V3_NB:off + V3_NB + g] = c0
+            off += g
+    _V3_CACHE[key] = (tables, blob)
+    return blob
+
+
+_V3_DEVICE: dict = {}
+
+
+def _v3_device(tables: KernelTables):
+    """The v3 blob on the current device, uploaded once per (tables, device)."""
+    cp = cupy()
+    key = (id(tables), cp.cuda.Device().id)
+    hit = _V3_DEVICE.get(key)
+    if hit is None or hit[0] is not tables:
+        hit = (tables, cp.asarray(v3_tables(tables)))
+        _V3_DEVICE[key] = hit
+    return hit[1]
+
+
 def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, dst_page, dst_slot,
                       *, part: str = "key", mean=None, mean_index=None, check: bool = True,
                       status=None, version: int | None = None):
@@ -58,7 +196,7 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
     kv-heads; head int32 (n,) which sigma row each vector uses; dst_page, dst_slot int32
     (n,); mean float32 (R, d) with mean_index int32 (n,) (centring) or None. Writes into
     ``pages`` (uint8 (num_pages, page_bytes) or uint32) in place. ``version``: the kernel
-    generation (1 or 2; None: the default, 2)."""
+    generation (1, 2 or 3; None: the default, DEFAULT_ENCODE_VERSION)."""
     cp = cupy()
     if part not in ("key", "value"):
         raise ValueError(f"part must be 'key' or 'value', got {part!r}")
@@ -96,16 +234,20 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
         status = cp.zeros(1, cp.int32)
     if n:
         dev = device_tables(tables)
-        if version == 2:   # four vectors per warp, a grid of resident blocks walking the rest
+        args = (xa, np.int64(xa.strides[0] // 4), np.int32(n), hd, sg, mn, mi, dp, ds,
+                np.int32(0 if part == "key" else 1), pg, np.int32(tables.page_words), pt,
+                dev["geom"], np.int32(tables.num_tiers), dev["levels64"], dev["mids64"])
+        if version >= 2:   # four vectors per warp, a grid of resident blocks walking the rest
             blocks = max(1, min(-(-n * 8 // THREADS),
                                 V2_BLOCKS_PER_SM * _sm_count(cp.cuda.Device().id)))
         else:
             blocks = max(1, min(-(-n * 32 // THREADS), 132 * 16))
-        kernel("encode_v2_kernel" if version == 2 else "encode_kernel", d)(
-            (blocks,), (THREADS,),
-            (xa, np.int64(xa.strides[0] // 4), np.int32(n), hd, sg, mn, mi, dp, ds,
-             np.int32(0 if part == "key" else 1), pg, np.int32(tables.page_words), pt,
-             dev["geom"], np.int32(tables.num_tiers), dev["levels64"], dev["mids64"], status))
+        if version == 3:
+            name = "encode_v3_uniform_kernel" if tables.codebook == "uniform" else "encode_v3_kernel"
+            kernel(name, d)((blocks,), (THREADS,), args + (_v3_device(tables), status))
+        else:
+            kernel("encode_v2_kernel" if version == 2 else "encode_kernel", d)(
+                (blocks,), (THREADS,), args + (status,))
     if check:
         raise_status(status)
     return status

@@ -328,7 +328,9 @@ def main(argv=None):
                     help="decode kernel versions to time side by side (rows carry 'version')")
     ap.add_argument("--encode-only", action="store_true",
                     help="time only the encode kernel (versions --encode-versions); no decode")
-    ap.add_argument("--encode-versions", default="2,1")
+    ap.add_argument("--encode-versions", default="3,2",
+                    help="encode kernel versions timed side by side (--encode-only); the first "
+                         "is the reference for the bytes_equal_to_v* check")
     ap.add_argument("--run-note", default=None, help="a label stored in every encode row")
     ap.add_argument("--quality", action="store_true",
                     help="CPU only: attention error of the codebooks (no GPU, no timing)")

@@ -1,27 +1,20 @@
-"""A small representative run of every kernel (encode v1 and v2, decode on the table and the affine path,
+"""A small representative run of every kernel (encode v1, v2 and v3, decode on the table and the affine path,
 v6, v5 and v4, with and without split-K, merge, re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 validation/sanitize_run.py
+    ... python3 validation/sanitize_run.py --encode-only    # the encode and re-tier part alone
 """
+import sys
+
 import numpy as np
 
 
-def main():
+def encode_part(dim, tables_by_codebook, ladder):
+    """Encode into fresh pages of every tier (v1, v2, v3 on both codebooks), then demote and
+    compact them."""
     import cupy as cp
-    from cupy_kernels import encode_into_pages, kernel_tables, retier
-    from cupy_kernels.cases import build_case, run_case, to_device
-    ladder = [(2, 2), (3, 2), (4, 3), (4, 4), (8, 8), (16, 16)]
-    for dim, group in ((128, 4), (64, 8)):
-        for codebook in ("lloyd-max", "uniform"):   # table path, affine path
-            case = build_case(2, 2, group, dim, [97, 300, 17, 64], ladder, [1, 2, 3, 4, 5, 6],
-                              seed=1, centred=True, fill_random=True, reference_parts=False,
-                              codebook=codebook)
-            dev = to_device(case)
-            for splits, version in ((1, 6), (3, 6), (1, 5), (3, 5), (3, 4)):
-                out = run_case(case, dev, num_splits=splits, version=version)
-                assert bool(cp.all(cp.isfinite(out)))
-        tables = case.tables
-        # encode into fresh pages of every tier, then demote and compact them
+    from cupy_kernels import encode_into_pages, retier
+    for codebook, tables in tables_by_codebook.items():
         n = 40
         rng = np.random.default_rng(0)
         t_top, t_low = len(ladder), 2
@@ -34,18 +27,48 @@ def main():
         x = cp.random.standard_normal((n, dim), dtype=cp.float32)
         sig = cp.ones((1, dim), cp.float32)
         head = cp.zeros(n, cp.int32)
-        for version in (1, 2):   # v1 and v2 (v2 runs its float64 path for the 16-bit tier)
+        for version in (1, 2, 3):   # v2 and v3 run their float64 path for the 16-bit tier
             encode_into_pages(x, pages, tier, tables, sig, head, dpg, dsl, part="key",
                               version=version)
             encode_into_pages(x, pages, tier, tables, sig, head, dpg, dsl, part="value",
                               version=version)
         lpg = cp.asarray((8 + slots // p_low).astype(np.int32))
         lsl = cp.asarray((slots % p_low).astype(np.int32))
-        for part in ("key", "value"):   # v2's float32 path, 37 vectors (a part-idle warp)
+        xz = x.copy()
+        xz[5] = 0.0                 # a zero vector: v3's float64 path on a float32 tier
+        mean = cp.random.standard_normal((1, dim), dtype=cp.float32)
+        for part in ("key", "value"):   # float32 paths, 37 vectors (a part-idle warp)
             encode_into_pages(x[:37], pages, tier, tables, sig, head[:37], lpg[:37], lsl[:37],
                               part=part, version=2)
+            encode_into_pages(xz[:37], pages, tier, tables, sig, head[:37], lpg[:37], lsl[:37],
+                              part=part, version=3)
+            encode_into_pages(x[:37], pages, tier, tables, sig, head[:37], lpg[:37], lsl[:37],
+                              part=part, version=3, mean=mean, mean_index=head[:37])
         retier(pages, tier, tables, dpg, dsl, lpg, lsl)                        # demotion
         retier(pages, tier, tables, lpg[:5], lsl[:5], lpg[:5] + 4, lsl[:5])    # compaction
+
+
+def main(argv=None):
+    import cupy as cp
+    from cupy_kernels import kernel_tables
+    from cupy_kernels.cases import build_case, run_case, to_device
+    encode_only = "--encode-only" in (sys.argv[1:] if argv is None else argv)
+    ladder = [(2, 2), (3, 2), (4, 3), (4, 4), (8, 8), (16, 16)]
+    for dim, group in ((128, 4), (64, 8)):
+        tables = {}
+        for codebook in ("lloyd-max", "uniform"):   # table path, affine path
+            if encode_only:
+                tables[codebook] = kernel_tables(ladder, dim, codebook=codebook)
+                continue
+            case = build_case(2, 2, group, dim, [97, 300, 17, 64], ladder, [1, 2, 3, 4, 5, 6],
+                              seed=1, centred=True, fill_random=True, reference_parts=False,
+                              codebook=codebook)
+            dev = to_device(case)
+            for splits, version in ((1, 6), (3, 6), (1, 5), (3, 5), (3, 4)):
+                out = run_case(case, dev, num_splits=splits, version=version)
+                assert bool(cp.all(cp.isfinite(out)))
+            tables[codebook] = case.tables
+        encode_part(dim, tables, ladder)
     cp.cuda.Device().synchronize()
     print("sanitize run done")
 
