@@ -22,13 +22,24 @@ CTAS_PER_SM = 3        # residency of the table kernel (ptxas: <= 168 registers,
 CTAS_PER_SM_UNIFORM = 3   # v5 affine kernel: <= 168 registers (DEC_UNI5_CTAS), ~34 KiB smem
 CTAS_PER_SM_UNIFORM_V4 = 4   # v4 affine kernel: <= 128 registers (DEC_UNI_CTAS)
 CTAS_PER_SM_UNIFORM_V6 = 4   # v6 affine kernel: <= 128 registers (DEC_UNI6_CTAS)
-VERSIONS = (4, 5, 6)   # kernel generations (docs/PERF_NOTES.md)
-# Each path defaults to its fastest generation measured on one H200 (docs/PERF_NOTES.md, v6
-# run): the affine path v6 (fastest on 11 of 16 shape x tier rows; 3-18 % under v5 from
-# 32 x 8K to 2 x 128K but for +2 % on one RDR mix, 0-7 % over it at 1 x 128K); the table
-# path v4 (v6 is 5-13 % faster at 4/4 and 2/2 but 3-21 % slower at
-# 3/3 and on the RDR mix, and slower summed over all rows).
-DEFAULT_VERSION_AFFINE = 6
+CTAS_PER_SM_UNIFORM_V7 = 4   # v7 affine kernel: <= 128 registers, no spills (DEC7_CTAS)
+VERSIONS = (4, 5, 6, 7)   # kernel generations (docs/PERF_NOTES.md); v7 changes only the affine
+# path (on the table path version 7 runs the v6 table kernel)
+# v7's split count: CTAs = floor(WAVES_V7 * resident CTAs / rows) * rows, i.e. the grid fills
+# whole waves instead of spilling a few CTAs into an extra one (v6: ceil, 2.06 waves at 8 x 32K).
+# One wave measured fastest (device run 1: 8 x 32K 4/4 121.7 us vs 131.6 at two waves, 1 x 128K
+# 95.0 vs 151.0: half the splits halve the per-CTA prologue/epilogue and the merge work).
+WAVES_V7 = 1
+# v7 merges split-K partials with ada_merge_v7_kernel (one CTA per head and row, the splits
+# summed by four thread groups) when num_splits <= MERGE7_MAX_SPLITS, else with v6's merge.
+MERGE_V7 = True
+MERGE7_MAX_SPLITS = 256   # csrc MERGE7_MAX_SPLITS
+STAGES_V7 = 2   # page buffers per warp of the v7 affine kernel (csrc DEC7_STAGES)
+# Each path defaults to its fastest generation measured on one H200 (docs/PERF_NOTES.md): the
+# affine path v7 (v7 run: faster than v6 on the 16 shape x tier rows, see PERF_NOTES); the table
+# path v4 (v6 is 5-13 % faster at 4/4 and 2/2 but 3-21 % slower at 3/3 and on the RDR mix, and
+# slower summed over all rows; v7 does not change the table path).
+DEFAULT_VERSION_AFFINE = 7
 DEFAULT_VERSION_TABLE = 4
 LUT_BYTES = 37888      # csrc/spherical_common.cuh LUT_BYTES (replicated look-up tables)
 
@@ -50,7 +61,17 @@ def ctas_per_sm(tables: KernelTables, version: int | None = None) -> int:
     _check_version(version)
     if not uses_affine_path(tables):
         return CTAS_PER_SM
-    return {4: CTAS_PER_SM_UNIFORM_V4, 5: CTAS_PER_SM_UNIFORM, 6: CTAS_PER_SM_UNIFORM_V6}[version]
+    return {4: CTAS_PER_SM_UNIFORM_V4, 5: CTAS_PER_SM_UNIFORM, 6: CTAS_PER_SM_UNIFORM_V6,
+            7: CTAS_PER_SM_UNIFORM_V7}[version]
+
+
+def splits_for(tables: KernelTables, version: int | None, rows: int, total_pages: int) -> int:
+    """The split count ``ada_decode`` uses when none is given (shapes only, no device read)."""
+    version = default_version(tables) if version is None else version
+    if uses_affine_path(tables) and version >= 7:
+        return choose_splits(rows, total_pages, ctas_per_sm=ctas_per_sm(tables, version),
+                             waves=WAVES_V7, fit=True)
+    return choose_splits(rows, total_pages, ctas_per_sm=ctas_per_sm(tables, version))
 
 
 def _check_version(version) -> None:
@@ -58,10 +79,10 @@ def _check_version(version) -> None:
         raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
 
 
-def decode_smem_bytes(dim: int, page_bytes: int, uniform: bool = False) -> int:
-    """Dynamic shared memory of the decode kernel: tables (table path only) + max(2 page
-    buffers per warp, the merge tiles) (csrc/ada_decode.cuh decode_region_bytes)."""
-    return (0 if uniform else LUT_BYTES) + max(4 * 2 * page_bytes, 4 * MAX_GROUP * dim * 4)
+def decode_smem_bytes(dim: int, page_bytes: int, uniform: bool = False, stages: int = 2) -> int:
+    """Dynamic shared memory of the decode kernel: tables (table path only) + max(``stages``
+    page buffers per warp, the merge tiles) (csrc/ada_decode.cuh decode_region_bytes)."""
+    return (0 if uniform else LUT_BYTES) + max(4 * stages * page_bytes, 4 * MAX_GROUP * dim * 4)
 
 
 @dataclass
@@ -81,21 +102,33 @@ _SMEM_SET = {}
 
 
 def _allow_smem(fn, nbytes: int) -> None:
-    """Raises the kernel's dynamic shared-memory limit once (above 48 KiB needs opt-in)."""
-    key = id(fn)
-    if _SMEM_SET.get(key, 0) >= nbytes:
+    """Raises the kernel's dynamic shared-memory limit once (above 48 KiB needs opt-in).
+
+    Keyed by the CUfunction handle: the kernel getter returns a new Python object per call, so
+    an ``id()`` key could be reused by another kernel's object after garbage collection and
+    skip the opt-in (seen once as CUDA_ERROR_INVALID_VALUE on the first launch of a table
+    kernel). Without a handle the limit is set on every call."""
+    try:
+        key = int(fn.kernel.ptr)
+    except Exception:  # no handle exposed: set it every time (one driver call)
+        key = None
+    if key is not None and _SMEM_SET.get(key, 0) >= nbytes:
         return
     fn.max_dynamic_shared_size_bytes = int(nbytes)
-    _SMEM_SET[key] = int(nbytes)
+    if key is not None:
+        _SMEM_SET[key] = int(nbytes)
 
 
 def choose_splits(rows: int, total_pages: int, min_pages_per_split: int = 8,
-                  ctas_per_sm: int = CTAS_PER_SM) -> int:
-    """Split count that gives ~2 waves of CTAs, from shapes only (no device read).
-    ctas_per_sm: the kernel's residency (CTAS_PER_SM_UNIFORM for a uniform-codebook pool)."""
-    target = 2 * ctas_per_sm * _sm_count()
+                  ctas_per_sm: int = CTAS_PER_SM, waves: int = 2, fit: bool = False) -> int:
+    """Split count that gives ~``waves`` waves of CTAs, from shapes only (no device read).
+    ctas_per_sm: the kernel's residency (CTAS_PER_SM_UNIFORM for a uniform-codebook pool).
+    fit: round the splits per row down, so that the CTAs fill whole waves (v7), instead of
+    up (v4-v6: up to rows - 1 CTAs in a further, nearly empty wave)."""
+    target = waves * ctas_per_sm * _sm_count()
     avg = max(1, total_pages // max(1, rows))
-    return int(max(1, min(math.ceil(target / max(1, rows)), avg // min_pages_per_split, 256)))
+    per_row = target // max(1, rows) if fit else math.ceil(target / max(1, rows))
+    return int(max(1, min(per_row, avg // min_pages_per_split, 256)))
 
 
 def make_workspace(rows: int, group: int, dim: int, num_splits: int) -> DecodeWorkspace:
@@ -151,8 +184,10 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     sigma_v: float32 (num_kv_heads, d) rotation signs. mean_k, mean_v: float32 (rows, d)
     or None. version: 5 (32-state softmax steps, lop3 + fma affine decode), 4 (16-state steps),
     6 (P' transposed in registers, a lazy running maximum, the query fragment re-read from
-    shared memory; 4 CTAs per SM on the affine path) or None (``default_version``: the
-    fastest measured per path). Returns a CuPy array (a torch tensor if q is one)."""
+    shared memory; 4 CTAs per SM on the affine path), 7 (affine path: full 4/4 pages on a fast
+    path with one lop3 per code pair and no predication, the rest as v6; splits that fill
+    whole waves; on the table path 7 runs v6) or None (``default_version``: the fastest
+    measured per path). Returns a CuPy array (a torch tensor if q is one)."""
     version = default_version(tables) if version is None else version
     _check_version(version)
     cp = cupy()
@@ -224,7 +259,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
         if splits > 1 and workspace.part_o.shape != (splits, rows, group, d):
             raise ValueError("workspace shape does not match this call")
     else:
-        splits = (choose_splits(rows, ix.shape[0], ctas_per_sm=ctas_per_sm(tables, version))
+        splits = (splits_for(tables, version, rows, ix.shape[0])
                   if num_splits is None else int(num_splits))
         if splits < 1:
             raise ValueError("num_splits must be >= 1")
@@ -246,10 +281,12 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     po = workspace.part_o if splits > 1 else null
     pl = workspace.part_lse if splits > 1 else null
     name = "ada_decode_uniform_kernel" if uniform else "ada_decode_kernel"
-    if version != 5:
-        name = name.replace("_kernel", f"_v{version}_kernel")
+    kversion = 6 if (version == 7 and not uniform) else version   # v7: affine path only
+    if kversion != 5:
+        name = name.replace("_kernel", f"_v{kversion}_kernel")
     kern = kernel(name, d)
-    smem = decode_smem_bytes(d, tables.page_bytes, uniform)
+    smem = decode_smem_bytes(d, tables.page_bytes, uniform,
+                             STAGES_V7 if (uniform and version == 7) else 2)
     levels = dev["half_steps"] if uniform else dev["levels32"]
     if smem > 227 * 1024:
         raise ValueError(f"page_bytes={tables.page_bytes} needs {smem} bytes of shared memory "
@@ -262,9 +299,12 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
           np.float32(scale * math.log2(math.e)), np.int32(splits), out, po, pl),
          shared_mem=smem)
     if splits > 1:
-        merge = kernel("ada_merge_kernel", d)
-        merge((rows,), (d,), (workspace.part_o, workspace.part_lse, np.int32(splits),
-                              np.int32(rows), np.int32(hkv), np.int32(group), sv, mv, out))
+        margs = (workspace.part_o, workspace.part_lse, np.int32(splits), np.int32(rows),
+                 np.int32(hkv), np.int32(group), sv, mv, out)
+        if version == 7 and MERGE_V7 and splits <= MERGE7_MAX_SPLITS:
+            kernel("ada_merge_v7_kernel", d)((group, rows), (4 * d,), margs)
+        else:
+            kernel("ada_merge_kernel", d)((rows,), (d,), margs)
     if torch_in:
         import torch
         return torch.from_dlpack(out)

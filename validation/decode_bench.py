@@ -177,11 +177,10 @@ def encode_rows(shapes, tiers_list, codebooks, versions, timer, copy_gbps, all_t
 def ada_step(state, tables, q, batch, version=None):
     """A captured CUDA graph of one decode step; returns (replay fn, output)."""
     import cupy as cp
-    from cupy_kernels import ada_decode, choose_splits, make_workspace
-    from cupy_kernels.ada_decode import ctas_per_sm
+    from cupy_kernels import ada_decode, make_workspace
+    from cupy_kernels.ada_decode import splits_for
     rows = batch * HKV
-    splits = choose_splits(rows, int(state["indices"].size),
-                           ctas_per_sm=ctas_per_sm(tables, version))
+    splits = splits_for(tables, version, rows, int(state["indices"].size))
     ws = make_workspace(rows, HQ // HKV, D, splits)
     out = cp.empty((batch, HQ, D), cp.float32)
     kw = dict(num_kv_heads=HKV, out=out, workspace=ws, version=version)   # None: the default
@@ -324,7 +323,7 @@ def main(argv=None):
     ap.add_argument("--tiers", default="4/4,3/3,2/2,rdr-mix")
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--codebooks", default="lloyd-max,uniform")
-    ap.add_argument("--versions", default="6,5,4",
+    ap.add_argument("--versions", default="7,6,5,4",
                     help="decode kernel versions to time side by side (rows carry 'version')")
     ap.add_argument("--encode-only", action="store_true",
                     help="time only the encode kernel (versions --encode-versions); no decode")

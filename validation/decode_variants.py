@@ -1,8 +1,11 @@
-"""Build-time variants of the v6 affine decode kernel, timed on the same pools as v5 and v6
-as built (one GPU, one process): which of the v6 changes pays, before one is made the
-default. A variant is a set of NVRTC defines of csrc/ada_decode.cuh (DEC_UNI6_SUB: 16-state
-sub-tiles per softmax step; DEC_UNI6_CTAS: the residency asked of ptxas; DEC_LAZY_MAX: the
-log2 slack of the running maximum, 0 = move it at every new maximum).
+"""Build-time variants of the v7 affine decode kernel, timed on the same pools as v6 and v7 as
+built (one GPU, one process): which of the v7 choices pays, before v7 is made the default. A
+variant is a set of NVRTC defines of csrc/ada_decode.cuh (DEC7_CONV: 0 = codes fed to the mma
+as fp16 subnormals by one lop3, 1 = v6's lop3 + fma per pair; DEC7_LSPLIT: two accumulators per
+sub-tile for the fast path's logits; DEC7_STAGES: page buffers per warp, with the launcher's
+STAGES_V7) and/or a launcher setting (WAVES_V7: whole waves of resident CTAs the split count
+aims at; MERGE_V7: v7's merge kernel instead of v6's). Every row carries the relative difference of its output
+from v6's on the same pool and queries (a correctness check of each variant).
 
     PYTHONPATH=. python3 validation/decode_variants.py --out variants.json
 """
@@ -16,24 +19,28 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_bench import D, HKV, HQ, LADDER, Timer, ada_step, build_ada, copy_bandwidth  # noqa: E402
 
+# name: (NVRTC defines or None for the module as built, launcher overrides)
 VARIANTS = {
-    "sub2_ctas4": dict(DEC_UNI6_SUB=2, DEC_UNI6_CTAS=4),
-    "sub2_ctas3": dict(DEC_UNI6_SUB=2, DEC_UNI6_CTAS=3),
-    "sub1_lazy0": dict(DEC_LAZY_MAX="0.0f"),
+    "v7_waves2": (None, dict(WAVES_V7=2)),
+    "v7_oldmerge": (None, dict(MERGE_V7=False)),
+    "v7_lsplit0": (dict(DEC7_LSPLIT=0), {}),
+    "v7_stages3": (dict(DEC7_STAGES=3), dict(STAGES_V7=3)),
+    "v7_conv1": (dict(DEC7_CONV=1), {}),
 }
-# v6 as built with twice the split-K splits (choose_splits aims at ~4 waves instead of ~2)
-WAVES4 = "v6_4waves"
-CASES = [(32, 8192, "4/4"), (8, 32768, "4/4"), (8, 32768, "2/2"), (1, 131072, "4/4"),
-         (8, 32768, "rdr-mix")]
+# measured in device run 1 (before WAVES_V7 = 1, the v7 merge and DEC7_LSPLIT = 1 were made the
+# default): v7_waves1 (now the default), v7_stages3, v7_conv1 (docs/PERF_NOTES.md, v7)
+CASES = [(32, 8192, "4/4"), (8, 32768, "4/4"), (2, 131072, "4/4"), (1, 131072, "4/4"),
+         (8, 32768, "2/2"), (8, 32768, "3/3"), (8, 32768, "rdr-mix")]
 
 
 def variant_kernels(defines: dict):
     """A kernel getter like cupy_kernels._module.kernel, for a module built with `defines`
-    (only the affine v6 decode and the merge are instantiated)."""
+    (only the affine v7 decode and the merge are instantiated)."""
     import cupy as cp
     from cupy_kernels import _module
     opts = _module.OPTIONS + (f"-I{_module.CSRC}",) + tuple(f"-D{k}={v}" for k, v in defines.items())
-    names = [_module.template_name(k, D) for k in ("ada_decode_uniform_v6_kernel", "ada_merge_kernel")]
+    names = [_module.template_name(k, D) for k in ("ada_decode_uniform_v7_kernel", "ada_merge_kernel",
+                                                    "ada_merge_v7_kernel")]
     mod = cp.RawModule(code=_module.source(), options=opts, name_expressions=names)
     mod.compile()
     return lambda name, dim: mod.get_function(_module.template_name(name, dim))
@@ -43,6 +50,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="decode_variants.json")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--cases", default="all", help="'all' or indices into CASES, e.g. 0,1,6")
     args = ap.parse_args(argv)
     import importlib
     import cupy as cp
@@ -53,33 +61,40 @@ def main(argv=None):
     copy_gbps = copy_bandwidth(timer)
     print(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s", flush=True)
     tables = kernel_tables(LADDER, D, codebook="uniform")
-    getters = {name: variant_kernels(defs) for name, defs in VARIANTS.items()}
-    built_kernel, built_ctas = ad.kernel, ad.CTAS_PER_SM_UNIFORM_V6
+    getters = {name: variant_kernels(defs) for name, (defs, _) in VARIANTS.items() if defs}
+    built_kernel = ad.kernel
+    cases = CASES if args.cases == "all" else [CASES[int(i)] for i in args.cases.split(",")]
     rows = []
-    for batch, context, tiers in CASES:
+    for batch, context, tiers in cases:
         state, _ = build_ada(batch, context, tiers, tables)
         lay = state["layout"]
         q = cp.random.standard_normal((batch, HQ, D), dtype=cp.float32)
         nbytes = lay.cache_bytes + q.size * 4 + (lay.indptr.size + 3 * lay.indices.size) * 4
         ref = None
-        for name in ["v5", "v6", WAVES4, *VARIANTS]:
+        for name in ["v6", "v7", *VARIANTS]:
+            saved = {}
             if name in VARIANTS:
-                ad.kernel = getters[name]
-                ad.CTAS_PER_SM_UNIFORM_V6 = int(VARIANTS[name].get("DEC_UNI6_CTAS", built_ctas))
-            elif name == WAVES4:
-                ad.CTAS_PER_SM_UNIFORM_V6 = 2 * built_ctas
+                defs, over = VARIANTS[name]
+                if defs:
+                    ad.kernel = getters[name]
+                for k, v in over.items():
+                    saved[k] = getattr(ad, k)
+                    setattr(ad, k, v)
             try:
-                run, out, splits = ada_step(state, tables, q, batch, 5 if name == "v5" else 6)
+                run, out, splits = ada_step(state, tables, q, batch, 6 if name == "v6" else 7)
                 us = timer(run)
             finally:
-                ad.kernel, ad.CTAS_PER_SM_UNIFORM_V6 = built_kernel, built_ctas
+                ad.kernel = built_kernel
+                for k, v in saved.items():
+                    setattr(ad, k, v)
             if ref is None:
                 ref = out.copy()
             rel = float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref))
+            finite = bool(cp.all(cp.isfinite(out)))
             r = dict(variant=name, batch=batch, context=context, tiers=tiers, us=round(us, 2),
                      splits=splits, gbps=round(nbytes / (us * 1e-6) / 1e9, 1),
                      pct_copy=round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbps, 1),
-                     rel_diff_vs_v5=rel)
+                     rel_diff_vs_v6=rel, finite=finite)
             rows.append(r)
             print(json.dumps(r), flush=True)
             del run
@@ -87,10 +102,11 @@ def main(argv=None):
         cp.get_default_memory_pool().free_all_blocks()
     with open(args.out, "w") as f:
         json.dump(dict(copy_gbps=copy_gbps, rows=rows), f, indent=1)
-    print(f"\n{'variant':12s} {'B':>3s} {'ctx':>7s} {'tiers':>8s} {'us':>8s} {'%copy':>6s}")
+    print(f"\n{'variant':10s} {'B':>3s} {'ctx':>7s} {'tiers':>8s} {'us':>8s} {'%copy':>6s} "
+          f"{'splits':>6s} {'rel vs v6':>9s}")
     for r in rows:
-        print(f"{r['variant']:12s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>8s} "
-              f"{r['us']:8.1f} {r['pct_copy']:6.1f}")
+        print(f"{r['variant']:10s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>8s} "
+              f"{r['us']:8.1f} {r['pct_copy']:6.1f} {r['splits']:6d} {r['rel_diff_vs_v6']:9.2e}")
     return 0
 
 

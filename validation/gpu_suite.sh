@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
-#   validation/gpu_suite.sh tests sanitize ncu bench-quick bench-encode bench flashinfer
+#   validation/gpu_suite.sh tests sanitize ncu profile variants bench-quick bench-encode bench flashinfer
 # (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
 set -u
@@ -27,13 +27,15 @@ for stage in "$@"; do
       done
       cat "$OUT"/sanitizer_*.log > "$OUT/sanitizer.log"; rm -f "$OUT"/sanitizer_*.log;;
     ncu)
-      timeout 300 python3 validation/ncu_bytes.py --out "$OUT/ncu_bytes.json" --tiers 4/4,rdr-mix 2>&1 | tail -n 20
+      # NCU_VERSION: decode version (0: the launcher's default per codebook); NCU_CODEBOOKS
+      timeout ${NCU_LIMIT:-300} python3 validation/ncu_bytes.py --out "$OUT/ncu_bytes.json" --tiers 4/4,rdr-mix \
+        --version ${NCU_VERSION:-0} --codebooks ${NCU_CODEBOOKS:-lloyd-max,uniform} 2>&1 | tail -n 20
       rc=${PIPESTATUS[0]};;
     profile)
       # counters of the decode kernel at (8, 32K) 4/4, per version (PROFILE_VERSIONS) and
       # codebook (PROFILE_CODEBOOK: uniform = affine path, lloyd-max = table path)
       rc=0
-      for v in ${PROFILE_VERSIONS:-6 5}; do
+      for v in ${PROFILE_VERSIONS:-7 6}; do
         timeout ${PROFILE_LIMIT:-200} ncu --clock-control none --kernel-name regex:ada_decode --launch-count 1 \
           --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
           --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats \
@@ -43,6 +45,11 @@ for stage in "$@"; do
         note "profile v$v rc=$r"
         grep -E "Duration|DRAM Throughput|Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Eligible Warps|Active Warps Per|Executed Instructions  " "$OUT/ncu_profile_v$v.txt" | head -n 16
       done;;
+    variants)
+      # build-time variants of the v7 affine kernel next to v6 and v7 as built (same pools)
+      timeout ${VARIANTS_LIMIT:-300} python3 validation/decode_variants.py --out "$OUT/decode_variants.json" \
+        --reps ${VARIANTS_REPS:-20} --cases ${VARIANTS_CASES:-all} 2>&1 | tee "$OUT/variants.log" | tail -n 40
+      rc=${PIPESTATUS[0]};;
     bench-encode)
       # encode only, v2 and v1 in the same process (ENCODE_SHAPES, ENCODE_TIERS, RUN_NOTE)
       timeout ${ENCODE_LIMIT:-240} python3 validation/decode_bench.py --encode-only \
@@ -63,8 +70,9 @@ for stage in "$@"; do
           > "$OUT/flashinfer_install.log" 2>&1 && fi_flag=--flashinfer
       fi
       PYTHONPATH=/tmp/site:$PYTHONPATH timeout ${BENCH_LIMIT:-420} python3 validation/decode_bench.py \
-        --out "$OUT/decode_h200.json" --reps ${BENCH_REPS:-20} --versions ${BENCH_VERSIONS:-6,5,4} \
-        $fi_flag 2>&1 | tee "$OUT/bench.log" | tail -n 45
+        --out "$OUT/decode_h200.json" --reps ${BENCH_REPS:-20} --versions ${BENCH_VERSIONS:-7,6,5,4} \
+        --codebooks ${BENCH_CODEBOOKS:-lloyd-max,uniform} --shapes ${BENCH_SHAPES:-all} \
+        --tiers ${BENCH_TIERS:-4/4,3/3,2/2,rdr-mix} $fi_flag 2>&1 | tee "$OUT/bench.log" | tail -n 45
       rc=${PIPESTATUS[0]};;
     flashinfer)
       rc=0

@@ -74,6 +74,17 @@ struct DecodeSmem {   // static part; tables and page buffers are dynamic (see b
   int prange[2];            // v6: the CTA's pages [prange[0] + pbeg, prange[0] + prange[1])
 };
 
+// v7 (affine path) adds the fast path's query fragment and per-head logit constants
+// (page44); the other versions keep DecodeSmem as it was (the table path's 3 CTAs per SM
+// have no 2 KiB to spare).
+template <int D>
+struct DecodeSmem7 : DecodeSmem<D> {
+  uint2 qfrag7[D / 16][32];          // [chunk][lane], see decode_cta
+  __align__(16) float k12[DEC_HEADS][2];   // K1, K2 per head (page44)
+};
+template <int D, bool V7> struct SmemOf { typedef DecodeSmem<D> type; };
+template <int D> struct SmemOf<D, true> { typedef DecodeSmem7<D> type; };
+
 // Dynamic shared memory: [LUT_BYTES tables][region], region = max(2 page buffers per warp,
 // the per-warp output tiles of the final merge, which reuse it).
 __host__ __device__ constexpr int decode_region_bytes(int D, int page_bytes) {
@@ -87,6 +98,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void cp_async_wait2() { asm volatile("cp.async.wait_group 2;\n" ::); }
 __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 // Where the logit mma reads its B operand (the rotated query, fp16): v4/v5 hold the whole
@@ -228,8 +240,16 @@ __device__ __forceinline__ u32 nib_pair(u32 x, int p) {
   }
 }
 
+// The coordinate group that lane g holds as its j-th value group (j < D/64): VM = 0 (v4-v6)
+// groups g, g + 8; VM = 1 (v7) groups 2g, 2g + 1 (adjacent words: one 8-byte load per state on
+// v7's 4/4 fast path, which shares the accumulators with this path). D = 64: group g either way.
+template <int VM, int D>
+__device__ __forceinline__ int vgroup(int g, int j) {
+  return VM ? (D / 64) * g + j : g + 8 * j;
+}
+
 // Value phase for one sub-tile of 16 states from tile0: acc[mb] += V^T block mb . P'^T.
-template <int B, int PATH, int D, class R>
+template <int B, int PATH, int D, class R, int VM = 0>
 __device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile0, int count,
                                             u32 pb0, u32 pb1, const Luts& lut, int g, int t,
                                             float (&acc)[D / 16][4]) {
@@ -244,7 +264,7 @@ __device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile
     for (int k = 0; k < 4; ++k) {
       const R row = vbase.at(st[k] * vwords);
 #pragma unroll
-      for (int j = 0; j < NG; ++j) w[k][j] = st[k] < count ? row.w(g + 8 * j) : 0u;
+      for (int j = 0; j < NG; ++j) w[k][j] = st[k] < count ? row.w(vgroup<VM, D>(g, j)) : 0u;
     }
 #pragma unroll
     for (int j = 0; j < NG; ++j) {
@@ -266,8 +286,8 @@ __device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const R row = vbase.at(st[k] * vwords);
-          wl[k] = st[k] < count ? row.w(4 * (g + 8 * j) + e) : 0u;
-          wh[k] = st[k] < count ? row.w(4 * (g + 8 * j) + 2 + e) : 0u;
+          wl[k] = st[k] < count ? row.w(4 * vgroup<VM, D>(g, j) + e) : 0u;
+          wh[k] = st[k] < count ? row.w(4 * vgroup<VM, D>(g, j) + 2 + e) : 0u;
         }
 #pragma unroll
         for (int f = 0; f < 2; ++f) {
@@ -287,7 +307,7 @@ __device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile
 #pragma unroll
     for (int j = 0; j < NG; ++j) {
       if (EAGER) {
-        if (st[k] < count) v[k][j].load(row, g + 8 * j, D / 16); else v[k][j].zero();
+        if (st[k] < count) v[k][j].load(row, vgroup<VM, D>(g, j), D / 16); else v[k][j].zero();
       }
     }
   }
@@ -297,7 +317,7 @@ __device__ __forceinline__ void tile_values(const R& vbase, int vwords, int tile
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const R row = vbase.at(st[k] * vwords);
-        if (st[k] < count) v[k][j].load(row, g + 8 * j, D / 16); else v[k][j].zero();
+        if (st[k] < count) v[k][j].load(row, vgroup<VM, D>(g, j), D / 16); else v[k][j].zero();
       }
     }
 #pragma unroll
@@ -332,7 +352,7 @@ __device__ __forceinline__ void dispatch_logits(int bits, const R& kbase, int kw
 }
 
 // Values of the NSUB sub-tiles; a sub-tile past the page's last state is skipped (warp-uniform).
-template <int D, int PATH, int NSUB, class R>
+template <int D, int PATH, int NSUB, class R, int VM = 0>
 __device__ __forceinline__ void dispatch_values(int bits, const R& vbase, int vwords, int tile0,
                                                 int count, const u32 (&pb)[NSUB][2],
                                                 const Luts& lut, int g, int t,
@@ -340,7 +360,7 @@ __device__ __forceinline__ void dispatch_values(int bits, const R& vbase, int vw
 #define SKV_VALUES(BB)                                                                       \
   _Pragma("unroll") for (int u = 0; u < NSUB; ++u)                                           \
     if (u == 0 || tile0 + 16 * u < count)                                                    \
-      tile_values<BB, PATH, D, R>(vbase, vwords, tile0 + 16 * u, count, pb[u][0], pb[u][1],  \
+      tile_values<BB, PATH, D, R, VM>(vbase, vwords, tile0 + 16 * u, count, pb[u][0], pb[u][1], \
                                   lut, g, t, acc)
   switch (bits) {
     case 1: SKV_VALUES(1); break;
@@ -378,6 +398,19 @@ __device__ __forceinline__ float lds_f32(const float* p, bool vol) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(static_cast<u32>(__cvta_generic_to_shared(p))));
   return v;
+}
+
+// 2^x: exp2f (v4-v6) or one MUFU.EX2 (v7: ex2.approx.ftz; 2 ulp, -inf -> 0, results below
+// 2^-126 flushed to 0, which only drops weights < 2^-126 next to a running sum >= 1).
+template <bool FAST>
+__device__ __forceinline__ float dec_exp2(float x) {
+  if constexpr (FAST) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  } else {
+    return exp2f(x);
+  }
 }
 
 // The constants of one page's tier for lane (g, t): geometry (docs/format.md), and the
@@ -422,7 +455,7 @@ struct PageConsts {
 //     s_V * half step < 65504 / 2^DEC_LAZY_MAX (4094 at 4), far above real value norms;
 //   * q . mu_K is left out of the logits: it is the same for every state of a head (every
 //     warp and split), so the softmax and the output do not see it (only the internal lse).
-template <int D, int PATH, int NSUB, bool V6, class R, class QF>
+template <int D, int PATH, int NSUB, bool V6, bool V7 = false, class R, class QF>
 __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int count,
                                             const QF& qf, const Luts& lut,
                                             const float* kfac, const float* qmu,
@@ -487,7 +520,7 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
       const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: the tile has a state
       // Rescale the accumulators only when some head's running maximum moved (warp-uniform).
       if (__any_sync(0xffffffffu, n0 != m0 || n1 != m1)) {
-        const float al0 = exp2f(m0 - n0), al1 = exp2f(m1 - n1);
+        const float al0 = dec_exp2<V7>(m0 - n0), al1 = dec_exp2<V7>(m1 - n1);
         l0 *= al0; l1 *= al1;
         if (PATH == PATH_AFFINE) { ps0 *= al0; ps1 *= al1; }
 #pragma unroll
@@ -502,8 +535,8 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
     __half2 w[NSUB][2];
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
-      const float p0 = exp2f(z[u][0] - m0), p1 = exp2f(z[u][1] - m1);
-      const float p2 = exp2f(z[u][2] - m0), p3 = exp2f(z[u][3] - m1);
+      const float p0 = dec_exp2<V7>(z[u][0] - m0), p1 = dec_exp2<V7>(z[u][1] - m1);
+      const float p2 = dec_exp2<V7>(z[u][2] - m0), p3 = dec_exp2<V7>(z[u][3] - m1);
       l0 += p0 + p2;
       l1 += p1 + p3;
       w[u][0] = __floats2half2_rn(p0 * sv[u][0], p1 * sv[u][0]);
@@ -539,9 +572,423 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
         pb[u][1] = *reinterpret_cast<const u32*>(pt + g * TS + 16 * u + 2 * t + 8);
       }
     }
-    dispatch_values<D, PATH, NSUB>(vbits, vbase, vwords, tile0, count, pb, lut, g, t, acc);
+    dispatch_values<D, PATH, NSUB, R, V7 ? 1 : 0>(vbits, vbase, vwords, tile0, count, pb, lut, g,
+                                                  t, acc);
   }
 }
+// ------------------------------------------------------------------------------ v7 ----
+// v7 fast path: a full page of the 4/4 tier (D = 128, 4096-byte pages: P = 31 states, key
+// codes [31][64 B] at 0, value codes at 1984, key scales at 3968, value scales at 4030), i.e.
+// one 32-state step per page with one state slot (31) not stored. No predication, addresses
+// from per-lane constants, 16-byte key loads and 8-byte value loads that are conflict-free
+// because the page is staged with a swizzle (f44_slot), codes to the mma in one lop3 per
+// pair (f44_pair), the softmax in one MUFU per weight.
+//
+// Lane maps (lane = 4g + t; rows of a sub-tile u are states 16u + r):
+//   logits: lane (g, t) reads 16 bytes (words 4t..4t+3, coordinates 32t..32t+31) of the key
+//     codes of states 16u + g and 16u + g + 8. Word w = 4t + i feeds k16 chunk 2i + h:
+//     h = 0: pairs (n0, n4) at bit 0 and (n1, n5) at bit 4 of each half; h = 1: the same of
+//     w >> 8, i.e. (n2, n6) and (n3, n7). The query fragment (qfrag7) holds head g's q' of
+//     those coordinates in the same order, q' scaled by 2^-POS for a field at bit POS.
+//   values: lane (g, t) reads words 2g, 2g + 1 (groups 2g, 2g + 1 = vgroup<1>) of the value
+//     codes of states 2t, 2t + 1, 2t + 8, 2t + 9 of each sub-tile (8 bytes each); the A
+//     fragment of acc[4j + p] is coordinate 8(2g + j) + p (row g) and + 4 (row g + 8), as on
+//     the generic path with VM = 1, so both paths share the accumulators.
+// Codes to fp16 (DEC7_CONV = 0): a 4-bit field at bit POS of both halves, masked by one
+// lop3, IS the fp16 subnormal c * 2^(POS - 24) (exponent bits zero). The mma multiplies it
+// exactly (fp16 subnormals are full-precision inputs to the tensor cores; products and sums
+// are fp32, far from its subnormal range). So logit sums carry 2^-24 (undone in K1) and the
+// value accumulators carry 2^(POS - 24) per row: they live in the "F domain" while fast
+// pages are decoded and are scaled back by 2^(24 - POS) (exact) before a generic page or the
+// end (f44_domain). The offset of u = c - 7.5: logits -7.5 * sum(q~) per head (K2), values
+// -7.5 * sum(P') per head through ps (coefficient -15 of the final 0.5 * ps). DEC7_CONV = 1:
+// v6's lop3 + fma per pair (u = c - 8 exact, no domain change), kept as a fallback.
+#ifndef DEC7_CONV
+#define DEC7_CONV 0
+#endif
+#ifndef DEC7_CTAS
+#define DEC7_CTAS 4          // v7 affine kernel: <= 128 registers
+#endif
+#ifndef DEC7_LSPLIT
+#define DEC7_LSPLIT 1        // v7: two accumulators per sub-tile for the fast path's logits
+#endif
+#ifndef DEC7_STAGES
+#define DEC7_STAGES 2        // v7: page buffers per warp (pages in flight + 1); the launcher's
+#endif                       // STAGES_V7 must match (dynamic shared memory)
+
+constexpr int F44_WORDS = 1024;   // page words of the fast path (4096-byte pages)
+constexpr u32 F44_VCHUNK = 124;   // 16-byte chunk where the value codes start (1984 / 16)
+constexpr u32 F44_KSOFF = 3968, F44_VSOFF = 4030;   // scale arrays (bytes)
+
+// Slot of 16-byte chunk x of a 4/4 page in its staging buffer: the low 3 bits XOR 2*(row & 3)
+// for the 128-byte rows 0..30 (codes); row 31 (scales, padding) stays in place.
+__host__ __device__ constexpr u32 f44_slot(u32 x) {
+  return (x >> 3) >= 31u ? x : (x ^ (((x >> 3) & 3u) << 1));
+}
+
+__host__ __device__ constexpr u32 f44_code_slot(u32 x) {   // f44_slot for x < 248 (rows 0..30)
+  return x ^ (((x >> 3) & 3u) << 1);
+}
+
+template <int POS>
+__device__ __forceinline__ u32 f44_pair(u32 x) {
+#if DEC7_CONV == 0
+  return x & ((0xfu << POS) * 0x10001u);
+#else
+  return dq_pair<POS, 4>(x);
+#endif
+}
+
+__device__ __forceinline__ uint4 lds128(u32 a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint2 lds64(u32 a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ float4 lds128f(u32 a) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ float lds_half(u32 a) {
+  unsigned short h;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(h) : "r"(a));
+  return __half2float(__ushort_as_half(h));
+}
+__device__ __forceinline__ void cp_async16_sh(u32 dst, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Moves the value accumulators between the generic scale (TO_F = false) and the F domain.
+template <int D>
+__device__ __forceinline__ void f44_domain(float (&acc)[D / 16][4], bool to_f) {
+#if DEC7_CONV == 0
+  if (D != 128) return;
+  const float even = to_f ? 0x1p-24f : 0x1p24f, odd = to_f ? 0x1p-20f : 0x1p20f;
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) {
+    const float f = (i & 1) ? odd : even;   // acc[4j + p]: field at bit 4 (p & 1)
+    acc[i][0] *= f; acc[i][1] *= f; acc[i][2] *= f; acc[i][3] *= f;
+  }
+#endif
+}
+
+// Per-lane byte offsets of the fast path inside a staged 4/4 page.
+struct F44Lane {
+  u32 koff;    // key chunk t of state g (states g + 8, 16 + g, 24 + g: + 512, 1024, 1536)
+  u32 voff0;   // value words 2g, 2g + 1 of state 2t (state 2t + 8: + 512; sub-tile 1: + 1024)
+  u32 voff1;   // the same of state 2t + 1
+  u32 soff;    // key scale of state g (state g + 8j: + 16 j); value scale at + 62
+  __device__ __forceinline__ void init(int g, int t) {
+    koff = 16u * f44_code_slot(4u * g + t);
+    voff0 = 16u * f44_code_slot(F44_VCHUNK + 8u * t + (g >> 1)) + 8u * (g & 1);
+    voff1 = 16u * f44_code_slot(F44_VCHUNK + 8u * t + 4u + (g >> 1)) + 8u * (g & 1);
+    soff = F44_KSOFF + 2u * g;
+  }
+};
+
+// Copies page `src` (4096 bytes) into the staging buffer at shared address `dst` with the 4/4
+// swizzle: lane l copies chunks l + 32 i (i = 0..7); chunk l + 32 i lies in row l/8 + 4 i, so
+// its slot is (l ^ 2((l >> 3) & 3)) + 32 i, except row 31 (i = 7, l >= 24), kept in place.
+template <int OFF>
+__device__ __forceinline__ void cp_async16_off(u32 dst, const char* src) {   // both + OFF bytes
+  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" :: "r"(dst), "l"(src), "n"(OFF));
+}
+__device__ __forceinline__ void f44_stage(u32 dst, const u32* src_page, int lane) {
+  const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
+  const u32 sl = static_cast<u32>(lane) ^ ((static_cast<u32>(lane) >> 2) & 6u);
+  const u32 d = dst + 16u * sl;
+  cp_async16_off<0>(d, src);
+  cp_async16_off<512>(d, src);
+  cp_async16_off<1024>(d, src);
+  cp_async16_off<1536>(d, src);
+  cp_async16_off<2048>(d, src);
+  cp_async16_off<2560>(d, src);
+  cp_async16_off<3072>(d, src);
+  // row 31 (lanes 24..31 of the last round) is not swizzled: slot = chunk
+  cp_async16_off<3584>(lane >= 24 ? dst + 16u * lane : d, src);
+}
+
+// One full 4/4 page staged at shared address `buf` (swizzled). qf7: shared address of this
+// lane's qfrag7[0][lane] (chunk c at + 256 c); kk: shared address of K1/K2 of heads 2t, 2t+1
+// (float4 {K1[2t], K2[2t], K1[2t+1], K2[2t+1]}); hv: the value scale factor (twice the 4-bit
+// half step). acc must be in the F domain (DEC7_CONV = 0). m, l, ps as in decode_page.
+__device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g, int t,
+                                       float (&acc)[8][4], float& m0, float& m1, float& l0,
+                                       float& l1, float& ps0, float& ps1) {
+  F44Lane fl;
+  fl.init(g, t);
+  // ---- logits: s[u] = S^T of sub-tile u (rows g, g + 8; heads 2t, 2t + 1). DEC7_LSPLIT: the
+  // odd chunks go to a second accumulator (two mma chains of 4 per sub-tile instead of one of 8)
+  float s[2][4], s1[2][4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
+    s1[u][0] = s1[u][1] = s1[u][2] = s1[u][3] = 0.0f;
+  }
+  uint4 kw[2][2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    kw[u][0] = lds128(buf + fl.koff + 1024u * u);
+    kw[u][1] = lds128(buf + fl.koff + 1024u * u + 512u);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint2 b = lds64(qf7 + 256u * (2 * i + h));
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        u32 x0 = word_of(kw[u][0], i), x1 = word_of(kw[u][1], i);
+        if (h) { x0 >>= 8; x1 >>= 8; }
+        mma_16816((DEC7_LSPLIT && h) ? s1[u] : s[u], f44_pair<0>(x0), f44_pair<0>(x1),
+                  f44_pair<4>(x0), f44_pair<4>(x1), b.x, b.y);
+      }
+    }
+  }
+  if (DEC7_LSPLIT) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[u][k] += s1[u][k];
+    }
+  }
+  // ---- softmax. Scales of states g + 8j (j = 2u + r: row r of sub-tile u).
+  float sk[4], svh[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    sk[j] = lds_half(buf + fl.soff + 16u * j);
+    svh[j] = lds_half(buf + fl.soff + (F44_VSOFF - F44_KSOFF) + 16u * j) * hv;
+  }
+  const bool last = g == 7;   // row g + 8 of sub-tile 1 is slot 31: not a state
+  if (last) svh[3] = 0.0f;    // (its "scale" is padding: any bits)
+  const float4 K = lds128f(kk);   // z = (s K1 + K2) sk: the logit in log2 units
+  float e[2][4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float k1 = (k & 1) ? K.z : K.x, k2 = (k & 1) ? K.w : K.y;
+      e[u][k] = fmaf(fmaf(s[u][k], k1, k2), sk[2 * u + (k >> 1)], -((k & 1) ? m1 : m0));
+    }
+  }
+  if (last) e[1][2] = e[1][3] = -SKV_INF;
+  float x0 = fmaxf(fmaxf(e[0][0], e[0][2]), fmaxf(e[1][0], e[1][2]));
+  float x1 = fmaxf(fmaxf(e[0][1], e[0][3]), fmaxf(e[1][1], e[1][3]));
+  if (__any_sync(0xffffffffu, x0 > DEC_LAZY_MAX || x1 > DEC_LAZY_MAX)) {
+    // lazy maximum moves (rare after the first pages): as in decode_page, from the absolute
+    // logits (m may be -inf)
+    float z[2][4];
+    x0 = x1 = -SKV_INF;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float k1 = (k & 1) ? K.z : K.x, k2 = (k & 1) ? K.w : K.y;
+        z[u][k] = fmaf(s[u][k], k1, k2) * sk[2 * u + (k >> 1)];
+      }
+    }
+    if (last) z[1][2] = z[1][3] = -SKV_INF;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      x0 = fmaxf(x0, fmaxf(z[u][0], z[u][2]));
+      x1 = fmaxf(x1, fmaxf(z[u][1], z[u][3]));
+    }
+#pragma unroll
+    for (int m = 4; m <= 16; m <<= 1) {
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, m));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, m));
+    }
+    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);   // finite: the page has states
+    const float al0 = dec_exp2<true>(m0 - n0), al1 = dec_exp2<true>(m1 - n1);
+    l0 *= al0; l1 *= al1; ps0 *= al0; ps1 *= al1;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1;
+    }
+    m0 = n0; m1 = n1;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) e[u][k] = z[u][k] - ((k & 1) ? m1 : m0);
+    }
+  }
+  u32 pb[2][2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    float p[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) p[k] = dec_exp2<true>(e[u][k]);
+    l0 += p[0] + p[2];
+    l1 += p[1] + p[3];
+    const __half2 w0 = __floats2half2_rn(p[0] * svh[2 * u], p[1] * svh[2 * u]);
+    const __half2 w1 = __floats2half2_rn(p[2] * svh[2 * u + 1], p[3] * svh[2 * u + 1]);
+    // sum of the fp16 P' exactly as the mma sees them: the code offset (7.5 on the F path,
+    // -0.5 on v6's u = c - 8) times it is taken off once at the end (decode_cta: + 0.5 ps)
+    const float2 f0 = __half22float2(w0), f1 = __half22float2(w1);
+    constexpr float coef = DEC7_CONV == 0 ? -15.0f : 1.0f;
+    ps0 = fmaf(f0.x + f1.x, coef, ps0);
+    ps1 = fmaf(f0.y + f1.y, coef, ps1);
+    pb[u][0] = transpose8x8(h2_as_u32(w0));
+    pb[u][1] = transpose8x8(h2_as_u32(w1));
+  }
+  // ---- values: acc[4j + p] += V^T(coordinates 8(2g + j) + p, + 4) . P'^T
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const uint2 v0 = lds64(buf + fl.voff0 + 1024u * u);          // state 16u + 2t
+    const uint2 v1 = lds64(buf + fl.voff1 + 1024u * u);          // 16u + 2t + 1
+    const uint2 v2 = lds64(buf + fl.voff0 + 1024u * u + 512u);   // 16u + 2t + 8
+    const uint2 v3 = lds64(buf + fl.voff1 + 1024u * u + 512u);   // 16u + 2t + 9
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const u32 w0 = j ? v0.y : v0.x, w1 = j ? v1.y : v1.x;
+      const u32 w2 = j ? v2.y : v2.x, w3 = j ? v3.y : v3.x;
+      u32 lo01 = __byte_perm(w0, w1, 0x5410u), hi01 = __byte_perm(w0, w1, 0x7632u);
+      u32 lo23 = __byte_perm(w2, w3, 0x5410u), hi23 = __byte_perm(w2, w3, 0x7632u);
+      mma_16816(acc[4 * j + 0], f44_pair<0>(lo01), f44_pair<0>(hi01), f44_pair<0>(lo23),
+                f44_pair<0>(hi23), pb[u][0], pb[u][1]);
+      mma_16816(acc[4 * j + 1], f44_pair<4>(lo01), f44_pair<4>(hi01), f44_pair<4>(lo23),
+                f44_pair<4>(hi23), pb[u][0], pb[u][1]);
+      lo01 >>= 8; hi01 >>= 8; lo23 >>= 8; hi23 >>= 8;
+      mma_16816(acc[4 * j + 2], f44_pair<0>(lo01), f44_pair<0>(hi01), f44_pair<0>(lo23),
+                f44_pair<0>(hi23), pb[u][0], pb[u][1]);
+      mma_16816(acc[4 * j + 3], f44_pair<4>(lo01), f44_pair<4>(hi01), f44_pair<4>(lo23),
+                f44_pair<4>(hi23), pb[u][0], pb[u][1]);
+    }
+  }
+}
+
+// v7 page loop of one warp: pages pi0, pi0 + 4, ... of the CTA's range (end re-read from
+// shared memory at `prange` + 4, start of the row's list at `prange`, as on v6). Page headers
+// come in blocks of 32: lane l loads page id, tier, count and kind of the warp's page 32b + l
+// (all lanes at once, one dependent chain per 32 pages instead of one per page) and a page's
+// header is two shuffles. Each page is one of three kinds: 2 = full 4/4 page (F44 only),
+// staged with the 4/4 swizzle and decoded by page44; 1 = other full page, staged plainly,
+// decode_page on shared memory; 0 = partial page, read in place (decode_page on global memory,
+// no byte past its states). The next page streams into the other buffer while this one is
+// decoded. The accumulators stay in the F domain while fast pages follow each other and change
+// domain (32 exact multiplies) only between kinds.
+template <int D, int PATH, int NSUB, bool F44, class SM, class QF>
+__device__ __forceinline__ void decode_pages7(
+    const u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
+    const int* __restrict__ page_count, const int* __restrict__ indices,
+    const int* __restrict__ geom, int pi0, u32 prange, u32* bufs, SM& sm, const QF& qsrc,
+    const Luts& lut, __half* pt, int lane, float (&acc)[D / 16][4], float& m0, float& m1,
+    float& l0, float& l1, float& ps0, float& ps1) {
+  const int g = lane >> 2, t = lane & 3;
+  const bool f44ok = F44 && page_words == F44_WORDS;
+  const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
+  u32 hp = 0, hc = 0;   // this lane's header of the current block: page id; count | tier << 16 | kind << 28
+  auto refill = [&](int first) {   // the block of the warp's pages first, first + 4, ...
+    const int idx = first + DEC_WARPS * lane;
+    hp = 0; hc = 0;
+    if (idx < lds_s32(prange + 4)) {
+      const int page = indices[lds_s32(prange) + idx];
+      const int tier = page_tier[page], count = page_count[page];
+      const int4 gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
+      const int kind = count != gq.z ? 0 : (f44ok && gq.x == 4 && gq.y == 4) ? 2 : 1;
+      hp = static_cast<u32>(page);
+      hc = static_cast<u32>(count) | (static_cast<u32>(tier) << 16) | (static_cast<u32>(kind) << 28);
+    }
+  };
+  auto header = [&](int jb, int& page, int& tier, int& count, int& kind) {   // jb-th of the block
+    page = static_cast<int>(__shfl_sync(0xffffffffu, hp, jb));
+    const u32 c = __shfl_sync(0xffffffffu, hc, jb);
+    count = static_cast<int>(c & 0xffffu);
+    tier = static_cast<int>((c >> 16) & 0xfffu);
+    kind = static_cast<int>(c >> 28);
+  };
+  auto stage = [&](int page, int kind, int which) {
+    const u32* src = pages + (size_t)page * page_words;
+    const u32 dst = bufs_sh + 4u * which * page_words;
+    if (kind == 2) {
+      f44_stage(dst, src, lane);
+    } else if (kind == 1) {
+      for (int c = lane; c < page_words / 4; c += 32)
+        cp_async16_sh(dst + 16u * c, reinterpret_cast<const char*>(src) + 16 * c);
+    }
+  };
+  constexpr int NST = DEC7_STAGES;   // page buffers; pages pi + 4, ..., pi + 4 (NST - 1) in flight
+  static_assert(NST == 2 || NST == 3, "DEC7_STAGES: 2 or 3");
+  bool fdom = true;   // the accumulators (all zero) are valid in either domain
+  int cur_page = 0, cur_tier = 0, cur_count = 0, cur_kind = 0;
+  int mid_page = 0, mid_tier = 0, mid_count = 0, mid_kind = 0;   // NST = 3: page pi + 4
+  int pi = pi0, jb = 0;   // jb: place in its header block of the last page staged
+  if (pi < lds_s32(prange + 4)) {
+    refill(pi);
+    header(0, cur_page, cur_tier, cur_count, cur_kind);
+    stage(cur_page, cur_kind, 0);
+  }
+  cp_async_commit();
+  if constexpr (NST == 3) {
+    jb = 1;
+    if (pi + DEC_WARPS < lds_s32(prange + 4)) {
+      header(1, mid_page, mid_tier, mid_count, mid_kind);
+      stage(mid_page, mid_kind, 1);
+    }
+    cp_async_commit();
+  }
+  int buf = 0;
+  for (; pi < lds_s32(prange + 4); pi += DEC_WARPS) {
+    jb = (jb + 1) & 31;   // ... of page pi + 4 (NST - 1), staged now
+    int nxt_page = 0, nxt_tier = 0, nxt_count = 0, nxt_kind = 0;
+    const int npi = pi + DEC_WARPS * (NST - 1);
+    if (npi < lds_s32(prange + 4)) {
+      if (jb == 0) refill(npi);
+      header(jb, nxt_page, nxt_tier, nxt_count, nxt_kind);
+      stage(nxt_page, nxt_kind, NST == 2 ? buf ^ 1 : (buf == 0 ? 2 : buf - 1));
+    }
+    cp_async_commit();
+    if constexpr (NST == 2) cp_async_wait1(); else cp_async_wait2();   // this lane's copies of
+    __syncwarp();       // the current page are done, ... and every other lane's
+    const u32 bsh = bufs_sh + 4u * buf * page_words;
+    if (F44 && cur_kind == 2) {
+      if constexpr (F44) {
+        if (!fdom) { f44_domain<D>(acc, true); fdom = true; }
+        page44(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag7[0][lane])),
+               static_cast<u32>(__cvta_generic_to_shared(&sm.k12[2 * t][0])),
+               lds_f32(sm.hstep + level_row(4), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
+      }
+    } else {
+      if (fdom) { f44_domain<D>(acc, false); fdom = false; }
+      const int* gm = geom + cur_tier * SKV_GEOM_STRIDE;
+      if (cur_kind == 1) {
+        SharedRow r;
+        r.a = bsh;
+        decode_page<D, PATH, NSUB, true, true>(r, gm, cur_count, qsrc, lut, sm.kfac, sm.qmu,
+                                               sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1, l0,
+                                               l1, ps0, ps1);
+      } else {
+        GlobalRow r;
+        r.p = pages + (size_t)cur_page * page_words;
+        decode_page<D, PATH, NSUB, true, true>(r, gm, cur_count, qsrc, lut, sm.kfac, sm.qmu,
+                                               sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1, l0,
+                                               l1, ps0, ps1);
+      }
+    }
+    __syncwarp();   // every lane is done with this buffer before it is refilled
+    if constexpr (NST == 2) {
+      buf ^= 1;
+      cur_page = nxt_page; cur_tier = nxt_tier; cur_count = nxt_count; cur_kind = nxt_kind;
+    } else {
+      buf = buf == 2 ? 0 : buf + 1;
+      cur_page = mid_page; cur_tier = mid_tier; cur_count = mid_count; cur_kind = mid_kind;
+      mid_page = nxt_page; mid_tier = nxt_tier; mid_count = nxt_count; mid_kind = nxt_kind;
+    }
+  }
+  cp_async_wait0();
+  if (fdom) f44_domain<D>(acc, false);
+}
+
 #define SKV_DECODE_PARAMS                                                                   \
   const float* __restrict__ q, long long q_sb, long long q_sh, const u32* __restrict__ pages,     \
       int page_words, const int* __restrict__ page_tier, const int* __restrict__ page_count,    \
@@ -559,11 +1006,14 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
 // The body of the decode kernels. PATH_TABLE: any codebook (`levels` is the (5, 256) float32
 // level table). PATH_AFFINE(_V4): uniform codebook (`levels` holds the 5 half steps hs_b of
 // b = 1, 2, 3, 4, 8 bits; no tables in shared memory). NSUB: 16-state sub-tiles per softmax
-// step (v4: 1, v5 and v6: 2). V6: see decode_page.
-template <int D, int PATH, int NSUB, bool V6>
+// step (v4: 1, v5 and v6: 2). V6: see decode_page. V7 (with V6, affine path): full 4/4 pages on
+// the fast path (page44), the rest on decode_page with the v7 value map; see the page loop.
+template <int D, int PATH, int NSUB, bool V6, bool V7 = false>
 __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   constexpr bool UNI = PATH != PATH_TABLE;
-  __shared__ DecodeSmem<D> sm;
+  static_assert(!V7 || (V6 && PATH == PATH_AFFINE), "v7 is the affine path on top of v6");
+  constexpr bool F44 = V7 && D == 128;   // the 4/4 fast path exists for D = 128
+  __shared__ typename SmemOf<D, V7>::type sm;
   extern __shared__ __align__(16) unsigned char dyn[];
   float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
   const int split = blockIdx.x, row = blockIdx.y;
@@ -646,6 +1096,35 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) sm.qfrag[i][lane] = make_uint2(qf[i][0], qf[i][1]);
   }
+  if constexpr (F44) {
+    // v7 fast path: chunk c = 2i + h of lane (g, t) holds head g's coordinates 8w + 2h, + 4
+    // (b0) and 8w + 2h + 1, + 5 (b1) of word w = 4t + i, the latter (fields at bit 4) scaled
+    // by 2^-4 on DEC7_CONV = 0 (exact: a power of two; below 2^-10 the fp16 subnormal rounds
+    // by at most 2^-25 absolute). K1/K2 fold the scales and the code offset (page44).
+    if (warp == 0) {
+      const float inv = sm.qfac[g] > 0.0f ? 1.0f / (sm.qfac[g] * (float)D) : 0.0f;
+      constexpr float s4 = DEC7_CONV == 0 ? 0.0625f : 1.0f;
+      float asum = 0.0f;   // sum of head g's q' as the mma sees them (times 2^POS)
+#pragma unroll
+      for (int c = 0; c < D / 16; ++c) {
+        const float* src = qs + g * D + 8 * (4 * t + (c >> 1)) + 2 * (c & 1);
+        const __half2 b0 = __floats2half2_rn(src[0] * inv, src[4] * inv);
+        const __half2 a1 = __floats2half2_rn(src[1] * inv, src[5] * inv);
+        const float2 f1 = __half22float2(a1);
+        const __half2 b1 = __floats2half2_rn(f1.x * s4, f1.y * s4);
+        const float2 f0 = __half22float2(b0), g1 = __half22float2(b1);
+        asum += (f0.x + f0.y) + (g1.x + g1.y) * (1.0f / s4);
+        sm.qfrag7[c][lane] = make_uint2(h2_as_u32(b0), h2_as_u32(b1));
+      }
+      asum += __shfl_xor_sync(0xffffffffu, asum, 1);
+      asum += __shfl_xor_sync(0xffffffffu, asum, 2);
+      if (t == 0) {
+        const float kf = sm.kfac[g] * sm.hstep[level_row(4)];   // 2 hs_4 on PATH_AFFINE
+        sm.k12[g][0] = DEC7_CONV == 0 ? kf * 0x1p24f : kf;
+        sm.k12[g][1] = kf * (DEC7_CONV == 0 ? -7.5f : 0.5f) * asum;
+      }
+    }
+  }
   QShared qsh;
   qsh.a = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane]));
   const auto& qsrc = QSource<V6>::of(qsh, qr);
@@ -665,7 +1144,12 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   float m0 = -SKV_INF, m1 = -SKV_INF, l0 = 0.0f, l1 = 0.0f, ps0 = 0.0f, ps1 = 0.0f;
 
   __half* pt = &sm.ptile[warp][0][0];
-  u32* bufs = reinterpret_cast<u32*>(region) + (size_t)warp * 2 * page_words;
+  u32* bufs = reinterpret_cast<u32*>(region) + (size_t)warp * (V7 ? DEC7_STAGES : 2) * page_words;
+  if constexpr (V7) {
+    decode_pages7<D, PATH, NSUB, F44>(pages, page_words, page_tier, page_count, indices, geom,
+                                      pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc,
+                                      m0, m1, l0, l1, ps0, ps1);
+  } else {
   // Page header of the warp's first page; a full page starts streaming at once.
   int pi = pbeg + warp;
   int cur_page = 0, cur_tier = 0, cur_count = 0;
@@ -721,6 +1205,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     cur_page = nxt_page; cur_tier = nxt_tier; cur_count = nxt_count; cur_full = nxt_full;
   }
   cp_async_wait0();
+  }
 
   // ---- merge the warps: l over the 8 lanes sharing t; then (m, l, O) through shared memory
 #pragma unroll
@@ -751,7 +1236,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   for (int j = 0; j < D / 64; ++j) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      const int c = 8 * (g + 8 * j) + (UNI ? p : 2 * p), c2 = c + (UNI ? 4 : 1);
+      const int c = 8 * vgroup<V7 ? 1 : 0, D>(g, j) + (UNI ? p : 2 * p), c2 = c + (UNI ? 4 : 1);
       float* o = obuf + (size_t)warp * DEC_HEADS * D;
       o[h0 * D + c] = acc[4 * j + p][0];
       o[h1 * D + c] = acc[4 * j + p][1];
@@ -842,6 +1327,18 @@ ada_decode_uniform_v6_kernel(SKV_DECODE_PARAMS) {
   decode_cta<D, PATH_AFFINE, DEC_UNI6_SUB, true>(SKV_DECODE_ARGS);
 }
 
+// v7 (affine path only): full 4/4 pages on the fast path (page44: no predication, swizzled
+// staging, conflict-free 16- and 8-byte code loads, one lop3 per code pair, one MUFU per
+// weight), every other page on v6's decode_page with the v7 value map and MUFU exp2.
+#ifndef DEC7_SUB
+#define DEC7_SUB 2              // 16-state sub-tiles per softmax step of the generic pages
+#endif
+template <int D>
+__global__ void __launch_bounds__(DEC_WARPS * 32, DEC7_CTAS)
+ada_decode_uniform_v7_kernel(SKV_DECODE_PARAMS) {
+  decode_cta<D, PATH_AFFINE, DEC7_SUB, true, true>(SKV_DECODE_ARGS);
+}
+
 // Split-K merge: one CTA per row, D threads; o = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M),
 // then Pi_V^T and mu_V as in the single-split path.
 template <int D>
@@ -869,6 +1366,58 @@ ada_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ par
   }
   finish_heads<D>(buf, G, sigma_v + (size_t)kvh * D, mean_v ? mean_v + (size_t)row * D : nullptr,
                   out + (long long)row * G * D, D);
+}
+
+// v7 split-K merge: one CTA per (head, row), 4 x D threads: the split weights w_s = 2^(lse_s - M)
+// in shared memory (warp 0), each quarter of the CTA sums a quarter of the splits (independent
+// loads, coalesced over the D coordinates), then Pi_V^T and mu_V of the one head. The v4-v6 merge
+// (one CTA per row, D threads, splits in sequence) is latency-bound when there are many splits
+// per row (1 x 128K: 66-132). num_splits <= MERGE7_MAX_SPLITS (the launcher checks).
+constexpr int MERGE7_MAX_SPLITS = 256;
+template <int D>
+__global__ void __launch_bounds__(4 * D)
+ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                    int num_splits, int rows, int num_kv_heads, int G,
+                    const float* __restrict__ sigma_v, const float* __restrict__ mean_v,
+                    float* __restrict__ out) {
+  __shared__ float wsh[MERGE7_MAX_SPLITS];
+  __shared__ float red[4][D];
+  __shared__ float buf[D];
+  __shared__ float wsum;
+  const int gg = blockIdx.x, row = blockIdx.y, kvh = row % num_kv_heads;
+  const int tid = threadIdx.x, j = tid % D, part = tid / D;
+  const size_t hstride = (size_t)rows * G, base = (size_t)row * G + gg;   // in heads
+  if (tid < 32) {
+    float M = -SKV_INF;
+    for (int s = tid; s < num_splits; s += 32) {
+      const float v = part_lse[s * hstride + base];
+      wsh[s] = v;
+      M = fmaxf(M, v);
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, m));
+    float W = 0.0f;
+    for (int s = tid; s < num_splits; s += 32) {
+      const float w = M == -SKV_INF ? 0.0f : exp2f(wsh[s] - M);
+      wsh[s] = w;
+      W += w;
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) W += __shfl_xor_sync(0xffffffffu, W, m);
+    if (tid == 0) wsum = W;
+  }
+  __syncthreads();
+  float o = 0.0f;
+#pragma unroll 4
+  for (int s = part; s < num_splits; s += 4) o += wsh[s] * part_o[(s * hstride + base) * D + j];
+  red[part][j] = o;
+  __syncthreads();
+  if (part == 0) {
+    const float O = (red[0][j] + red[1][j]) + (red[2][j] + red[3][j]);
+    buf[j] = wsum > 0.0f ? O / wsum : 0.0f;
+  }
+  finish_heads<D>(buf, 1, sigma_v + (size_t)kvh * D, mean_v ? mean_v + (size_t)row * D : nullptr,
+                  out + ((long long)row * G + gg) * D, D);
 }
 
 }  // namespace skv
