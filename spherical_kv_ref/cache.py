@@ -493,6 +493,27 @@ class SphericalKVCache:
             return 1.0
         return max(1.0, coherent / independent)
 
+    def demote_all(self, seq, tier: int) -> None:
+        """Fixed-rate compression without RDR: every unprotected state of a sequence above
+        ``tier`` (1..top) is re-encoded at ``tier``; none is evicted, states at or below it
+        stay. Tokens appended later still enter at the top tier. The pool is checked before
+        anything changes (ValueError, nothing moved, if the new pages do not fit)."""
+        s = self._seq(seq)
+        tier = _whole("tier", tier, 1, self.ladder.top + 1)
+        sid = int(seq)
+        items = []
+        for layer in range(self.num_layers):
+            for h in range(self.num_kv_heads):
+                key = (sid, layer, h)
+                st = self.paged.states(key)
+                if len(st) == 0:
+                    continue
+                keep = self.protected_mask(sid, layer, st.pos)
+                new = np.where(keep, st.tier, np.minimum(st.tier, tier))
+                items.append((key, new, self._codec_for(layer, h)))
+        self.paged.retier(items)
+        s.since_compress = 0
+
     def compress(self, seq, budget_bytes, method: Optional[str] = None) -> CompressReport:
         """RDR over every layer and kv-head of a sequence, applied (DESIGN §5, §7).
 

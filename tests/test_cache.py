@@ -143,6 +143,38 @@ def test_compress_respects_budget_protection_and_never_promotes():
         cache.paged.check_invariants()
 
 
+def test_demote_all_puts_every_unprotected_state_at_one_tier():
+    rng = np.random.default_rng(5)
+    cache = make_cache(L=2, H=2)
+    seq = cache.new_sequence()
+    k, v = fill(cache, seq, 60, rng)
+    cache.protect(seq, 10, 12)
+    full, n = cache.bytes_in_use(seq), cache.num_states(seq)
+    snap = cache_snapshot(cache)
+    for bad in (0, LADDER.top + 1, 2.0):
+        with pytest.raises(ValueError, match="tier must be"):
+            cache.demote_all(seq, bad)
+    assert_cache_same(snap, cache_snapshot(cache))
+    cache.demote_all(seq, 3)
+    assert cache.num_states(seq) == n and cache.bytes_in_use(seq) < full
+    for key in cache.paged.rows:
+        stt = cache.paged.states(key)
+        prot = cache.protected_mask(seq, key[1], stt.pos)
+        assert np.all(stt.tier[prot] == LADDER.top) and np.all(stt.tier[~prot] == 3)
+    cache.demote_all(seq, 1)               # lower again: a second demotion
+    cache.demote_all(seq, 4)               # higher: nothing regains bits
+    tiers = np.concatenate([cache.paged.states(key).tier for key in cache.paged.rows])
+    assert set(tiers) == {1, LADDER.top}
+    cache.paged.check_invariants()
+    # decode still agrees with the flat reference over what is stored, and new tokens enter on top
+    q = rng.standard_normal((cache.num_q_heads, D))
+    np.testing.assert_allclose(cache.decode(seq, 0, q, record=False), cache.reference_decode(seq, 0, q),
+                               rtol=1e-9, atol=1e-9)
+    fill(cache, seq, 1, rng)
+    last = cache.paged.states((seq, 0, 0))
+    assert last.tier[np.argmax(last.pos)] == LADDER.top
+
+
 def test_protected_states_over_budget_is_a_clear_error():
     rng = np.random.default_rng(4)
     cache = make_cache(L=1, H=1)

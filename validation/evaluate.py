@@ -119,13 +119,16 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=()):
                                 [l.keep for l in c.layers], nq, c.nbytes), c.nbytes
         methods.append(Method(m.name, family, m.budget, build))
     for bits in (4, 3, 2):
-        ladder = TierLadder([(bits, bits)])
+        ladder = TierLadder([(bits, bits), (16, 16)])
 
         def build(pre, ladder=ladder, protect=()):
-            # one tier, everything kept at it: no RDR, no protection, so no centring
-            # (centring only pays with sinks protected, DESIGN §3 step 0)
-            return _spherical_store(pre, cfg, ladder, None, centre=False,
-                                    policy=CompressPolicy(sinks=0, recent=0, window=OBSERVE))
+            # the whole context at one tier: no RDR, no protection, so no centring (centring
+            # only pays with sinks protected, DESIGN §3 step 0); new tokens enter at the fp16
+            # top tier, as in every other method
+            store, _ = _spherical_store(pre, cfg, ladder, None, centre=False,
+                                        policy=CompressPolicy(sinks=0, recent=0, window=OBSERVE))
+            store.kv.demote_all(store.seq, 1)
+            return store, store.nbytes()
         methods.append(Method(f"skv-fixed-{bits}/{bits}", "skv-fixed", None, build))
     for b in sorted(set(budgets) | set(rdr_extra), reverse=True):
         def build(pre, b=b, protect=()):
