@@ -51,9 +51,9 @@ for stage in "$@"; do
         --reps ${VARIANTS_REPS:-20} --cases ${VARIANTS_CASES:-all} 2>&1 | tee "$OUT/variants.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
     bench-encode)
-      # encode only, v2 and v1 in the same process (ENCODE_SHAPES, ENCODE_TIERS, RUN_NOTE)
+      # encode only, v3 and v2 in the same process (ENCODE_VERSIONS) (ENCODE_SHAPES, ENCODE_TIERS, RUN_NOTE)
       timeout ${ENCODE_LIMIT:-240} python3 validation/decode_bench.py --encode-only \
-        --out "$OUT/encode_bench.json" --reps ${ENCODE_REPS:-10} --encode-versions 2,1 \
+        --out "$OUT/encode_bench.json" --reps ${ENCODE_REPS:-10} --encode-versions ${ENCODE_VERSIONS:-3,2} \
         --shapes ${ENCODE_SHAPES:-all} --tiers ${ENCODE_TIERS:-4/4,3/3,2/2,rdr-mix} \
         --run-note "${RUN_NOTE:-}" 2>&1 | tee "$OUT/bench_encode.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
