@@ -23,8 +23,9 @@ CTAS_PER_SM_UNIFORM = 3   # v5 affine kernel: <= 168 registers (DEC_UNI5_CTAS), 
 CTAS_PER_SM_UNIFORM_V4 = 4   # v4 affine kernel: <= 128 registers (DEC_UNI_CTAS)
 CTAS_PER_SM_UNIFORM_V6 = 4   # v6 affine kernel: <= 128 registers (DEC_UNI6_CTAS)
 CTAS_PER_SM_UNIFORM_V7 = 4   # v7 affine kernel: <= 128 registers, no spills (DEC7_CTAS)
-VERSIONS = (4, 5, 6, 7)   # kernel generations (docs/PERF_NOTES.md); v7 changes only the affine
-# path (on the table path version 7 runs the v6 table kernel)
+CTAS_PER_SM_UNIFORM_V8 = 4   # v8 affine kernel: <= 128 registers (DEC8_CTAS)
+VERSIONS = (4, 5, 6, 7, 8)   # kernel generations (docs/PERF_NOTES.md); v7 and v8 change only the
+# affine path (on the table path versions 7 and 8 run the v6 table kernel)
 # v7's split count: CTAs = floor(WAVES_V7 * resident CTAs / rows) * rows, i.e. the grid fills
 # whole waves instead of spilling a few CTAs into an extra one (v6: ceil, 2.06 waves at 8 x 32K).
 # One wave measured fastest (device run 1: 8 x 32K 4/4 121.7 us vs 131.6 at two waves, 1 x 128K
@@ -35,6 +36,8 @@ WAVES_V7 = 1
 MERGE_V7 = True
 MERGE7_MAX_SPLITS = 256   # csrc MERGE7_MAX_SPLITS
 STAGES_V7 = 2   # page buffers per warp of the v7 affine kernel (csrc DEC7_STAGES)
+STAGES_V8 = 3   # v8: page i + 1 in flight, page i (logits) and page i - 1 (values) staged
+# (csrc DEC8_STAGES)
 # Each path defaults to its fastest generation measured on one H200 (docs/PERF_NOTES.md): the
 # affine path v7 (v7 run: faster than v6 on the 16 shape x tier rows, see PERF_NOTES); the table
 # path v4 (v6 is 5-13 % faster at 4/4 and 2/2 but 3-21 % slower at 3/3 and on the RDR mix, and
@@ -62,7 +65,7 @@ def ctas_per_sm(tables: KernelTables, version: int | None = None) -> int:
     if not uses_affine_path(tables):
         return CTAS_PER_SM
     return {4: CTAS_PER_SM_UNIFORM_V4, 5: CTAS_PER_SM_UNIFORM, 6: CTAS_PER_SM_UNIFORM_V6,
-            7: CTAS_PER_SM_UNIFORM_V7}[version]
+            7: CTAS_PER_SM_UNIFORM_V7, 8: CTAS_PER_SM_UNIFORM_V8}[version]
 
 
 def splits_for(tables: KernelTables, version: int | None, rows: int, total_pages: int) -> int:
@@ -186,7 +189,8 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     6 (P' transposed in registers, a lazy running maximum, the query fragment re-read from
     shared memory; 4 CTAs per SM on the affine path), 7 (affine path: full 4/4 pages on a fast
     path with one lop3 per code pair and no predication, the rest as v6; splits that fill
-    whole waves; on the table path 7 runs v6) or None (``default_version``: the fastest
+    whole waves; on the table path 7 runs v6), 8 (v7 with the fast path pipelined across
+    pages: page i's logits next to page i - 1's values; on the table path v6) or None (``default_version``: the fastest
     measured per path). Returns a CuPy array (a torch tensor if q is one)."""
     version = default_version(tables) if version is None else version
     _check_version(version)
@@ -281,12 +285,12 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     po = workspace.part_o if splits > 1 else null
     pl = workspace.part_lse if splits > 1 else null
     name = "ada_decode_uniform_kernel" if uniform else "ada_decode_kernel"
-    kversion = 6 if (version == 7 and not uniform) else version   # v7: affine path only
+    kversion = 6 if (version >= 7 and not uniform) else version   # v7, v8: affine path only
     if kversion != 5:
         name = name.replace("_kernel", f"_v{kversion}_kernel")
     kern = kernel(name, d)
-    smem = decode_smem_bytes(d, tables.page_bytes, uniform,
-                             STAGES_V7 if (uniform and version == 7) else 2)
+    stages = {7: STAGES_V7, 8: STAGES_V8}.get(version, 2) if uniform else 2
+    smem = decode_smem_bytes(d, tables.page_bytes, uniform, stages)
     levels = dev["half_steps"] if uniform else dev["levels32"]
     if smem > 227 * 1024:
         raise ValueError(f"page_bytes={tables.page_bytes} needs {smem} bytes of shared memory "
@@ -301,7 +305,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     if splits > 1:
         margs = (workspace.part_o, workspace.part_lse, np.int32(splits), np.int32(rows),
                  np.int32(hkv), np.int32(group), sv, mv, out)
-        if version == 7 and MERGE_V7 and splits <= MERGE7_MAX_SPLITS:
+        if version >= 7 and MERGE_V7 and splits <= MERGE7_MAX_SPLITS:
             kernel("ada_merge_v7_kernel", d)((group, rows), (4 * d,), margs)
         else:
             kernel("ada_merge_kernel", d)((rows,), (d,), margs)

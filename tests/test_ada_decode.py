@@ -47,7 +47,7 @@ def decode_shapes(draw):
 
 @settings(max_examples=40, deadline=None)
 @given(shape=decode_shapes(), splits=st.sampled_from([None, 1, 2, 5]),
-       version=st.sampled_from([7, 6, 5, 4]))
+       version=st.sampled_from([8, 7, 6, 5, 4]))
 def test_matches_reference(shape, splits, version):
     from cupy_kernels.cases import build_case, run_case
     case = build_case(**shape)
@@ -63,7 +63,7 @@ def test_long_rows_split_k_and_softmax_scale(codebook):
     _check(case, run_case(case))
 
 
-@pytest.mark.parametrize("version", [7, 6, 5, 4])
+@pytest.mark.parametrize("version", [8, 7, 6, 5, 4])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_uniform_every_bit_width(dim, version):
     """The affine path at every bit width (1, 2, 3, 4, 8 and the fp16 top tier), one tier per
@@ -76,7 +76,7 @@ def test_uniform_every_bit_width(dim, version):
         _check(case, run_case(case, num_splits=3, version=version))
 
 
-@pytest.mark.parametrize("version", [7, 6, 5])
+@pytest.mark.parametrize("version", [8, 7, 6, 5])
 @pytest.mark.parametrize("codebook", ["lloyd-max", "uniform"])
 def test_versions_agree_with_v4(codebook, version):
     """v5 (32-state softmax steps; on the affine path u = c - 2^(B-1) plus the per-head
@@ -102,26 +102,28 @@ def test_peaked_softmax_lazy_maximum(codebook):
     from cupy_kernels.cases import build_case, run_case
     case = build_case(1, 2, 8, 128, [2500, 900], WIDE_LADDER, [2, 3, 4, 5, 6], seed=41,
                       centred=True, codebook=codebook)
-    for version in (7, 6, 5, 4):
+    for version in (8, 7, 6, 5, 4):
         for splits in (1, 3):
             _check(case, run_case(case, num_splits=splits, softmax_scale=4.0, version=version),
                    softmax_scale=4.0)
 
 
+@pytest.mark.parametrize("version", [7, 8])
 @pytest.mark.parametrize("softmax_scale", [None, 4.0])
-def test_v7_fast_path_and_domain_changes(softmax_scale):
+def test_v7_fast_path_and_domain_changes(softmax_scale, version):
     """v7 decodes full 4/4 pages on its fast path (codes as fp16 subnormals, accumulators in
     the "F domain") and every other page as v6 does; pages of 4/4, 2/2, 3/3, 8/8 and the fp16
     tier interleave in each row (many chunks, shuffled page order), so the accumulators change
     domain many times, next to long pure-4/4 rows (one split and several). Against the
-    reference and against v6 (same codes, other fp16 roundings)."""
+    reference and against v6 (same codes, other fp16 roundings). v8: the same with each fast
+    page's values one page late (flushed before every other page kind and at the end)."""
     from cupy_kernels.cases import build_case, run_case
     case = build_case(2, 2, 8, 128, [1300, 640, 31, 2000], WIDE_LADDER, [2, 3, 4, 5, 6],
                       seed=57, centred=True, codebook="uniform", chunks_per_row=12)
     pure = build_case(1, 2, 4, 128, [3100, 62], WIDE_LADDER, [4], seed=58, codebook="uniform")
     for c in (case, pure):
         for splits in (1, 2, 7, 40):
-            a = run_case(c, num_splits=splits, version=7, softmax_scale=softmax_scale)
+            a = run_case(c, num_splits=splits, version=version, softmax_scale=softmax_scale)
             b = run_case(c, num_splits=splits, version=6, softmax_scale=softmax_scale).get()
             diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
             assert float(np.max(diff / c.error_scale(softmax_scale))) <= BOUND
@@ -137,6 +139,7 @@ def test_v7_splits_fill_whole_waves():
     for rows, pages in ((64, 64 * 1058), (256, 256 * 265), (16, 16 * 4229), (8, 8 * 4229)):
         s7 = splits_for(tables, 7, rows, pages)
         assert rows * s7 <= slots < rows * (s7 + 1)
+        assert splits_for(tables, 8, rows, pages) == s7
         assert s7 == choose_splits(rows, pages, ctas_per_sm=4, waves=WAVES_V7, fit=True)
 
 
@@ -149,12 +152,13 @@ def test_v7_merge_many_splits(codebook):
                       codebook=codebook)
     for splits in (5, 64, 256, 300):
         _check(case, run_case(case, num_splits=splits, version=7))
+        _check(case, run_case(case, num_splits=splits, version=8))
 
 
 def test_bad_version_rejected():
     from cupy_kernels.cases import build_case, run_case
     case = build_case(1, 1, 4, 64, [20], LADDER, [5], seed=1)
-    for bad in (3, 8):
+    for bad in (3, 9):
         with pytest.raises(ValueError):
             run_case(case, version=bad)
 

@@ -45,8 +45,11 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
         # the prologue and in the epilogue; docs/PERF_NOTES.md v5). The v6 affine kernel keeps
         # one 4-byte page-loop variable in local memory (stores and a load in the page header,
         # once per page, never inside the 32-state step; docs/PERF_NOTES.md v6): measured faster
-        # than the spill-free one-sub-tile build. Nothing else may spill.
-        allowed = {"ada_decode_uniform_v4_kernel": 8, "ada_decode_uniform_v6_kernel": 16}
+        # than the spill-free one-sub-tile build. The v8 affine kernel (D = 128) keeps one
+        # prologue value for the epilogue in 4 bytes of stack (one store before the page loop,
+        # loads in the prologue and the epilogue; nothing inside the loop). Nothing else may spill.
+        allowed = {"ada_decode_uniform_v4_kernel": 8, "ada_decode_uniform_v6_kernel": 16,
+                   "ada_decode_uniform_v8_kernel": 8}
         allowed = next((v for k, v in allowed.items() if k in entry), 0)
         assert int(stores) <= allowed and int(loads) <= 2 * allowed, \
             f"register spills in {entry} ({name}):\n{log}"

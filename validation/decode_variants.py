@@ -26,6 +26,8 @@ VARIANTS = {
     "v7_lsplit0": (dict(DEC7_LSPLIT=0), {}),
     "v7_stages3": (dict(DEC7_STAGES=3), dict(STAGES_V7=3)),
     "v7_conv1": (dict(DEC7_CONV=1), {}),
+    # v8 (fast path pipelined across pages): two logit accumulators per sub-tile as v7
+    "v8_lsplit1": (dict(DEC8_LSPLIT=1), {}),
 }
 # measured in device run 1 (before WAVES_V7 = 1, the v7 merge and DEC7_LSPLIT = 1 were made the
 # default): v7_waves1 (now the default), v7_stages3, v7_conv1 (docs/PERF_NOTES.md, v7)
@@ -39,8 +41,9 @@ def variant_kernels(defines: dict):
     import cupy as cp
     from cupy_kernels import _module
     opts = _module.OPTIONS + (f"-I{_module.CSRC}",) + tuple(f"-D{k}={v}" for k, v in defines.items())
-    names = [_module.template_name(k, D) for k in ("ada_decode_uniform_v7_kernel", "ada_merge_kernel",
-                                                    "ada_merge_v7_kernel")]
+    names = [_module.template_name(k, D) for k in ("ada_decode_uniform_v7_kernel",
+                                                    "ada_decode_uniform_v8_kernel",
+                                                    "ada_merge_kernel", "ada_merge_v7_kernel")]
     mod = cp.RawModule(code=_module.source(), options=opts, name_expressions=names)
     mod.compile()
     return lambda name, dim: mod.get_function(_module.template_name(name, dim))
@@ -51,6 +54,7 @@ def main(argv=None):
     ap.add_argument("--out", default="decode_variants.json")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cases", default="all", help="'all' or indices into CASES, e.g. 0,1,6")
+    ap.add_argument("--variants", default="all", help="'all' or names of VARIANTS, e.g. v8_lsplit1")
     args = ap.parse_args(argv)
     import importlib
     import cupy as cp
@@ -61,7 +65,8 @@ def main(argv=None):
     copy_gbps = copy_bandwidth(timer)
     print(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s", flush=True)
     tables = kernel_tables(LADDER, D, codebook="uniform")
-    getters = {name: variant_kernels(defs) for name, (defs, _) in VARIANTS.items() if defs}
+    chosen = list(VARIANTS) if args.variants == "all" else [v for v in args.variants.split(",") if v]
+    getters = {name: variant_kernels(VARIANTS[name][0]) for name in chosen if VARIANTS[name][0]}
     built_kernel = ad.kernel
     cases = CASES if args.cases == "all" else [CASES[int(i)] for i in args.cases.split(",")]
     rows = []
@@ -71,7 +76,7 @@ def main(argv=None):
         q = cp.random.standard_normal((batch, HQ, D), dtype=cp.float32)
         nbytes = lay.cache_bytes + q.size * 4 + (lay.indptr.size + 3 * lay.indices.size) * 4
         ref = None
-        for name in ["v6", "v7", *VARIANTS]:
+        for name in ["v6", "v7", "v8", *chosen]:
             saved = {}
             if name in VARIANTS:
                 defs, over = VARIANTS[name]
@@ -81,7 +86,8 @@ def main(argv=None):
                     saved[k] = getattr(ad, k)
                     setattr(ad, k, v)
             try:
-                run, out, splits = ada_step(state, tables, q, batch, 6 if name == "v6" else 7)
+                ver = 6 if name == "v6" else 8 if name.startswith("v8") else 7
+                run, out, splits = ada_step(state, tables, q, batch, ver)
                 us = timer(run)
             finally:
                 ad.kernel = built_kernel

@@ -46,9 +46,9 @@ for stage in "$@"; do
         grep -E "Duration|DRAM Throughput|Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Eligible Warps|Active Warps Per|Executed Instructions  " "$OUT/ncu_profile_v$v.txt" | head -n 16
       done;;
     variants)
-      # build-time variants of the v7 affine kernel next to v6 and v7 as built (same pools)
+      # build-time variants of the v7/v8 affine kernels next to v6, v7 and v8 as built (same pools)
       timeout ${VARIANTS_LIMIT:-300} python3 validation/decode_variants.py --out "$OUT/decode_variants.json" \
-        --reps ${VARIANTS_REPS:-20} --cases ${VARIANTS_CASES:-all} 2>&1 | tee "$OUT/variants.log" | tail -n 40
+        --reps ${VARIANTS_REPS:-20} --cases ${VARIANTS_CASES:-all} --variants ${VARIANTS_NAMES:-all} 2>&1 | tee "$OUT/variants.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
     bench-encode)
       # encode only, v3 and v2 in the same process (ENCODE_VERSIONS) (ENCODE_SHAPES, ENCODE_TIERS, RUN_NOTE)
@@ -70,7 +70,7 @@ for stage in "$@"; do
           > "$OUT/flashinfer_install.log" 2>&1 && fi_flag=--flashinfer
       fi
       PYTHONPATH=/tmp/site:$PYTHONPATH timeout ${BENCH_LIMIT:-420} python3 validation/decode_bench.py \
-        --out "$OUT/decode_h200.json" --reps ${BENCH_REPS:-20} --versions ${BENCH_VERSIONS:-7,6,5,4} \
+        --out "$OUT/decode_h200.json" --reps ${BENCH_REPS:-20} --versions ${BENCH_VERSIONS:-8,7,6,5,4} \
         --codebooks ${BENCH_CODEBOOKS:-lloyd-max,uniform} --shapes ${BENCH_SHAPES:-all} \
         --tiers ${BENCH_TIERS:-4/4,3/3,2/2,rdr-mix} $fi_flag 2>&1 | tee "$OUT/bench.log" | tail -n 45
       rc=${PIPESTATUS[0]};;

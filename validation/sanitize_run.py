@@ -1,5 +1,5 @@
 """A small representative run of every kernel (encode v1, v2 and v3, decode on the table and the affine path,
-v7, v6, v5 and v4, with and without split-K, merge, re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
+v8, v7, v6, v5 and v4, with and without split-K, merge, re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 validation/sanitize_run.py
     ... python3 validation/sanitize_run.py --encode-only    # the encode and re-tier part alone
@@ -64,18 +64,19 @@ def main(argv=None):
                               seed=1, centred=True, fill_random=True, reference_parts=False,
                               codebook=codebook)
             dev = to_device(case)
-            for splits, version in ((1, 7), (3, 7), (1, 6), (3, 6), (1, 5), (3, 5), (3, 4)):
+            for splits, version in ((1, 8), (3, 8), (1, 7), (3, 7), (1, 6), (3, 6), (1, 5), (3, 5), (3, 4)):
                 out = run_case(case, dev, num_splits=splits, version=version)
                 assert bool(cp.all(cp.isfinite(out)))
             tables[codebook] = case.tables
         if not encode_only:
-            # v7's fast path (full 4/4 pages, swizzled staging) next to partial 4/4 pages and
+            # v7's and v8's fast path (full 4/4 pages, swizzled staging; v8 pipelined across
+            # pages) next to partial 4/4 pages and
             # other tiers in one row, random filler bytes in the pages' unused tails
             case = build_case(1, 2, group, dim, [200, 75], ladder, [2, 4, 6], seed=2, fill_random=True,
                               reference_parts=False, codebook="uniform", chunks_per_row=6)
             dev = to_device(case)
-            for splits in (1, 2):
-                out = run_case(case, dev, num_splits=splits, version=7)
+            for splits, version in ((1, 7), (2, 7), (1, 8), (2, 8)):
+                out = run_case(case, dev, num_splits=splits, version=version)
                 assert bool(cp.all(cp.isfinite(out)))
         encode_part(dim, tables, ladder)
     cp.cuda.Device().synchronize()

@@ -867,6 +867,189 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
   }
 }
 
+// ------------------------------------------------------------------------------ v8 ----
+// v8: v7 with the fast path software-pipelined across pages. v7's page44 is one dependent
+// chain per page (shared loads -> 16 logit HMMA -> scale/max -> vote -> MUFU -> pack ->
+// movmatrix -> 16 value HMMA), and 14.5 warps per SM do not hide it (0.42 issued per
+// scheduler-cycle). v8 defers a fast page's value mma to the next page's step: page44_pipe
+// issues page i's logit mma chain and page i - 1's value mma chain (P' of page i - 1 kept in
+// 4 registers, pb) in one block, two independent HMMA chains per warp, then page i's softmax,
+// which leaves its P' in pb. A lazy-maximum rescale in page i's softmax comes after page
+// i - 1's values were added to acc, so acc, l and ps stay on one maximum. Page i - 1 must
+// stay staged while page i is decoded and page i + 1 streams in: three page buffers per warp
+// with one page in flight (the launcher's STAGES_V8). Any other page kind first adds the
+// pending values (f44_values), as does the end of the loop.
+#ifndef DEC8_CTAS
+#define DEC8_CTAS 4          // v8 affine kernel: <= 128 registers
+#endif
+#ifndef DEC8_LSPLIT
+#define DEC8_LSPLIT 0        // v8: two accumulators per logit sub-tile (the value chain already
+#endif                       // gives the warp a second independent chain)
+constexpr int DEC8_STAGES = 3;   // page buffers per warp (launcher STAGES_V8)
+
+// Two of the 16 value mma of a staged fast page: sub-tile u, coordinate block j, fields of
+// byte 0 (hi = 0: acc[4j], acc[4j + 1]) or byte 1 (hi = 1: acc[4j + 2], acc[4j + 3]) of each
+// code half; vw: the four 8-byte code loads of sub-tile u (states 2t, 2t + 1, 2t + 8, 2t + 9).
+__device__ __forceinline__ void f44_value_pair(float (&acc)[8][4], const uint2 (&vw)[4], int j,
+                                               int hi, u32 pb0, u32 pb1) {
+  const u32 w0 = j ? vw[0].y : vw[0].x, w1 = j ? vw[1].y : vw[1].x;
+  const u32 w2 = j ? vw[2].y : vw[2].x, w3 = j ? vw[3].y : vw[3].x;
+  u32 lo01 = __byte_perm(w0, w1, 0x5410u), hi01 = __byte_perm(w0, w1, 0x7632u);
+  u32 lo23 = __byte_perm(w2, w3, 0x5410u), hi23 = __byte_perm(w2, w3, 0x7632u);
+  if (hi) { lo01 >>= 8; hi01 >>= 8; lo23 >>= 8; hi23 >>= 8; }
+  mma_16816(acc[4 * j + 2 * hi], f44_pair<0>(lo01), f44_pair<0>(hi01), f44_pair<0>(lo23),
+            f44_pair<0>(hi23), pb0, pb1);
+  mma_16816(acc[4 * j + 2 * hi + 1], f44_pair<4>(lo01), f44_pair<4>(hi01), f44_pair<4>(lo23),
+            f44_pair<4>(hi23), pb0, pb1);
+}
+
+__device__ __forceinline__ void f44_vload(uint2 (&vw)[4], u32 vbuf, const F44Lane& fl, int u) {
+  vw[0] = lds64(vbuf + fl.voff0 + 1024u * u);          // state 16u + 2t
+  vw[1] = lds64(vbuf + fl.voff1 + 1024u * u);          // 16u + 2t + 1
+  vw[2] = lds64(vbuf + fl.voff0 + 1024u * u + 512u);   // 16u + 2t + 8
+  vw[3] = lds64(vbuf + fl.voff1 + 1024u * u + 512u);   // 16u + 2t + 9
+}
+
+// The value mma of the fast page staged at `vbuf` with its P' (pb), alone (before a page of
+// another kind, and after the last page).
+__device__ __forceinline__ void f44_values(u32 vbuf, const u32 (&pb)[2][2], int g, int t,
+                                           float (&acc)[8][4]) {
+  F44Lane fl;
+  fl.init(g, t);
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    uint2 vw[4];
+    f44_vload(vw, vbuf, fl, u);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) f44_value_pair(acc, vw, k >> 1, k & 1, pb[u][0], pb[u][1]);
+  }
+}
+
+// One pipelined fast-page step: the logits of the page staged at `buf` and the values of the
+// previous fast page (staged at `vbuf`, P' in pb; pb all zero when there is none: vbuf then
+// names any staged buffer, its codes times 0 add exact zeros), then this page's softmax, whose
+// P' replaces pb. Other arguments as page44.
+__device__ __forceinline__ void page44_pipe(u32 buf, u32 vbuf, u32 qf7, u32 kk, float hv, int g,
+                                            int t, float (&acc)[8][4], u32 (&pb)[2][2],
+                                            float& m0, float& m1, float& l0, float& l1,
+                                            float& ps0, float& ps1) {
+  F44Lane fl;
+  fl.init(g, t);
+  float s[2][4], s1[2][4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
+    s1[u][0] = s1[u][1] = s1[u][2] = s1[u][3] = 0.0f;
+  }
+  uint4 kw[2][2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    kw[u][0] = lds128(buf + fl.koff + 1024u * u);
+    kw[u][1] = lds128(buf + fl.koff + 1024u * u + 512u);
+  }
+  uint2 vw[4];
+  // chunk c = 2i + h of the logits (two mma, sub-tiles 0 and 1) next to value mma 2c, 2c + 1
+  // of the previous page (sub-tile c >> 2, block j = (c >> 1) & 1, byte c & 1)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = 2 * i + h, vu = c >> 2;
+      if ((c & 3) == 0) f44_vload(vw, vbuf, fl, vu);
+      const uint2 b = lds64(qf7 + 256u * c);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        u32 x0 = word_of(kw[u][0], i), x1 = word_of(kw[u][1], i);
+        if (h) { x0 >>= 8; x1 >>= 8; }
+        mma_16816((DEC8_LSPLIT && h) ? s1[u] : s[u], f44_pair<0>(x0), f44_pair<0>(x1),
+                  f44_pair<4>(x0), f44_pair<4>(x1), b.x, b.y);
+      }
+      f44_value_pair(acc, vw, (c >> 1) & 1, c & 1, pb[vu][0], pb[vu][1]);
+    }
+  }
+  if (DEC8_LSPLIT) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[u][k] += s1[u][k];
+    }
+  }
+  // ---- softmax, as page44 (acc now holds the previous page's values)
+  float sk[4], svh[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    sk[j] = lds_half(buf + fl.soff + 16u * j);
+    svh[j] = lds_half(buf + fl.soff + (F44_VSOFF - F44_KSOFF) + 16u * j) * hv;
+  }
+  const bool last = g == 7;
+  if (last) svh[3] = 0.0f;
+  const float4 K = lds128f(kk);
+  float e[2][4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float k1 = (k & 1) ? K.z : K.x, k2 = (k & 1) ? K.w : K.y;
+      e[u][k] = fmaf(fmaf(s[u][k], k1, k2), sk[2 * u + (k >> 1)], -((k & 1) ? m1 : m0));
+    }
+  }
+  if (last) e[1][2] = e[1][3] = -SKV_INF;
+  float x0 = fmaxf(fmaxf(e[0][0], e[0][2]), fmaxf(e[1][0], e[1][2]));
+  float x1 = fmaxf(fmaxf(e[0][1], e[0][3]), fmaxf(e[1][1], e[1][3]));
+  if (__any_sync(0xffffffffu, x0 > DEC_LAZY_MAX || x1 > DEC_LAZY_MAX)) {
+    float z[2][4];
+    x0 = x1 = -SKV_INF;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float k1 = (k & 1) ? K.z : K.x, k2 = (k & 1) ? K.w : K.y;
+        z[u][k] = fmaf(s[u][k], k1, k2) * sk[2 * u + (k >> 1)];
+      }
+    }
+    if (last) z[1][2] = z[1][3] = -SKV_INF;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      x0 = fmaxf(x0, fmaxf(z[u][0], z[u][2]));
+      x1 = fmaxf(x1, fmaxf(z[u][1], z[u][3]));
+    }
+#pragma unroll
+    for (int m = 4; m <= 16; m <<= 1) {
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, m));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, m));
+    }
+    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+    const float al0 = dec_exp2<true>(m0 - n0), al1 = dec_exp2<true>(m1 - n1);
+    l0 *= al0; l1 *= al1; ps0 *= al0; ps1 *= al1;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1;
+    }
+    m0 = n0; m1 = n1;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) e[u][k] = z[u][k] - ((k & 1) ? m1 : m0);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    float p[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) p[k] = dec_exp2<true>(e[u][k]);
+    l0 += p[0] + p[2];
+    l1 += p[1] + p[3];
+    const __half2 w0 = __floats2half2_rn(p[0] * svh[2 * u], p[1] * svh[2 * u]);
+    const __half2 w1 = __floats2half2_rn(p[2] * svh[2 * u + 1], p[3] * svh[2 * u + 1]);
+    const float2 f0 = __half22float2(w0), f1 = __half22float2(w1);
+    constexpr float coef = DEC7_CONV == 0 ? -15.0f : 1.0f;
+    ps0 = fmaf(f0.x + f1.x, coef, ps0);
+    ps1 = fmaf(f0.y + f1.y, coef, ps1);
+    pb[u][0] = transpose8x8(h2_as_u32(w0));
+    pb[u][1] = transpose8x8(h2_as_u32(w1));
+  }
+}
+
 // v7 page loop of one warp: pages pi0, pi0 + 4, ... of the CTA's range (end re-read from
 // shared memory at `prange` + 4, start of the row's list at `prange`, as on v6). Page headers
 // come in blocks of 32: lane l loads page id, tier, count and kind of the warp's page 32b + l
@@ -989,6 +1172,125 @@ __device__ __forceinline__ void decode_pages7(
   if (fdom) f44_domain<D>(acc, false);
 }
 
+// v8 page loop: as decode_pages7 with two buffers' worth of pages decoded at once on the fast
+// path (page44_pipe): page pi + 4 streams into buffer (b + 1) % 3 while page pi (buffer b)
+// has its logits and page pi - 4 (buffer (b + 2) % 3, if it was a fast page) its values.
+template <int D, int PATH, int NSUB, class SM, class QF>
+__device__ __forceinline__ void decode_pages8(
+    const u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
+    const int* __restrict__ page_count, const int* __restrict__ indices,
+    const int* __restrict__ geom, int pi0, u32 prange, u32* bufs, SM& sm, const QF& qsrc,
+    const Luts& lut, __half* pt, int lane, float (&acc)[D / 16][4], float& m0, float& m1,
+    float& l0, float& l1, float& ps0, float& ps1) {
+  static_assert(D == 128, "the v8 fast path is for D = 128");
+  const int g = lane >> 2, t = lane & 3;
+  const bool f44ok = page_words == F44_WORDS;
+  const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
+  // The header block (as decode_pages7) is kept in the warp's 512-byte P' tile (unused from
+  // v6 on), lane l's entry {page id, count | tier << 16 | kind << 28} at 8 l: two registers
+  // fewer across the page loop than in shuffle registers (at 128 registers ptxas spilled).
+  const u32 hsh = static_cast<u32>(__cvta_generic_to_shared(pt));
+  auto refill = [&](int first) {   // warp-uniform; the previous block was read before the
+    const int idx = first + DEC_WARPS * lane;   // __syncwarp at the end of the last step
+    u32 hp = 0, hc = 0;
+    if (idx < lds_s32(prange + 4)) {
+      const int page = indices[lds_s32(prange) + idx];
+      const int tier = page_tier[page], count = page_count[page];
+      const int4 gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
+      const int kind = count != gq.z ? 0 : (f44ok && gq.x == 4 && gq.y == 4) ? 2 : 1;
+      hp = static_cast<u32>(page);
+      hc = static_cast<u32>(count) | (static_cast<u32>(tier) << 16) | (static_cast<u32>(kind) << 28);
+    }
+    asm volatile("st.shared.v2.u32 [%0], {%1, %2};" :: "r"(hsh + 8u * lane), "r"(hp), "r"(hc));
+    __syncwarp();
+  };
+  // a page's header stays packed (page; count | tier << 16 | kind << 28) across the loop
+  auto header = [&](int jb, int& page, u32& c) {
+    const uint2 v = lds64(hsh + 8u * jb);
+    page = static_cast<int>(v.x);
+    c = v.y;
+  };
+  auto stage = [&](int page, u32 c, u32 dst) {
+    const u32 kind = c >> 28;
+    const u32* src = pages + (size_t)page * page_words;
+    if (kind == 2) {
+      f44_stage(dst, src, lane);
+    } else if (kind == 1) {
+      for (int c = lane; c < page_words / 4; c += 32)
+        cp_async16_sh(dst + 16u * c, reinterpret_cast<const char*>(src) + 16 * c);
+    }
+  };
+  const u32 bstride = 4u * page_words;
+  bool fdom = true;    // accumulators in the F domain (all zero: either)
+  bool pend = false;   // the previous page (previous buffer) was a fast page: its values
+  u32 pb[2][2] = {{0u, 0u}, {0u, 0u}};   // are pending, P' in pb (else pb is zero)
+  u32 cur_c = 0;   // the page id is not carried: a partial page re-reads it from `indices`
+  int pi = pi0, jb = 0;
+  if (pi < lds_s32(prange + 4)) {
+    refill(pi);
+    int page;
+    header(0, page, cur_c);
+    stage(page, cur_c, bufs_sh);
+  }
+  cp_async_commit();
+  u32 bsh = bufs_sh;   // buffer of page pi
+  for (; pi < lds_s32(prange + 4); pi += DEC_WARPS) {
+    jb = (jb + 1) & 31;
+    int nxt_page = 0;
+    u32 nxt_c = 0;
+    const u32 nsh = bsh + bstride == bufs_sh + DEC8_STAGES * bstride ? bufs_sh : bsh + bstride;
+    const int npi = pi + DEC_WARPS;
+    if (npi < lds_s32(prange + 4)) {
+      if (jb == 0) refill(npi);
+      header(jb, nxt_page, nxt_c);
+      stage(nxt_page, nxt_c, nsh);
+    }
+    cp_async_commit();
+    cp_async_wait1();   // this lane's copies of page pi are done, ...
+    __syncwarp();       // ... and every other lane's
+    const u32 psh = bsh == bufs_sh ? bufs_sh + (DEC8_STAGES - 1) * bstride : bsh - bstride;
+    const u32 cur_kind = cur_c >> 28;
+    if (cur_kind == 2) {
+      if (!fdom) { f44_domain<D>(acc, true); fdom = true; }
+      page44_pipe(bsh, pend ? psh : bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag7[0][lane])),
+                  static_cast<u32>(__cvta_generic_to_shared(&sm.k12[2 * t][0])),
+                  lds_f32(sm.hstep + level_row(4), true), g, t, acc, pb, m0, m1, l0, l1, ps0,
+                  ps1);
+      pend = true;
+    } else {
+      if (pend) {
+        f44_values(psh, pb, g, t, acc);
+        pb[0][0] = pb[0][1] = pb[1][0] = pb[1][1] = 0u;
+        pend = false;
+      }
+      if (fdom) { f44_domain<D>(acc, false); fdom = false; }
+      const int cur_count = static_cast<int>(cur_c & 0xffffu);
+      const int* gm = geom + static_cast<int>((cur_c >> 16) & 0xfffu) * SKV_GEOM_STRIDE;
+      if (cur_kind == 1) {
+        SharedRow r;
+        r.a = bsh;
+        decode_page<D, PATH, NSUB, true, true>(r, gm, cur_count, qsrc, lut, sm.kfac, sm.qmu,
+                                               sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1, l0,
+                                               l1, ps0, ps1);
+      } else {
+        GlobalRow r;
+        r.p = pages + (size_t)indices[lds_s32(prange) + pi] * page_words;
+        decode_page<D, PATH, NSUB, true, true>(r, gm, cur_count, qsrc, lut, sm.kfac, sm.qmu,
+                                               sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1, l0,
+                                               l1, ps0, ps1);
+      }
+    }
+    __syncwarp();   // every lane is done with page pi - 4's buffer before it is refilled
+    bsh = nsh;
+    cur_c = nxt_c;
+  }
+  if (pend) {   // the last page was a fast page (buffer before bsh); fdom is true
+    f44_values(bsh == bufs_sh ? bufs_sh + (DEC8_STAGES - 1) * bstride : bsh - bstride, pb, g, t, acc);
+  }
+  cp_async_wait0();
+  if (fdom) f44_domain<D>(acc, false);
+}
+
 #define SKV_DECODE_PARAMS                                                                   \
   const float* __restrict__ q, long long q_sb, long long q_sh, const u32* __restrict__ pages,     \
       int page_words, const int* __restrict__ page_tier, const int* __restrict__ page_count,    \
@@ -1008,10 +1310,11 @@ __device__ __forceinline__ void decode_pages7(
 // b = 1, 2, 3, 4, 8 bits; no tables in shared memory). NSUB: 16-state sub-tiles per softmax
 // step (v4: 1, v5 and v6: 2). V6: see decode_page. V7 (with V6, affine path): full 4/4 pages on
 // the fast path (page44), the rest on decode_page with the v7 value map; see the page loop.
-template <int D, int PATH, int NSUB, bool V6, bool V7 = false>
+template <int D, int PATH, int NSUB, bool V6, bool V7 = false, bool V8 = false>
 __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   constexpr bool UNI = PATH != PATH_TABLE;
   static_assert(!V7 || (V6 && PATH == PATH_AFFINE), "v7 is the affine path on top of v6");
+  static_assert(!V8 || V7, "v8 is v7 with the fast path pipelined across pages");
   constexpr bool F44 = V7 && D == 128;   // the 4/4 fast path exists for D = 128
   __shared__ typename SmemOf<D, V7>::type sm;
   extern __shared__ __align__(16) unsigned char dyn[];
@@ -1144,8 +1447,13 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   float m0 = -SKV_INF, m1 = -SKV_INF, l0 = 0.0f, l1 = 0.0f, ps0 = 0.0f, ps1 = 0.0f;
 
   __half* pt = &sm.ptile[warp][0][0];
-  u32* bufs = reinterpret_cast<u32*>(region) + (size_t)warp * (V7 ? DEC7_STAGES : 2) * page_words;
-  if constexpr (V7) {
+  u32* bufs = reinterpret_cast<u32*>(region) +
+              (size_t)warp * (V8 ? DEC8_STAGES : V7 ? DEC7_STAGES : 2) * page_words;
+  if constexpr (V8 && F44) {
+    decode_pages8<D, PATH, NSUB>(pages, page_words, page_tier, page_count, indices, geom,
+                                 pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc, m0, m1,
+                                 l0, l1, ps0, ps1);
+  } else if constexpr (V7) {
     decode_pages7<D, PATH, NSUB, F44>(pages, page_words, page_tier, page_count, indices, geom,
                                       pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc,
                                       m0, m1, l0, l1, ps0, ps1);
@@ -1337,6 +1645,14 @@ template <int D>
 __global__ void __launch_bounds__(DEC_WARPS * 32, DEC7_CTAS)
 ada_decode_uniform_v7_kernel(SKV_DECODE_PARAMS) {
   decode_cta<D, PATH_AFFINE, DEC7_SUB, true, true>(SKV_DECODE_ARGS);
+}
+
+// v8 (affine path only): v7 with the fast path pipelined across pages (decode_pages8: page
+// i's logits next to page i - 1's values, three page buffers per warp); D = 64 runs v7's code.
+template <int D>
+__global__ void __launch_bounds__(DEC_WARPS * 32, DEC8_CTAS)
+ada_decode_uniform_v8_kernel(SKV_DECODE_PARAMS) {
+  decode_cta<D, PATH_AFFINE, DEC7_SUB, true, true, true>(SKV_DECODE_ARGS);
 }
 
 // Split-K merge: one CTA per row, D threads; o = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M),
