@@ -41,7 +41,9 @@ STAGES_V8 = 3   # v8: page i + 1 in flight, page i (logits) and page i - 1 (valu
 # Each path defaults to its fastest generation measured on one H200 (docs/PERF_NOTES.md): the
 # affine path v7 (v7 run: faster than v6 on the 16 shape x tier rows, see PERF_NOTES); the table
 # path v4 (v6 is 5-13 % faster at 4/4 and 2/2 but 3-21 % slower at 3/3 and on the RDR mix, and
-# slower summed over all rows; v7 does not change the table path).
+# slower summed over all rows; v7 does not change the table path). v8 (the 4/4 fast path
+# pipelined across pages) was measured 2-5 % faster than v7 on the four 4/4 rows but equal or
+# up to 1.7 % slower on the other twelve uniform rows (3/3, 2/2, RDR mix): v7 stays the default.
 DEFAULT_VERSION_AFFINE = 7
 DEFAULT_VERSION_TABLE = 4
 LUT_BYTES = 37888      # csrc/spherical_common.cuh LUT_BYTES (replicated look-up tables)
