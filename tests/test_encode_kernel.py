@@ -28,6 +28,21 @@ def _read_back(tables, pages, tier, page_ids, slots):
     return kc, ks, vc, vs
 
 
+def _assert_pages_are_reference(tables, host, tiers, page_ids, slots, x, dim, seed, codebook,
+                                mean=None):
+    """Every vector's key and value codes and scales, read back from the host copy of the
+    pages, equal the reference codec's (rotation seed ``seed``, salt 0) byte for byte."""
+    for t in range(1, len(LADDER) + 1):
+        idx = np.flatnonzero(tiers == t)
+        kc, ks, vc, vs = _read_back(tables, host, t, page_ids[idx], slots[idx])
+        for part, (codes, scales) in (("key", (kc, ks)), ("value", (vc, vs))):
+            bits = LADDER[t - 1][0 if part == "key" else 1]
+            ref = SphericalCodec(dim, bits, seed=seed, salt=0, codebook=codebook).encode(
+                x[idx].astype(np.float64), mean=mean)
+            np.testing.assert_array_equal(codes, ref.codes)
+            np.testing.assert_array_equal(scales, ref.scale)
+
+
 @pytest.mark.gpu
 @settings(max_examples=40, deadline=None)
 @given(dim=st.sampled_from([64, 128]), tier=st.integers(1, len(LADDER)), n=st.integers(1, 97),
@@ -157,16 +172,7 @@ def test_encode_near_cell_boundaries_mixed_tiers(version, dim, codebook):
     for part in ("key", "value"):
         encode_into_pages(cp.asarray(x), pages, page_tier, tables, sig, cp.asarray(head),
                           cp.asarray(page_ids), cp.asarray(slots), part=part, version=version)
-    host = pages.get()
-    for t in range(1, len(LADDER) + 1):
-        idx = np.flatnonzero(tiers == t)
-        kc, ks, vc, vs = _read_back(tables, host, t, page_ids[idx], slots[idx])
-        for part, (codes, scales) in (("key", (kc, ks)), ("value", (vc, vs))):
-            bits = LADDER[t - 1][0 if part == "key" else 1]
-            ref = SphericalCodec(dim, bits, seed=5, salt=0, codebook=codebook).encode(
-                x[idx].astype(np.float64))
-            np.testing.assert_array_equal(codes, ref.codes)
-            np.testing.assert_array_equal(scales, ref.scale)
+    _assert_pages_are_reference(tables, pages.get(), tiers, page_ids, slots, x, dim, 5, codebook)
 
 
 @pytest.mark.gpu
@@ -318,16 +324,8 @@ def test_encode_v3_own_boundaries(dim, codebook):
         encode_into_pages(xd, pages, page_tier, tables, sig, cp.asarray(head), cp.asarray(page_ids),
                           cp.asarray(slots), part=part, version=3, mean=cp.asarray(mean),
                           mean_index=cp.asarray(head))
-    host = pages.get()
-    for t in range(1, len(LADDER) + 1):
-        idx = np.flatnonzero(tiers == t)
-        kc, ks, vc, vs = _read_back(tables, host, t, page_ids[idx], slots[idx])
-        for part, (codes, scales) in (("key", (kc, ks)), ("value", (vc, vs))):
-            bits = LADDER[t - 1][0 if part == "key" else 1]
-            ref = SphericalCodec(dim, bits, seed=9, salt=0, codebook=codebook).encode(
-                x[idx].astype(np.float64), mean=mean[0])
-            np.testing.assert_array_equal(codes, ref.codes)
-            np.testing.assert_array_equal(scales, ref.scale)
+    _assert_pages_are_reference(tables, pages.get(), tiers, page_ids, slots, x, dim, 9, codebook,
+                                mean=mean[0])
 
 
 @pytest.mark.gpu
