@@ -32,6 +32,7 @@ def _assert_pages_are_reference(tables, host, tiers, page_ids, slots, x, dim, se
                                 mean=None):
     """Every vector's key and value codes and scales, read back from the host copy of the
     pages, equal the reference codec's (rotation seed ``seed``, salt 0) byte for byte."""
+    from spherical_kv_ref import SphericalCodec
     for t in range(1, len(LADDER) + 1):
         idx = np.flatnonzero(tiers == t)
         kc, ks, vc, vs = _read_back(tables, host, t, page_ids[idx], slots[idx])
