@@ -13,7 +13,9 @@ Before ``compress`` the cache behaves like a dynamic dense cache and records the
 ``observe`` queries of each layer (RDR's attention estimates). After it, each layer's new
 tokens are attended in two parts merged by their log-sum-exp: the stored context (a
 ``ContextStore``: compressed states, or any baseline's states) and the current chunk
-(exact, causal). New tokens then enter the store (at the top tier for Spherical KV).
+(causal: each token reads itself exactly and the chunk's earlier tokens as the store holds
+them, so a chunk computes what one-token steps compute). New tokens enter the store at the
+top tier for Spherical KV.
 
 torch and transformers are imported here only; the core reference never needs them.
 """
