@@ -148,7 +148,11 @@ class SphericalKVCache:
     num_q_heads: query heads (a multiple of num_kv_heads; default num_kv_heads).
     centre: subtract per-row means μ_K, μ_V (DESIGN §3 step 0; on by default).
     policy: CompressPolicy (default: 4 sinks and 32 recent tokens protected).
-    softmax_scale: default 1/√head_dim. codebook: "lloyd-max" or "uniform".
+    softmax_scale: default 1/√head_dim. codebook: "uniform" (default) or "lloyd-max": the
+    same bytes, the uniform codebook's decode is affine in the code (the GPU kernel's fast
+    path, ~1.8x the Lloyd–Max look-up path at 4/4 bits) for 0–7 % more attention error
+    (docs/PERF_NOTES.md, "Codebook quality"; DESIGN §3.5 asks for the winner at the kernel's
+    speed).
     num_splits: page splits per row in the paged decode (split-K)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -156,7 +160,7 @@ class SphericalKVCache:
                  pool_bytes: Optional[int] = None, seed: int = 0, *,
                  num_q_heads: Optional[int] = None, centre: bool = True,
                  policy: Optional[CompressPolicy] = None, softmax_scale: Optional[float] = None,
-                 codebook: str = "lloyd-max", num_splits: int = 4):
+                 codebook: str = "uniform", num_splits: int = 4):
         self.num_layers = _whole("num_layers", num_layers, 1)
         self.num_kv_heads = _whole("num_kv_heads", num_kv_heads, 1)
         self.head_dim = _whole("head_dim", head_dim, 4)
