@@ -718,51 +718,14 @@ __device__ __forceinline__ void f44_stage(u32 dst, const u32* src_page, int lane
   cp_async16_off<3584>(lane >= 24 ? dst + 16u * lane : d, src);
 }
 
-// One full 4/4 page staged at shared address `buf` (swizzled). qf7: shared address of this
-// lane's qfrag7[0][lane] (chunk c at + 256 c); kk: shared address of K1/K2 of heads 2t, 2t+1
-// (float4 {K1[2t], K2[2t], K1[2t+1], K2[2t+1]}); hv: the value scale factor (twice the 4-bit
-// half step). acc must be in the F domain (DEC7_CONV = 0). m, l, ps as in decode_page.
-__device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g, int t,
-                                       float (&acc)[8][4], float& m0, float& m1, float& l0,
-                                       float& l1, float& ps0, float& ps1) {
-  F44Lane fl;
-  fl.init(g, t);
-  // ---- logits: s[u] = S^T of sub-tile u (rows g, g + 8; heads 2t, 2t + 1). DEC7_LSPLIT: the
-  // odd chunks go to a second accumulator (two mma chains of 4 per sub-tile instead of one of 8)
-  float s[2][4], s1[2][4];
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
-    s1[u][0] = s1[u][1] = s1[u][2] = s1[u][3] = 0.0f;
-  }
-  uint4 kw[2][2];
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    kw[u][0] = lds128(buf + fl.koff + 1024u * u);
-    kw[u][1] = lds128(buf + fl.koff + 1024u * u + 512u);
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint2 b = lds64(qf7 + 256u * (2 * i + h));
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        u32 x0 = word_of(kw[u][0], i), x1 = word_of(kw[u][1], i);
-        if (h) { x0 >>= 8; x1 >>= 8; }
-        mma_16816((DEC7_LSPLIT && h) ? s1[u] : s[u], f44_pair<0>(x0), f44_pair<0>(x1),
-                  f44_pair<4>(x0), f44_pair<4>(x1), b.x, b.y);
-      }
-    }
-  }
-  if (DEC7_LSPLIT) {
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) s[u][k] += s1[u][k];
-    }
-  }
-  // ---- softmax. Scales of states g + 8j (j = 2u + r: row r of sub-tile u).
+// Softmax of one staged fast page (page44, page44_pipe): the logits s (rows g, g + 8 of the
+// two sub-tiles; heads 2t, 2t + 1) -> P' = p s_V in the value mma's B layout (pb). Scales of
+// states g + 8j (j = 2u + r: row r of sub-tile u); kk, hv as page44; the lazy running
+// maximum, l and ps as in decode_page (acc is rescaled when the maximum moves).
+__device__ __forceinline__ void f44_softmax(u32 buf, const F44Lane& fl, u32 kk, float hv, int g,
+                                            const float (&s)[2][4], float (&acc)[8][4],
+                                            u32 (&pb)[2][2], float& m0, float& m1, float& l0,
+                                            float& l1, float& ps0, float& ps1) {
   float sk[4], svh[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -822,7 +785,6 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
       for (int k = 0; k < 4; ++k) e[u][k] = z[u][k] - ((k & 1) ? m1 : m0);
     }
   }
-  u32 pb[2][2];
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
     float p[4];
@@ -841,6 +803,55 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
     pb[u][0] = transpose8x8(h2_as_u32(w0));
     pb[u][1] = transpose8x8(h2_as_u32(w1));
   }
+}
+
+// One full 4/4 page staged at shared address `buf` (swizzled). qf7: shared address of this
+// lane's qfrag7[0][lane] (chunk c at + 256 c); kk: shared address of K1/K2 of heads 2t, 2t+1
+// (float4 {K1[2t], K2[2t], K1[2t+1], K2[2t+1]}); hv: the value scale factor (twice the 4-bit
+// half step). acc must be in the F domain (DEC7_CONV = 0). m, l, ps as in decode_page.
+__device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g, int t,
+                                       float (&acc)[8][4], float& m0, float& m1, float& l0,
+                                       float& l1, float& ps0, float& ps1) {
+  F44Lane fl;
+  fl.init(g, t);
+  // ---- logits: s[u] = S^T of sub-tile u (rows g, g + 8; heads 2t, 2t + 1). DEC7_LSPLIT: the
+  // odd chunks go to a second accumulator (two mma chains of 4 per sub-tile instead of one of 8)
+  float s[2][4], s1[2][4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
+    s1[u][0] = s1[u][1] = s1[u][2] = s1[u][3] = 0.0f;
+  }
+  uint4 kw[2][2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    kw[u][0] = lds128(buf + fl.koff + 1024u * u);
+    kw[u][1] = lds128(buf + fl.koff + 1024u * u + 512u);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint2 b = lds64(qf7 + 256u * (2 * i + h));
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        u32 x0 = word_of(kw[u][0], i), x1 = word_of(kw[u][1], i);
+        if (h) { x0 >>= 8; x1 >>= 8; }
+        mma_16816((DEC7_LSPLIT && h) ? s1[u] : s[u], f44_pair<0>(x0), f44_pair<0>(x1),
+                  f44_pair<4>(x0), f44_pair<4>(x1), b.x, b.y);
+      }
+    }
+  }
+  if (DEC7_LSPLIT) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[u][k] += s1[u][k];
+    }
+  }
+  // ---- softmax
+  u32 pb[2][2];
+  f44_softmax(buf, fl, kk, hv, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
   // ---- values: acc[4j + p] += V^T(coordinates 8(2g + j) + p, + 4) . P'^T
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
@@ -974,80 +985,8 @@ __device__ __forceinline__ void page44_pipe(u32 buf, u32 vbuf, u32 qf7, u32 kk, 
       for (int k = 0; k < 4; ++k) s[u][k] += s1[u][k];
     }
   }
-  // ---- softmax, as page44 (acc now holds the previous page's values)
-  float sk[4], svh[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    sk[j] = lds_half(buf + fl.soff + 16u * j);
-    svh[j] = lds_half(buf + fl.soff + (F44_VSOFF - F44_KSOFF) + 16u * j) * hv;
-  }
-  const bool last = g == 7;
-  if (last) svh[3] = 0.0f;
-  const float4 K = lds128f(kk);
-  float e[2][4];
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float k1 = (k & 1) ? K.z : K.x, k2 = (k & 1) ? K.w : K.y;
-      e[u][k] = fmaf(fmaf(s[u][k], k1, k2), sk[2 * u + (k >> 1)], -((k & 1) ? m1 : m0));
-    }
-  }
-  if (last) e[1][2] = e[1][3] = -SKV_INF;
-  float x0 = fmaxf(fmaxf(e[0][0], e[0][2]), fmaxf(e[1][0], e[1][2]));
-  float x1 = fmaxf(fmaxf(e[0][1], e[0][3]), fmaxf(e[1][1], e[1][3]));
-  if (__any_sync(0xffffffffu, x0 > DEC_LAZY_MAX || x1 > DEC_LAZY_MAX)) {
-    float z[2][4];
-    x0 = x1 = -SKV_INF;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float k1 = (k & 1) ? K.z : K.x, k2 = (k & 1) ? K.w : K.y;
-        z[u][k] = fmaf(s[u][k], k1, k2) * sk[2 * u + (k >> 1)];
-      }
-    }
-    if (last) z[1][2] = z[1][3] = -SKV_INF;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      x0 = fmaxf(x0, fmaxf(z[u][0], z[u][2]));
-      x1 = fmaxf(x1, fmaxf(z[u][1], z[u][3]));
-    }
-#pragma unroll
-    for (int m = 4; m <= 16; m <<= 1) {
-      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, m));
-      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, m));
-    }
-    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
-    const float al0 = dec_exp2<true>(m0 - n0), al1 = dec_exp2<true>(m1 - n1);
-    l0 *= al0; l1 *= al1; ps0 *= al0; ps1 *= al1;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1;
-    }
-    m0 = n0; m1 = n1;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) e[u][k] = z[u][k] - ((k & 1) ? m1 : m0);
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    float p[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) p[k] = dec_exp2<true>(e[u][k]);
-    l0 += p[0] + p[2];
-    l1 += p[1] + p[3];
-    const __half2 w0 = __floats2half2_rn(p[0] * svh[2 * u], p[1] * svh[2 * u]);
-    const __half2 w1 = __floats2half2_rn(p[2] * svh[2 * u + 1], p[3] * svh[2 * u + 1]);
-    const float2 f0 = __half22float2(w0), f1 = __half22float2(w1);
-    constexpr float coef = DEC7_CONV == 0 ? -15.0f : 1.0f;
-    ps0 = fmaf(f0.x + f1.x, coef, ps0);
-    ps1 = fmaf(f0.y + f1.y, coef, ps1);
-    pb[u][0] = transpose8x8(h2_as_u32(w0));
-    pb[u][1] = transpose8x8(h2_as_u32(w1));
-  }
+  // ---- softmax (acc now holds the previous page's values)
+  f44_softmax(buf, fl, kk, hv, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
 }
 
 // v7 page loop of one warp: pages pi0, pi0 + 4, ... of the CTA's range (end re-read from
