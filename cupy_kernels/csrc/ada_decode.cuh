@@ -718,6 +718,39 @@ __device__ __forceinline__ void f44_stage(u32 dst, const u32* src_page, int lane
   cp_async16_off<3584>(lane >= 24 ? dst + 16u * lane : d, src);
 }
 
+// The logits of a staged fast page, in the pieces page44 and page44_pipe share: f44_keys zeroes
+// both accumulators of the two sub-tiles and loads this lane's key code words; f44_logit_chunk
+// adds k16 chunk (i, h) of both sub-tiles (b: the query fragment of that chunk; LSPLIT: odd
+// chunks go to the second accumulator s1, two mma chains per sub-tile); f44_fold adds s1 to s.
+__device__ __forceinline__ void f44_keys(u32 buf, const F44Lane& fl, float (&s)[2][4],
+                                         float (&s1)[2][4], uint4 (&kw)[2][2]) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
+    s1[u][0] = s1[u][1] = s1[u][2] = s1[u][3] = 0.0f;
+    kw[u][0] = lds128(buf + fl.koff + 1024u * u);
+    kw[u][1] = lds128(buf + fl.koff + 1024u * u + 512u);
+  }
+}
+template <bool LSPLIT>
+__device__ __forceinline__ void f44_logit_chunk(float (&s)[2][4], float (&s1)[2][4],
+                                                const uint4 (&kw)[2][2], int i, int h, uint2 b) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    u32 x0 = word_of(kw[u][0], i), x1 = word_of(kw[u][1], i);
+    if (h) { x0 >>= 8; x1 >>= 8; }
+    mma_16816((LSPLIT && h) ? s1[u] : s[u], f44_pair<0>(x0), f44_pair<0>(x1),
+              f44_pair<4>(x0), f44_pair<4>(x1), b.x, b.y);
+  }
+}
+__device__ __forceinline__ void f44_fold(float (&s)[2][4], const float (&s1)[2][4]) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[u][k] += s1[u][k];
+  }
+}
+
 // Softmax of one staged fast page (page44, page44_pipe): the logits s (rows g, g + 8 of the
 // two sub-tiles; heads 2t, 2t + 1) -> P' = p s_V in the value mma's B layout (pb). Scales of
 // states g + 8j (j = 2u + r: row r of sub-tile u); kk, hv as page44; the lazy running
@@ -817,38 +850,17 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
   // ---- logits: s[u] = S^T of sub-tile u (rows g, g + 8; heads 2t, 2t + 1). DEC7_LSPLIT: the
   // odd chunks go to a second accumulator (two mma chains of 4 per sub-tile instead of one of 8)
   float s[2][4], s1[2][4];
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
-    s1[u][0] = s1[u][1] = s1[u][2] = s1[u][3] = 0.0f;
-  }
   uint4 kw[2][2];
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    kw[u][0] = lds128(buf + fl.koff + 1024u * u);
-    kw[u][1] = lds128(buf + fl.koff + 1024u * u + 512u);
-  }
+  f44_keys(buf, fl, s, s1, kw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint2 b = lds64(qf7 + 256u * (2 * i + h));
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        u32 x0 = word_of(kw[u][0], i), x1 = word_of(kw[u][1], i);
-        if (h) { x0 >>= 8; x1 >>= 8; }
-        mma_16816((DEC7_LSPLIT && h) ? s1[u] : s[u], f44_pair<0>(x0), f44_pair<0>(x1),
-                  f44_pair<4>(x0), f44_pair<4>(x1), b.x, b.y);
-      }
+      f44_logit_chunk<DEC7_LSPLIT>(s, s1, kw, i, h, b);
     }
   }
-  if (DEC7_LSPLIT) {
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) s[u][k] += s1[u][k];
-    }
-  }
+  if (DEC7_LSPLIT) f44_fold(s, s1);
   // ---- softmax
   u32 pb[2][2];
   f44_softmax(buf, fl, kk, hv, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
@@ -947,17 +959,8 @@ __device__ __forceinline__ void page44_pipe(u32 buf, u32 vbuf, u32 qf7, u32 kk, 
   F44Lane fl;
   fl.init(g, t);
   float s[2][4], s1[2][4];
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
-    s1[u][0] = s1[u][1] = s1[u][2] = s1[u][3] = 0.0f;
-  }
   uint4 kw[2][2];
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    kw[u][0] = lds128(buf + fl.koff + 1024u * u);
-    kw[u][1] = lds128(buf + fl.koff + 1024u * u + 512u);
-  }
+  f44_keys(buf, fl, s, s1, kw);
   uint2 vw[4];
   // chunk c = 2i + h of the logits (two mma, sub-tiles 0 and 1) next to value mma 2c, 2c + 1
   // of the previous page (sub-tile c >> 2, block j = (c >> 1) & 1, byte c & 1)
@@ -968,23 +971,11 @@ __device__ __forceinline__ void page44_pipe(u32 buf, u32 vbuf, u32 qf7, u32 kk, 
       const int c = 2 * i + h, vu = c >> 2;
       if ((c & 3) == 0) f44_vload(vw, vbuf, fl, vu);
       const uint2 b = lds64(qf7 + 256u * c);
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        u32 x0 = word_of(kw[u][0], i), x1 = word_of(kw[u][1], i);
-        if (h) { x0 >>= 8; x1 >>= 8; }
-        mma_16816((DEC8_LSPLIT && h) ? s1[u] : s[u], f44_pair<0>(x0), f44_pair<0>(x1),
-                  f44_pair<4>(x0), f44_pair<4>(x1), b.x, b.y);
-      }
+      f44_logit_chunk<DEC8_LSPLIT>(s, s1, kw, i, h, b);
       f44_value_pair(acc, vw, (c >> 1) & 1, c & 1, pb[vu][0], pb[vu][1]);
     }
   }
-  if (DEC8_LSPLIT) {
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) s[u][k] += s1[u][k];
-    }
-  }
+  if (DEC8_LSPLIT) f44_fold(s, s1);
   // ---- softmax (acc now holds the previous page's values)
   f44_softmax(buf, fl, kk, hv, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
 }

@@ -757,26 +757,32 @@ __device__ __forceinline__ void encode_v3_body(
 
 // Any codebook (bucket tables in shared memory, 9.3 KiB) and the uniform one (parameters
 // only). 256 threads; each warp owns 4 x D floats of shared memory for the staged rows.
+// The block of either v3 kernel: its shared table (bucket tables, or the uniform codebook's
+// parameters), then encode_v3_body with each warp's slice of the staged rows.
+template <int D, bool UNI>
+__device__ __forceinline__ void encode_v3_block(SKV_ENCODE_V3_PARAMS) {
+  constexpr int TAB = UNI ? ENC3_LEV2 : ENC3_WORDS;
+  __shared__ float tab[TAB];
+  __shared__ float4 xw[8 * D];
+  for (int k = threadIdx.x; k < TAB; k += blockDim.x) tab[k] = tables[k];
+  __syncthreads();
+  encode_v3_body<D, UNI>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page, dst_slot,
+                         part, pages, page_words, page_tier, geom, num_tiers, levels, mids, tab,
+                         xw + (threadIdx.x >> 5) * D, status);
+}
+
 template <int D>
 __global__ void __launch_bounds__(256, 4) encode_v3_kernel(SKV_ENCODE_V3_PARAMS) {
-  __shared__ float tab[ENC3_WORDS];
-  __shared__ float4 xw[8 * D];
-  for (int k = threadIdx.x; k < ENC3_WORDS; k += blockDim.x) tab[k] = tables[k];
-  __syncthreads();
-  encode_v3_body<D, false>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page, dst_slot,
-                           part, pages, page_words, page_tier, geom, num_tiers, levels, mids, tab,
-                           xw + (threadIdx.x >> 5) * D, status);
+  encode_v3_block<D, false>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page,
+                            dst_slot, part, pages, page_words, page_tier, geom, num_tiers, levels,
+                            mids, tables, status);
 }
 
 template <int D>
 __global__ void __launch_bounds__(256, 4) encode_v3_uniform_kernel(SKV_ENCODE_V3_PARAMS) {
-  __shared__ float tab[ENC3_LEV2];
-  __shared__ float4 xw[8 * D];
-  for (int k = threadIdx.x; k < ENC3_LEV2; k += blockDim.x) tab[k] = tables[k];
-  __syncthreads();
-  encode_v3_body<D, true>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page, dst_slot,
-                          part, pages, page_words, page_tier, geom, num_tiers, levels, mids, tab,
-                          xw + (threadIdx.x >> 5) * D, status);
+  encode_v3_block<D, true>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page,
+                           dst_slot, part, pages, page_words, page_tier, geom, num_tiers, levels,
+                           mids, tables, status);
 }
 #undef SKV_ENCODE_V3_PARAMS
 
