@@ -264,6 +264,11 @@ class SphericalKVCache:
         They enter at the top tier at positions length..length+t−1 of that layer. The first
         chunk of a layer fixes its means μ_K, μ_V (per kv-head, over the chunk's tokens).
         May run an automatic compress (policy.every); if that fails, the append is undone too."""
+        self._append(seq, layer, k, v)
+
+    def _append(self, seq, layer, k, v) -> list:
+        """``append``, returning the top-tier encodings it wrote, one (keys, values) pair of
+        ``Encoded`` per kv-head (empty for t = 0)."""
         s = self._seq(seq)
         layer = self._layer(layer)
         sid = int(seq)
@@ -282,7 +287,7 @@ class SphericalKVCache:
             raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
         t = k.shape[1]
         if t == 0:
-            return
+            return []
         first = self.centre and not s.has_mean[layer]
         if first:
             mk, mv = k.mean(axis=1).astype(np.float32), v.mean(axis=1).astype(np.float32)
@@ -318,6 +323,7 @@ class SphericalKVCache:
                 s.has_mean[layer], s.mean_k[layer], s.mean_v[layer], s.since_compress = saved
                 s.length[layer] -= t
                 raise
+        return encoded
 
     def protect(self, seq, start, stop) -> None:
         """Keep the tokens at positions start..stop−1 (every layer) at the top tier from now

@@ -216,14 +216,11 @@ class SphericalStore(ContextStore):
 
     def append(self, layer, k, v):
         kv = self.kv
-        kv.append(self.seq, layer, k, v)
-        s = kv._seq(self.seq)
+        encoded = kv._append(self.seq, layer, k, v)
         kb, vb = kv.ladder.bits(kv.ladder.top)
         held_k, held_v = np.empty(k.shape), np.empty(v.shape)
-        for h in range(kv.num_kv_heads):     # the top-tier codes the pages now hold
+        for h, (ke, ve) in enumerate(encoded):     # the top-tier codes the pages now hold
             kc, vc = kv.codec(layer, h, kb, KEY_SALT), kv.codec(layer, h, vb, VALUE_SALT)
-            ke = kc.encode(k[h], mean=s.mean_k[layer, h] if kv.centre else None)
-            ve = vc.encode(v[h], mean=s.mean_v[layer, h] if kv.centre else None)
             held_k[h], held_v[h] = kc.decode(ke), vc.decode(ve)
             if self._snap[layer] is not None:
                 row = self._snap[layer][h]
