@@ -20,6 +20,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -454,6 +455,10 @@ def main(argv=None):
               f"{r['us']:9.1f} {r['gbps']:7.0f} {100 * r['gbps'] / r['copy_gbps']:6.1f} "
               f"{r['speedup_vs_sdpa_bf16']:7.2f} {r.get('speedup_vs_flashinfer_bf16') or 0:7.2f} "
               f"{r.get('speedup_vs_flashinfer_fp8') or 0:7.2f}")
+    from validation.plot_decode import plot
+    png = Path(args.out).with_suffix(".png")
+    plot(rows, png)
+    print(f"wrote {png}")
     return 0
 
 
