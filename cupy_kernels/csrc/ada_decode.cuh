@@ -696,16 +696,20 @@ struct F44Lane {
   }
 };
 
-// Copies page `src` (4096 bytes) into the staging buffer at shared address `dst` with the 4/4
-// swizzle: lane l copies chunks l + 32 i (i = 0..7); chunk l + 32 i lies in row l/8 + 4 i, so
-// its slot is (l ^ 2((l >> 3) & 3)) + 32 i, except row 31 (i = 7, l >= 24), kept in place.
+// Copies page `src` (4096 bytes) into the staging buffer at shared address `dst` with an XOR
+// swizzle of the 16-byte chunk slot by the 128-byte row: lane l copies chunks l + 32 i
+// (i = 0..7); chunk l + 32 i lies in row l/8 + 4 i, so its slot is (l ^ ((l >> 2) & SW)) + 32 i,
+// except in the last round for lanes >= KEEP (the scale rows, kept in place). 4/4 (f44_stage):
+// SW = 6 (slot ^= 2 (row & 3)), rows 0..30 swizzled; 2/2 (page_f2): SW = 2 (slot ^= 2 (row & 1)),
+// rows 0..29 swizzled; SW = 0: no swizzle.
 template <int OFF>
 __device__ __forceinline__ void cp_async16_off(u32 dst, const char* src) {   // both + OFF bytes
   asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" :: "r"(dst), "l"(src), "n"(OFF));
 }
-__device__ __forceinline__ void f44_stage(u32 dst, const u32* src_page, int lane) {
+template <u32 SW, int KEEP>
+__device__ __forceinline__ void fp_stage(u32 dst, const u32* src_page, int lane) {
   const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
-  const u32 sl = static_cast<u32>(lane) ^ ((static_cast<u32>(lane) >> 2) & 6u);
+  const u32 sl = static_cast<u32>(lane) ^ ((static_cast<u32>(lane) >> 2) & SW);
   const u32 d = dst + 16u * sl;
   cp_async16_off<0>(d, src);
   cp_async16_off<512>(d, src);
@@ -714,8 +718,10 @@ __device__ __forceinline__ void f44_stage(u32 dst, const u32* src_page, int lane
   cp_async16_off<2048>(d, src);
   cp_async16_off<2560>(d, src);
   cp_async16_off<3072>(d, src);
-  // row 31 (lanes 24..31 of the last round) is not swizzled: slot = chunk
-  cp_async16_off<3584>(lane >= 24 ? dst + 16u * lane : d, src);
+  cp_async16_off<3584>(lane >= KEEP ? dst + 16u * lane : d, src);
+}
+__device__ __forceinline__ void f44_stage(u32 dst, const u32* src_page, int lane) {
+  fp_stage<6u, 24>(dst, src_page, lane);   // row 31 (lanes 24..31 of the last round) in place
 }
 
 // The logits of a staged fast page, in the pieces page44 and page44_pipe share: f44_keys zeroes
@@ -751,51 +757,73 @@ __device__ __forceinline__ void f44_fold(float (&s)[2][4], const float (&s1)[2][
   }
 }
 
-// Softmax of one staged fast page (page44, page44_pipe): the logits s (rows g, g + 8 of the
-// two sub-tiles; heads 2t, 2t + 1) -> P' = p s_V in the value mma's B layout (pb). Scales of
-// states g + 8j (j = 2u + r: row r of sub-tile u); kk, hv as page44; the lazy running
-// maximum, l and ps as in decode_page (acc is rescaled when the maximum moves).
-__device__ __forceinline__ void f44_softmax(u32 buf, const F44Lane& fl, u32 kk, float hv, int g,
-                                            const float (&s)[2][4], float (&acc)[8][4],
-                                            u32 (&pb)[2][2], float& m0, float& m1, float& l0,
-                                            float& l1, float& ps0, float& ps1) {
-  float sk[4], svh[4];
+// Softmax of one staged fast page of NS 16-state sub-tiles holding P states (page44 and
+// page44_pipe: NS = 2, P = 31; page_f2: 3/3 NS = 3, P = 40, 2/2 NS = 4, P = 60): the logits s
+// (rows g, g + 8 of each sub-tile; heads 2t, 2t + 1) -> P' = p s_V in the value mma's B layout
+// (pb). Row j = 2u + r of the lane is state 8j + g; its key scale at shared address sk_at + 16 j,
+// its value scale at sv_at + 16 j. A row past the page's last state gets weight 0 (logit -inf,
+// s_V = 0: its scale and code bytes are padding or other arrays, any bits); a row that is never
+// a state (8 j >= P) is not loaded and its P' is 0. kk, hv as page44; coef: -2 times the code
+// offset of the tier (the offset times the sum of P' is taken off once at the end:
+// decode_cta's + 0.5 ps). The lazy running maximum, l and ps as in decode_page (acc is
+// rescaled when the maximum moves).
+template <int NS, int P>
+__device__ __forceinline__ void fp_softmax(u32 sk_at, u32 sv_at, u32 kk, float hv, float coef,
+                                           int g, const float (&s)[NS][4], float (&acc)[8][4],
+                                           u32 (&pb)[NS][2], float& m0, float& m1, float& l0,
+                                           float& l1, float& ps0, float& ps1) {
+  constexpr int NR = 2 * NS;
+  float sk[NR], svh[NR];
+  bool ok[NR];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    sk[j] = lds_half(buf + fl.soff + 16u * j);
-    svh[j] = lds_half(buf + fl.soff + (F44_VSOFF - F44_KSOFF) + 16u * j) * hv;
+  for (int j = 0; j < NR; ++j) {
+    ok[j] = 8 * j + 7 < P || (8 * j < P && g < P - 8 * j);
+    sk[j] = svh[j] = 0.0f;
+    if (8 * j < P) {
+      sk[j] = lds_half(sk_at + 16u * j);
+      svh[j] = lds_half(sv_at + 16u * j) * hv;
+      if (!ok[j]) svh[j] = 0.0f;
+    }
   }
-  const bool last = g == 7;   // row g + 8 of sub-tile 1 is slot 31: not a state
-  if (last) svh[3] = 0.0f;    // (its "scale" is padding: any bits)
   const float4 K = lds128f(kk);   // z = (s K1 + K2) sk: the logit in log2 units
-  float e[2][4];
+  float e[NS][4];
 #pragma unroll
-  for (int u = 0; u < 2; ++u) {
+  for (int u = 0; u < NS; ++u) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const float k1 = (k & 1) ? K.z : K.x, k2 = (k & 1) ? K.w : K.y;
       e[u][k] = fmaf(fmaf(s[u][k], k1, k2), sk[2 * u + (k >> 1)], -((k & 1) ? m1 : m0));
     }
   }
-  if (last) e[1][2] = e[1][3] = -SKV_INF;
-  float x0 = fmaxf(fmaxf(e[0][0], e[0][2]), fmaxf(e[1][0], e[1][2]));
-  float x1 = fmaxf(fmaxf(e[0][1], e[0][3]), fmaxf(e[1][1], e[1][3]));
+#pragma unroll
+  for (int j = 0; j < NR; ++j) {
+    if (!ok[j]) e[j >> 1][2 * (j & 1)] = e[j >> 1][2 * (j & 1) + 1] = -SKV_INF;
+  }
+  float x0 = -SKV_INF, x1 = -SKV_INF;
+#pragma unroll
+  for (int u = 0; u < NS; ++u) {
+    x0 = fmaxf(x0, fmaxf(e[u][0], e[u][2]));
+    x1 = fmaxf(x1, fmaxf(e[u][1], e[u][3]));
+  }
   if (__any_sync(0xffffffffu, x0 > DEC_LAZY_MAX || x1 > DEC_LAZY_MAX)) {
     // lazy maximum moves (rare after the first pages): as in decode_page, from the absolute
     // logits (m may be -inf)
-    float z[2][4];
+    float z[NS][4];
     x0 = x1 = -SKV_INF;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < NS; ++u) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float k1 = (k & 1) ? K.z : K.x, k2 = (k & 1) ? K.w : K.y;
         z[u][k] = fmaf(s[u][k], k1, k2) * sk[2 * u + (k >> 1)];
       }
     }
-    if (last) z[1][2] = z[1][3] = -SKV_INF;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int j = 0; j < NR; ++j) {
+      if (!ok[j]) z[j >> 1][2 * (j & 1)] = z[j >> 1][2 * (j & 1) + 1] = -SKV_INF;
+    }
+#pragma unroll
+    for (int u = 0; u < NS; ++u) {
       x0 = fmaxf(x0, fmaxf(z[u][0], z[u][2]));
       x1 = fmaxf(x1, fmaxf(z[u][1], z[u][3]));
     }
@@ -813,29 +841,37 @@ __device__ __forceinline__ void f44_softmax(u32 buf, const F44Lane& fl, u32 kk, 
     }
     m0 = n0; m1 = n1;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < NS; ++u) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) e[u][k] = z[u][k] - ((k & 1) ? m1 : m0);
     }
   }
 #pragma unroll
-  for (int u = 0; u < 2; ++u) {
+  for (int u = 0; u < NS; ++u) {
+    const bool r1 = 16 * u + 8 < P;   // row g + 8 of the sub-tile can be a state
     float p[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) p[k] = dec_exp2<true>(e[u][k]);
+    for (int k = 0; k < 4; ++k) p[k] = (k < 2 || r1) ? dec_exp2<true>(e[u][k]) : 0.0f;
     l0 += p[0] + p[2];
     l1 += p[1] + p[3];
     const __half2 w0 = __floats2half2_rn(p[0] * svh[2 * u], p[1] * svh[2 * u]);
     const __half2 w1 = __floats2half2_rn(p[2] * svh[2 * u + 1], p[3] * svh[2 * u + 1]);
-    // sum of the fp16 P' exactly as the mma sees them: the code offset (7.5 on the F path,
-    // -0.5 on v6's u = c - 8) times it is taken off once at the end (decode_cta: + 0.5 ps)
+    // sum of the fp16 P' exactly as the mma sees them
     const float2 f0 = __half22float2(w0), f1 = __half22float2(w1);
-    constexpr float coef = DEC7_CONV == 0 ? -15.0f : 1.0f;
     ps0 = fmaf(f0.x + f1.x, coef, ps0);
     ps1 = fmaf(f0.y + f1.y, coef, ps1);
     pb[u][0] = transpose8x8(h2_as_u32(w0));
-    pb[u][1] = transpose8x8(h2_as_u32(w1));
+    pb[u][1] = r1 ? transpose8x8(h2_as_u32(w1)) : 0u;
   }
+}
+// The 4/4 fast page's softmax (31 states; the code offset 7.5 on the F path, -0.5 on v6's
+// u = c - 8); fl.soff: key scale of state g.
+__device__ __forceinline__ void f44_softmax(u32 buf, const F44Lane& fl, u32 kk, float hv, int g,
+                                            const float (&s)[2][4], float (&acc)[8][4],
+                                            u32 (&pb)[2][2], float& m0, float& m1, float& l0,
+                                            float& l1, float& ps0, float& ps1) {
+  fp_softmax<2, 31>(buf + fl.soff, buf + fl.soff + (F44_VSOFF - F44_KSOFF), kk, hv,
+                    DEC7_CONV == 0 ? -15.0f : 1.0f, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
 }
 
 // One full 4/4 page staged at shared address `buf` (swizzled). qf7: shared address of this
