@@ -1479,23 +1479,9 @@ __device__ __forceinline__ void decode_pages8(
   const int g = lane >> 2, t = lane & 3;
   const bool f44ok = page_words == F44_WORDS;
   const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
-  // The header block (as decode_pages7) is kept in the warp's 512-byte P' tile (unused from
-  // v6 on), lane l's entry {page id, count | tier << 16 | kind << 28} at 8 l: two registers
-  // fewer across the page loop than in shuffle registers (at 128 registers ptxas spilled).
-  const u32 hsh = static_cast<u32>(__cvta_generic_to_shared(pt));
-  auto refill = [&](int first) {   // warp-uniform; the previous block was read before the
-    const int idx = first + DEC_WARPS * lane;   // __syncwarp at the end of the last step
-    u32 hp = 0, hc = 0;
-    if (idx < lds_s32(prange + 4)) {
-      const int page = indices[lds_s32(prange) + idx];
-      const int tier = page_tier[page], count = page_count[page];
-      const int4 gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
-      const int kind = count != gq.z ? 0 : (f44ok && gq.x == 4 && gq.y == 4) ? 2 : 1;
-      hp = static_cast<u32>(page);
-      hc = static_cast<u32>(count) | (static_cast<u32>(tier) << 16) | (static_cast<u32>(kind) << 28);
-    }
-    asm volatile("st.shared.v2.u32 [%0], {%1, %2};" :: "r"(hsh + 8u * lane), "r"(hp), "r"(hc));
-    __syncwarp();
+  const u32 hsh = static_cast<u32>(__cvta_generic_to_shared(pt));   // header block (header_refill)
+  auto refill = [&](int first) {
+    header_refill<false>(hsh, first, lane, prange, indices, page_tier, page_count, geom, f44ok);
   };
   // a page's header stays packed (page; count | tier << 16 | kind << 28) across the loop
   auto header = [&](int jb, int& page, u32& c) {
@@ -1504,14 +1490,7 @@ __device__ __forceinline__ void decode_pages8(
     c = v.y;
   };
   auto stage = [&](int page, u32 c, u32 dst) {
-    const u32 kind = c >> 28;
-    const u32* src = pages + (size_t)page * page_words;
-    if (kind == 2) {
-      f44_stage(dst, src, lane);
-    } else if (kind == 1) {
-      for (int c = lane; c < page_words / 4; c += 32)
-        cp_async16_sh(dst + 16u * c, reinterpret_cast<const char*>(src) + 16 * c);
-    }
+    stage_page<false>(pages + (size_t)page * page_words, c, dst, page_words, lane);
   };
   const u32 bstride = 4u * page_words;
   bool fdom = true;    // accumulators in the F domain (all zero: either)
@@ -1557,21 +1536,8 @@ __device__ __forceinline__ void decode_pages8(
         pend = false;
       }
       if (fdom) { f44_domain<D>(acc, false); fdom = false; }
-      const int cur_count = static_cast<int>(cur_c & 0xffffu);
-      const int* gm = geom + static_cast<int>((cur_c >> 16) & 0xfffu) * SKV_GEOM_STRIDE;
-      if (cur_kind == 1) {
-        SharedRow r;
-        r.a = bsh;
-        decode_page<D, PATH, NSUB, true, true>(r, gm, cur_count, qsrc, lut, sm.kfac, sm.qmu,
-                                               sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1, l0,
-                                               l1, ps0, ps1);
-      } else {
-        GlobalRow r;
-        r.p = pages + (size_t)indices[lds_s32(prange) + pi] * page_words;
-        decode_page<D, PATH, NSUB, true, true>(r, gm, cur_count, qsrc, lut, sm.kfac, sm.qmu,
-                                               sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1, l0,
-                                               l1, ps0, ps1);
-      }
+      decode_generic<D, PATH, NSUB>(pages, page_words, indices, geom, prange, pi, cur_c, bsh, sm,
+                                    qsrc, lut, pt, g, t, acc, m0, m1, l0, l1, ps0, ps1);
     }
     __syncwarp();   // every lane is done with page pi - 4's buffer before it is refilled
     bsh = nsh;
