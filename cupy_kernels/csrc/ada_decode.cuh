@@ -27,6 +27,10 @@
 //   shared memory at the end. One split: the CTA applies Pi_V^T (Walsh–Hadamard in shared
 //   memory), adds mu_V and writes the output. Several splits: it writes (O / l, lse) to the
 //   small partial buffers and ada_merge combines them. Nothing of size tokens x D exists.
+//   v7 (affine path, D = 128) decodes full pages of the 4/4 tier (page44), the 3/3 and the 2/2
+//   tier (page_f2) on fast paths (one softmax step per page, staged and swizzled, codes as fp16
+//   subnormals; their own lane maps, described there) and every other page on the generic
+//   tile code above; v8 pipelines the 4/4 fast path across pages.
 #pragma once
 #include "spherical_common.cuh"
 
@@ -1935,7 +1939,9 @@ ada_decode_uniform_v6_kernel(SKV_DECODE_PARAMS) {
 
 // v7 (affine path only): full 4/4 pages on the fast path (page44: no predication, swizzled
 // staging, conflict-free 16- and 8-byte code loads, one lop3 per code pair, one MUFU per
-// weight), every other page on v6's decode_page with the v7 value map and MUFU exp2.
+// weight), full 3/3 and 2/2 pages on theirs (page_f2: 2-bit fields one lop3 per pair, the
+// 3-bit plane bit merged by a shift and a lop3), every other page on v6's decode_page with the
+// v7 value map and MUFU exp2.
 #ifndef DEC7_SUB
 #define DEC7_SUB 2              // 16-state sub-tiles per softmax step of the generic pages
 #endif
