@@ -112,8 +112,9 @@ def test_peaked_softmax_lazy_maximum(codebook):
 @pytest.mark.parametrize("softmax_scale", [None, 4.0])
 def test_v7_fast_path_and_domain_changes(softmax_scale, version):
     """v7 decodes full 4/4 pages on its fast path (codes as fp16 subnormals, accumulators in
-    the "F domain") and every other page as v6 does; pages of 4/4, 2/2, 3/3, 8/8 and the fp16
-    tier interleave in each row (many chunks, shuffled page order), so the accumulators change
+    the "F domain"), full 3/3 and 2/2 pages on theirs (the "F2" domain) and every other page as
+    v6 does; pages of 4/4, 2/2, 3/3, 8/8 and the fp16 tier interleave in each row (many
+    chunks, shuffled page order), so the accumulators change
     domain many times, next to long pure-4/4 rows (one split and several). Against the
     reference and against v6 (same codes, other fp16 roundings). v8: the same with each fast
     page's values one page late (flushed before every other page kind and at the end)."""
@@ -124,6 +125,31 @@ def test_v7_fast_path_and_domain_changes(softmax_scale, version):
     for c in (case, pure):
         for splits in (1, 2, 7, 40):
             a = run_case(c, num_splits=splits, version=version, softmax_scale=softmax_scale)
+            b = run_case(c, num_splits=splits, version=6, softmax_scale=softmax_scale).get()
+            diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
+            assert float(np.max(diff / c.error_scale(softmax_scale))) <= BOUND
+            _check(c, a, softmax_scale)
+
+
+@pytest.mark.parametrize("softmax_scale", [None, 4.0])
+def test_v7_fast_33_and_22_pages(softmax_scale):
+    """v7 decodes full 3/3 and 2/2 pages (D = 128) on their own fast path (page_f2: 2-bit fields
+    as fp16 subnormals, the 3-bit plane bit merged into the field; accumulators in the "F2"
+    domain; 40 and 60 states per page, the last sub-tile partly empty): rows whose pages of
+    every tier of the wide ladder (1/1, 8/8, 16/16 generic; 4/4 on its own fast path, another
+    domain) and partial pages interleave, and pure 3/3 and 2/2 rows of many full pages and one
+    partial page, at 1, 2, 7 and 40 splits. Against the reference and against v6 (same codes,
+    other fp16 roundings). Page padding is random, so a read of a non-state slot that were not
+    masked would show."""
+    from cupy_kernels.cases import build_case, run_case
+    mixed = build_case(2, 2, 8, 128, [1500, 700, 41, 2400], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
+                       seed=61, centred=True, codebook="uniform", chunks_per_row=16)
+    pure3 = build_case(1, 2, 4, 128, [4000, 39], WIDE_LADDER, [3], seed=62, centred=True,
+                       codebook="uniform")
+    pure2 = build_case(1, 2, 8, 128, [6000, 61], WIDE_LADDER, [2], seed=63, codebook="uniform")
+    for c in (mixed, pure3, pure2):
+        for splits in (1, 2, 7, 40):
+            a = run_case(c, num_splits=splits, version=7, softmax_scale=softmax_scale)
             b = run_case(c, num_splits=splits, version=6, softmax_scale=softmax_scale).get()
             diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
             assert float(np.max(diff / c.error_scale(softmax_scale))) <= BOUND

@@ -3,7 +3,7 @@ built (one GPU, one process): which of the v7 choices pays, before v7 is made th
 variant is a set of NVRTC defines of csrc/ada_decode.cuh (DEC7_CONV: 0 = codes fed to the mma
 as fp16 subnormals by one lop3, 1 = v6's lop3 + fma per pair; DEC7_LSPLIT: two accumulators per
 sub-tile for the fast path's logits; DEC7_STAGES: page buffers per warp, with the launcher's
-STAGES_V7) and/or a launcher setting (WAVES_V7: whole waves of resident CTAs the split count
+STAGES_V7; DEC7_FAST3 / DEC7_FAST2: full 3/3 / 2/2 pages on their fast path or the generic code) and/or a launcher setting (WAVES_V7: whole waves of resident CTAs the split count
 aims at; MERGE_V7: v7's merge kernel instead of v6's). Every row carries the relative difference of its output
 from v6's on the same pool and queries (a correctness check of each variant).
 
@@ -28,11 +28,14 @@ VARIANTS = {
     "v7_conv1": (dict(DEC7_CONV=1), {}),
     # v8 (fast path pipelined across pages): two logit accumulators per sub-tile as v7
     "v8_lsplit1": (dict(DEC8_LSPLIT=1), {}),
+    # v7 with full 3/3 and 2/2 pages on the generic code again (as before page_f2)
+    "v7_generic32": (dict(DEC7_FAST3=0, DEC7_FAST2=0), {}),
 }
 # measured in device run 1 (before WAVES_V7 = 1, the v7 merge and DEC7_LSPLIT = 1 were made the
 # default): v7_waves1 (now the default), v7_stages3, v7_conv1 (docs/PERF_NOTES.md, v7)
 CASES = [(32, 8192, "4/4"), (8, 32768, "4/4"), (2, 131072, "4/4"), (1, 131072, "4/4"),
-         (8, 32768, "2/2"), (8, 32768, "3/3"), (8, 32768, "rdr-mix")]
+         (8, 32768, "2/2"), (8, 32768, "3/3"), (8, 32768, "rdr-mix"),
+         (32, 8192, "3/3"), (1, 131072, "3/3"), (1, 131072, "2/2")]
 
 
 def variant_kernels(defines: dict):

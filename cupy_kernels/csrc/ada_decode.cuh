@@ -27,6 +27,10 @@
 //   shared memory at the end. One split: the CTA applies Pi_V^T (Walsh–Hadamard in shared
 //   memory), adds mu_V and writes the output. Several splits: it writes (O / l, lse) to the
 //   small partial buffers and ada_merge combines them. Nothing of size tokens x D exists.
+//   v7 (affine path, D = 128) decodes full pages of the 4/4 tier (page44), the 3/3 and the 2/2
+//   tier (page_f2) on fast paths (one softmax step per page, staged and swizzled, codes as fp16
+//   subnormals; their own lane maps, described there) and every other page on the generic
+//   tile code above; v8 pipelines the 4/4 fast path across pages.
 #pragma once
 #include "spherical_common.cuh"
 
@@ -82,8 +86,16 @@ struct DecodeSmem7 : DecodeSmem<D> {
   uint2 qfrag7[D / 16][32];          // [chunk][lane], see decode_cta
   __align__(16) float k12[DEC_HEADS][2];   // K1, K2 per head (page44)
 };
-template <int D, bool V7> struct SmemOf { typedef DecodeSmem<D> type; };
-template <int D> struct SmemOf<D, true> { typedef DecodeSmem7<D> type; };
+// v7 (not v8, whose three page buffers per warp leave no shared memory for a fourth CTA) adds
+// the query fragment and logit constants of the 3/3 and 2/2 fast pages (page_f2).
+template <int D>
+struct DecodeSmem7F2 : DecodeSmem7<D> {
+  uint2 qfrag2[D / 16][32];                  // [chunk][lane], see decode_cta
+  __align__(16) float k12b[2][DEC_HEADS][2];   // K1, K2 per head of the 2/2 [0] and 3/3 [1] tiers
+};
+template <int D, bool V7, bool V8> struct SmemOf { typedef DecodeSmem<D> type; };
+template <int D, bool V8> struct SmemOf<D, true, V8> { typedef DecodeSmem7<D> type; };
+template <> struct SmemOf<128, true, false> { typedef DecodeSmem7F2<128> type; };
 
 // Dynamic shared memory: [LUT_BYTES tables][region], region = max(2 page buffers per warp,
 // the per-warp output tiles of the final merge, which reuse it).
@@ -121,6 +133,11 @@ struct QShared {
 __device__ __forceinline__ int tid_x() {
   int v;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(v));
+  return v;
+}
+__device__ __forceinline__ int ctaid_y() {
+  int v;
+  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(v));
   return v;
 }
 __device__ __forceinline__ int lds_s32(u32 a) {   // not hoisted out of a loop (volatile)
@@ -696,16 +713,20 @@ struct F44Lane {
   }
 };
 
-// Copies page `src` (4096 bytes) into the staging buffer at shared address `dst` with the 4/4
-// swizzle: lane l copies chunks l + 32 i (i = 0..7); chunk l + 32 i lies in row l/8 + 4 i, so
-// its slot is (l ^ 2((l >> 3) & 3)) + 32 i, except row 31 (i = 7, l >= 24), kept in place.
+// Copies page `src` (4096 bytes) into the staging buffer at shared address `dst` with an XOR
+// swizzle of the 16-byte chunk slot by the 128-byte row: lane l copies chunks l + 32 i
+// (i = 0..7); chunk l + 32 i lies in row l/8 + 4 i, so its slot is (l ^ ((l >> 2) & SW)) + 32 i,
+// except in the last round for lanes >= KEEP (the scale rows, kept in place). 4/4 (f44_stage):
+// SW = 6 (slot ^= 2 (row & 3)), rows 0..30 swizzled; 2/2 (page_f2): SW = 2 (slot ^= 2 (row & 1)),
+// rows 0..29 swizzled; SW = 0: no swizzle.
 template <int OFF>
 __device__ __forceinline__ void cp_async16_off(u32 dst, const char* src) {   // both + OFF bytes
   asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" :: "r"(dst), "l"(src), "n"(OFF));
 }
-__device__ __forceinline__ void f44_stage(u32 dst, const u32* src_page, int lane) {
+template <u32 SW, int KEEP>
+__device__ __forceinline__ void fp_stage(u32 dst, const u32* src_page, int lane) {
   const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
-  const u32 sl = static_cast<u32>(lane) ^ ((static_cast<u32>(lane) >> 2) & 6u);
+  const u32 sl = static_cast<u32>(lane) ^ ((static_cast<u32>(lane) >> 2) & SW);
   const u32 d = dst + 16u * sl;
   cp_async16_off<0>(d, src);
   cp_async16_off<512>(d, src);
@@ -714,8 +735,10 @@ __device__ __forceinline__ void f44_stage(u32 dst, const u32* src_page, int lane
   cp_async16_off<2048>(d, src);
   cp_async16_off<2560>(d, src);
   cp_async16_off<3072>(d, src);
-  // row 31 (lanes 24..31 of the last round) is not swizzled: slot = chunk
-  cp_async16_off<3584>(lane >= 24 ? dst + 16u * lane : d, src);
+  cp_async16_off<3584>(lane >= KEEP ? dst + 16u * lane : d, src);
+}
+__device__ __forceinline__ void f44_stage(u32 dst, const u32* src_page, int lane) {
+  fp_stage<6u, 24>(dst, src_page, lane);   // row 31 (lanes 24..31 of the last round) in place
 }
 
 // The logits of a staged fast page, in the pieces page44 and page44_pipe share: f44_keys zeroes
@@ -751,51 +774,73 @@ __device__ __forceinline__ void f44_fold(float (&s)[2][4], const float (&s1)[2][
   }
 }
 
-// Softmax of one staged fast page (page44, page44_pipe): the logits s (rows g, g + 8 of the
-// two sub-tiles; heads 2t, 2t + 1) -> P' = p s_V in the value mma's B layout (pb). Scales of
-// states g + 8j (j = 2u + r: row r of sub-tile u); kk, hv as page44; the lazy running
-// maximum, l and ps as in decode_page (acc is rescaled when the maximum moves).
-__device__ __forceinline__ void f44_softmax(u32 buf, const F44Lane& fl, u32 kk, float hv, int g,
-                                            const float (&s)[2][4], float (&acc)[8][4],
-                                            u32 (&pb)[2][2], float& m0, float& m1, float& l0,
-                                            float& l1, float& ps0, float& ps1) {
-  float sk[4], svh[4];
+// Softmax of one staged fast page of NS 16-state sub-tiles holding P states (page44 and
+// page44_pipe: NS = 2, P = 31; page_f2: 3/3 NS = 3, P = 40, 2/2 NS = 4, P = 60): the logits s
+// (rows g, g + 8 of each sub-tile; heads 2t, 2t + 1) -> P' = p s_V in the value mma's B layout
+// (pb). Row j = 2u + r of the lane is state 8j + g; its key scale at shared address sk_at + 16 j,
+// its value scale at sv_at + 16 j. A row past the page's last state gets weight 0 (logit -inf,
+// s_V = 0: its scale and code bytes are padding or other arrays, any bits); a row that is never
+// a state (8 j >= P) is not loaded and its P' is 0. kk, hv as page44; coef: -2 times the code
+// offset of the tier (the offset times the sum of P' is taken off once at the end:
+// decode_cta's + 0.5 ps). The lazy running maximum, l and ps as in decode_page (acc is
+// rescaled when the maximum moves).
+template <int NS, int P>
+__device__ __forceinline__ void fp_softmax(u32 sk_at, u32 sv_at, u32 kk, float hv, float coef,
+                                           int g, const float (&s)[NS][4], float (&acc)[8][4],
+                                           u32 (&pb)[NS][2], float& m0, float& m1, float& l0,
+                                           float& l1, float& ps0, float& ps1) {
+  constexpr int NR = 2 * NS;
+  float sk[NR], svh[NR];
+  bool ok[NR];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    sk[j] = lds_half(buf + fl.soff + 16u * j);
-    svh[j] = lds_half(buf + fl.soff + (F44_VSOFF - F44_KSOFF) + 16u * j) * hv;
+  for (int j = 0; j < NR; ++j) {
+    ok[j] = 8 * j + 7 < P || (8 * j < P && g < P - 8 * j);
+    sk[j] = svh[j] = 0.0f;
+    if (8 * j < P) {
+      sk[j] = lds_half(sk_at + 16u * j);
+      svh[j] = lds_half(sv_at + 16u * j) * hv;
+      if (!ok[j]) svh[j] = 0.0f;
+    }
   }
-  const bool last = g == 7;   // row g + 8 of sub-tile 1 is slot 31: not a state
-  if (last) svh[3] = 0.0f;    // (its "scale" is padding: any bits)
   const float4 K = lds128f(kk);   // z = (s K1 + K2) sk: the logit in log2 units
-  float e[2][4];
+  float e[NS][4];
 #pragma unroll
-  for (int u = 0; u < 2; ++u) {
+  for (int u = 0; u < NS; ++u) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const float k1 = (k & 1) ? K.z : K.x, k2 = (k & 1) ? K.w : K.y;
       e[u][k] = fmaf(fmaf(s[u][k], k1, k2), sk[2 * u + (k >> 1)], -((k & 1) ? m1 : m0));
     }
   }
-  if (last) e[1][2] = e[1][3] = -SKV_INF;
-  float x0 = fmaxf(fmaxf(e[0][0], e[0][2]), fmaxf(e[1][0], e[1][2]));
-  float x1 = fmaxf(fmaxf(e[0][1], e[0][3]), fmaxf(e[1][1], e[1][3]));
+#pragma unroll
+  for (int j = 0; j < NR; ++j) {
+    if (!ok[j]) e[j >> 1][2 * (j & 1)] = e[j >> 1][2 * (j & 1) + 1] = -SKV_INF;
+  }
+  float x0 = -SKV_INF, x1 = -SKV_INF;
+#pragma unroll
+  for (int u = 0; u < NS; ++u) {
+    x0 = fmaxf(x0, fmaxf(e[u][0], e[u][2]));
+    x1 = fmaxf(x1, fmaxf(e[u][1], e[u][3]));
+  }
   if (__any_sync(0xffffffffu, x0 > DEC_LAZY_MAX || x1 > DEC_LAZY_MAX)) {
     // lazy maximum moves (rare after the first pages): as in decode_page, from the absolute
     // logits (m may be -inf)
-    float z[2][4];
+    float z[NS][4];
     x0 = x1 = -SKV_INF;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < NS; ++u) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float k1 = (k & 1) ? K.z : K.x, k2 = (k & 1) ? K.w : K.y;
         z[u][k] = fmaf(s[u][k], k1, k2) * sk[2 * u + (k >> 1)];
       }
     }
-    if (last) z[1][2] = z[1][3] = -SKV_INF;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int j = 0; j < NR; ++j) {
+      if (!ok[j]) z[j >> 1][2 * (j & 1)] = z[j >> 1][2 * (j & 1) + 1] = -SKV_INF;
+    }
+#pragma unroll
+    for (int u = 0; u < NS; ++u) {
       x0 = fmaxf(x0, fmaxf(z[u][0], z[u][2]));
       x1 = fmaxf(x1, fmaxf(z[u][1], z[u][3]));
     }
@@ -813,29 +858,37 @@ __device__ __forceinline__ void f44_softmax(u32 buf, const F44Lane& fl, u32 kk, 
     }
     m0 = n0; m1 = n1;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < NS; ++u) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) e[u][k] = z[u][k] - ((k & 1) ? m1 : m0);
     }
   }
 #pragma unroll
-  for (int u = 0; u < 2; ++u) {
+  for (int u = 0; u < NS; ++u) {
+    const bool r1 = 16 * u + 8 < P;   // row g + 8 of the sub-tile can be a state
     float p[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) p[k] = dec_exp2<true>(e[u][k]);
+    for (int k = 0; k < 4; ++k) p[k] = (k < 2 || r1) ? dec_exp2<true>(e[u][k]) : 0.0f;
     l0 += p[0] + p[2];
     l1 += p[1] + p[3];
     const __half2 w0 = __floats2half2_rn(p[0] * svh[2 * u], p[1] * svh[2 * u]);
     const __half2 w1 = __floats2half2_rn(p[2] * svh[2 * u + 1], p[3] * svh[2 * u + 1]);
-    // sum of the fp16 P' exactly as the mma sees them: the code offset (7.5 on the F path,
-    // -0.5 on v6's u = c - 8) times it is taken off once at the end (decode_cta: + 0.5 ps)
+    // sum of the fp16 P' exactly as the mma sees them
     const float2 f0 = __half22float2(w0), f1 = __half22float2(w1);
-    constexpr float coef = DEC7_CONV == 0 ? -15.0f : 1.0f;
     ps0 = fmaf(f0.x + f1.x, coef, ps0);
     ps1 = fmaf(f0.y + f1.y, coef, ps1);
     pb[u][0] = transpose8x8(h2_as_u32(w0));
-    pb[u][1] = transpose8x8(h2_as_u32(w1));
+    pb[u][1] = r1 ? transpose8x8(h2_as_u32(w1)) : 0u;
   }
+}
+// The 4/4 fast page's softmax (31 states; the code offset 7.5 on the F path, -0.5 on v6's
+// u = c - 8); fl.soff: key scale of state g.
+__device__ __forceinline__ void f44_softmax(u32 buf, const F44Lane& fl, u32 kk, float hv, int g,
+                                            const float (&s)[2][4], float (&acc)[8][4],
+                                            u32 (&pb)[2][2], float& m0, float& m1, float& l0,
+                                            float& l1, float& ps0, float& ps1) {
+  fp_softmax<2, 31>(buf + fl.soff, buf + fl.soff + (F44_VSOFF - F44_KSOFF), kk, hv,
+                    DEC7_CONV == 0 ? -15.0f : 1.0f, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
 }
 
 // One full 4/4 page staged at shared address `buf` (swizzled). qf7: shared address of this
@@ -888,6 +941,271 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
                 f44_pair<4>(hi23), pb[u][0], pb[u][1]);
     }
   }
+}
+
+// ------------------------------------------------------------- v7, 3/3 and 2/2 pages ----
+// v7 fast path for full pages of the 3/3 and 2/2 tiers (D = 128, 4096-byte pages): page_f2.
+// Page layouts (docs/format.md): 3/3 holds P = 40 states, key codes [40][48 B] at 0 (per state:
+// the 2-bit field array, words 0..7, coordinate m of word w at bits 2m, then the bit-2 plane,
+// words 8..11, coordinate n of word 8 + w at bit n), value codes at 1920, key scales at 3840,
+// value scales at 3920; 2/2 holds P = 60 states, [60][32 B] at 0 and 1920, scales at 3840 and
+// 3960. A page is three (3/3; the third sub-tile holds states 32..39 only) or four (2/2; states
+// 48..59) 16-state sub-tiles in one softmax step (fp_softmax), with no predication.
+//
+// Codes to the mma, the F2 domain: as on the 4/4 path a field masked into an otherwise zero
+// fp16 is the exact subnormal c 2^(POS - 24). A 2-bit field sits at POS = 2p (p = 0..3, after
+// at most one 8-bit shift of its word), so one lop3 per pair of codes (2/2). A 3-bit code
+// c = lo + 4 hi becomes one field at POS = 2p: the lo field stays in place and the plane bit of
+// the same coordinate is shifted to POS + 2 and merged (shift + two lop3 per pair; one mma per
+// k16 chunk, as at 4/4 and 2/2). So both tiers share one query fragment (qfrag2: q~ 2^-POS in
+// the same k order; only 3/3 uses the plane bits) and one accumulator domain, F2: acc[4j + p]
+// carries 2^(2p - 24) (f7_domain). Offsets: u = c - 3.5 (3 bits) or c - 1.5 (2 bits): logits
+// through K2 per head and tier, values through ps (coefficient -7 or -3).
+//
+// Lane maps (lane = 4g + t), the same coordinates as the generic path (shared accumulators):
+//   logits: lane (g, t) owns coordinates 32t .. 32t + 31 of every state: field words 2t, 2t + 1
+//     (one 8-byte load) and, at 3 bits, plane word t (4 bytes). Word variants W[k] (k = 0..3):
+//     w0, w0 >> 8, w1, w1 >> 8; field p of W[k] holds coordinates 32t + 16(k >> 1) + 4(k & 1) + p
+//     (low half) and + 8 (high half). Chunk c = 2k + h takes fields 2h (b0) and 2h + 1 (b1).
+//     The plane word's bytes are paired by one prmt per state and word (bytes 0, 1 or 2, 3 to
+//     bytes 0 and 2), so that one shift serves both halves of a register.
+//   values: lane (g, t) reads field word g (coordinates 16g .. 16g + 15) of states 2t, 2t + 1,
+//     2t + 8, 2t + 9 of each sub-tile (and, at 3 bits, their plane word g >> 1, whose half g & 1
+//     one prmt pairs across two states); acc[4j + p] takes field p of the pair word (j: low or
+//     high halves of the two states) for row g and of the word >> 8 for row g + 8, as page44.
+//     The third 3/3 sub-tile has 8 states: its values are one m16n8k8 mma per block.
+// Shared-memory banks: 2/2 pages are staged with a 16-byte XOR swizzle (slot ^= 2 (row & 1),
+// rows 0..29), which makes the 8-byte key loads and the 4-byte value loads conflict-free. 3/3
+// pages are staged in place: the value and plane loads are conflict-free as they are (a state
+// is 12 words, 12 s mod 32 takes 8 distinct multiples of 4 over 8 consecutive states), the
+// 8-byte key-field loads are two-way conflicted (no 16-byte swizzle helps: 48-byte records).
+//
+// Error bound (docs/PERF_NOTES.md "Decode v7, 3/3 and 2/2 pages"): every operand the mma sees
+// is exact except the query fragment, q~ 2^-POS rounded to fp16: for POS <= 6 an fp16
+// subnormal (|q~| < 2^-8) is off by at most 2^-25 absolute, i.e. 2^-19 |q~|max per coordinate,
+// <= 2^-19 sum_j |C_j| <= 2^-15.5 |C| per logit, under 3 % of the tests' budget (2^-10 |q~| |C|).
+// Products and sums are fp32; the codes are c >= 0 (no cancellation inside the mma), so the
+// accumulation error is at most 2x v6's (|c| <= 7 against |u| <= 4 at 3 bits), as on the 4/4
+// path, and the offset term is the 4/4 path's with 3.5 or 1.5 instead of 7.5.
+
+#ifndef DEC7_FAST3
+#define DEC7_FAST3 1         // v7: full 3/3 pages on page_f2 (0: v6's generic code, as before)
+#endif
+#ifndef DEC7_FAST2
+#define DEC7_FAST2 1         // v7: full 2/2 pages on page_f2
+#endif
+
+template <int B> struct F2Geo;
+template <> struct F2Geo<3> {
+  static constexpr int P = 40, NS = 3;
+  static constexpr u32 KREC = 48, VOFF = 1920, KSOFF = 3840, VSOFF = 3920, SW = 0;
+  static constexpr float COEF = -7.0f;   // -2 x 3.5
+};
+template <> struct F2Geo<2> {
+  static constexpr int P = 60, NS = 4;
+  static constexpr u32 KREC = 32, VOFF = 1920, KSOFF = 3840, VSOFF = 3960, SW = 2;
+  static constexpr float COEF = -3.0f;   // -2 x 1.5
+};
+
+// 2/2 staging swizzle at byte level (chunk bit 1 ^= row bit 0, i.e. byte bit 5 ^= bit 7) for a
+// code byte offset (rows 0..29).
+__host__ __device__ constexpr u32 f22_swz(u32 o) { return o ^ ((o >> 2) & 32u); }
+
+__device__ __forceinline__ u32 lds32(u32 a) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+
+// D = A(16x8, row) * B(8x8, col) + C, fp16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_1688(float (&d)[4], u32 a0, u32 a1, u32 b0) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// Field p (POS = 2p) of both halves of x as fp16 subnormals; B = 3: with the plane bit of the
+// same coordinates from pl, which holds it SH bits below POS + 2 (SH < 0: above).
+template <int B, int P, int SH>
+__device__ __forceinline__ u32 f2_pair(u32 x, u32 pl) {
+  const u32 lo = x & ((3u << (2 * P)) * 0x10001u);
+  if constexpr (B == 2) {
+    return lo;
+  } else {
+    const u32 sh = SH >= 0 ? pl << SH : pl >> -SH;
+    return lo | (sh & ((4u << (2 * P)) * 0x10001u));
+  }
+}
+
+// Per-lane byte offsets inside a staged 3/3 or 2/2 page (sub-tile u: + 2 STR u; state + 8:
+// + STR, STR = 8 states).
+template <int B>
+struct F2Lane {
+  static constexpr u32 STR = 8u * F2Geo<B>::KREC;
+  u32 kf;     // key field words 2t, 2t + 1 of state g
+  u32 kp;     // 3/3: key plane word t of state g
+  u32 vf0;    // value field word g of state 2t
+  u32 vf1;    // ... of state 2t + 1
+  u32 soff;   // key scale of state g
+  __device__ __forceinline__ void init(int g, int t) {
+    const u32 ug = static_cast<u32>(g), ut = static_cast<u32>(t);
+    if constexpr (B == 3) {
+      kf = 48u * ug + 8u * ut;
+      kp = 48u * ug + 32u + 4u * ut;
+      vf0 = F2Geo<3>::VOFF + 96u * ut + 4u * ug;
+      vf1 = vf0 + 48u;
+    } else {
+      kf = f22_swz(32u * ug + 8u * ut);
+      kp = 0u;
+      vf0 = f22_swz(F2Geo<2>::VOFF + 64u * ut + 4u * ug);
+      vf1 = f22_swz(F2Geo<2>::VOFF + 64u * ut + 32u + 4u * ug);
+    }
+    soff = F2Geo<B>::KSOFF + 2u * ug;
+  }
+  // 3/3: value plane word g >> 1 of state 2t (+ 48: 2t + 1), relative to vf0
+  static __device__ __forceinline__ u32 vplane_delta(int g) {
+    return 32u + 4u * static_cast<u32>(g >> 1) - 4u * static_cast<u32>(g);
+  }
+};
+
+// One full 3/3 (B = 3) or 2/2 (B = 2) page staged at shared address `buf` (2/2: swizzled).
+// qf2: shared address of this lane's qfrag2[0][lane] (chunk c at + 256 c); kk: K1/K2 of heads
+// 2t, 2t + 1 for this tier (as page44); hv: the tier's step (twice its half step). acc must be
+// in the F2 domain. m, l, ps as in decode_page.
+template <int B>
+__device__ __forceinline__ void page_f2(u32 buf, u32 qf2, u32 kk, float hv, int g, int t,
+                                        float (&acc)[8][4], float& m0, float& m1, float& l0,
+                                        float& l1, float& ps0, float& ps1) {
+  typedef F2Geo<B> G;
+  constexpr int NS = G::NS;
+  constexpr u32 STR = F2Lane<B>::STR;
+  F2Lane<B> fl;
+  fl.init(g, t);
+  // ---- logits: s[u] = S^T of sub-tile u (rows g, g + 8; heads 2t, 2t + 1)
+  float s[NS][4];
+  uint2 kw[NS][2];
+  u32 kq[NS][2][2];   // 3/3: plane bytes (0, 1) and (2, 3) of the lane's word at bytes 0, 2
+#pragma unroll
+  for (int u = 0; u < NS; ++u) {
+    s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      kw[u][r] = make_uint2(0u, 0u);
+      kq[u][r][0] = kq[u][r][1] = 0u;
+      if (16 * u + 8 * r < G::P) {   // row r can hold a state (3/3: not row g + 8 of u = 2)
+        kw[u][r] = lds64(buf + fl.kf + STR * (2 * u + r));
+        if constexpr (B == 3) {
+          const u32 pw = lds32(buf + fl.kp + STR * (2 * u + r));
+          kq[u][r][0] = __byte_perm(pw, 0u, 0x1100u);
+          kq[u][r][1] = __byte_perm(pw, 0u, 0x3322u);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const uint2 b = lds64(qf2 + 256u * c);
+#pragma unroll
+    for (int u = 0; u < NS; ++u) {
+      u32 a[2][2];   // [row r][field 2h + f]
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int k = c >> 1;
+        const u32 x = ((k >> 1) ? kw[u][r].y : kw[u][r].x) >> (8 * (k & 1));
+        const u32 pl = kq[u][r][k >> 1];
+        if (16 * u + 8 * r >= G::P) {
+          a[r][0] = a[r][1] = 0u;
+        } else if (c & 1) {
+          a[r][0] = (k & 1) ? f2_pair<B, 2, 0>(x, pl) : f2_pair<B, 2, 4>(x, pl);
+          a[r][1] = (k & 1) ? f2_pair<B, 3, 1>(x, pl) : f2_pair<B, 3, 5>(x, pl);
+        } else {
+          a[r][0] = (k & 1) ? f2_pair<B, 0, -2>(x, pl) : f2_pair<B, 0, 2>(x, pl);
+          a[r][1] = (k & 1) ? f2_pair<B, 1, -1>(x, pl) : f2_pair<B, 1, 3>(x, pl);
+        }
+      }
+      mma_16816(s[u], a[0][0], a[1][0], a[0][1], a[1][1], b.x, b.y);
+    }
+  }
+  // ---- softmax
+  u32 pb[NS][2];
+  fp_softmax<NS, G::P>(buf + fl.soff, buf + fl.soff + (G::VSOFF - G::KSOFF), kk, hv, G::COEF, g,
+                       s, acc, pb, m0, m1, l0, l1, ps0, ps1);
+  // ---- values: acc[4j + p] += V^T(coordinates 8(2g + j) + p, + 4) . P'^T
+  const u32 psel = (g & 1) ? 0x7632u : 0x5410u;   // 3/3: the plane half of coordinates 16g..
+  const u32 vpd = F2Lane<B>::vplane_delta(g);
+#pragma unroll
+  for (int u = 0; u < NS; ++u) {
+    const bool k8 = 16 * u + 8 >= G::P;   // 3/3, u = 2: states 32..39 only (m16n8k8)
+    const u32 base = buf + STR * (2 * u);
+    u32 v[4];   // states 2t, 2t + 1, 2t + 8, 2t + 9 of the sub-tile
+    v[0] = lds32(base + fl.vf0);
+    v[1] = lds32(base + fl.vf1);
+    v[2] = k8 ? 0u : lds32(base + STR + fl.vf0);
+    v[3] = k8 ? 0u : lds32(base + STR + fl.vf1);
+    u32 pp01 = 0u, pp23 = 0u;
+    if constexpr (B == 3) {
+      pp01 = __byte_perm(lds32(base + fl.vf0 + vpd), lds32(base + fl.vf1 + vpd), psel);
+      if (!k8)
+        pp23 = __byte_perm(lds32(base + STR + fl.vf0 + vpd), lds32(base + STR + fl.vf1 + vpd), psel);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const u32 sel = j ? 0x7632u : 0x5410u;
+      const u32 x01 = __byte_perm(v[0], v[1], sel), y01 = x01 >> 8;
+      const u32 x23 = __byte_perm(v[2], v[3], sel), y23 = x23 >> 8;
+      // plane bit of coordinate 8j + p (row g) at bit 8j + p of pp: shift p + 2 - 8j to POS + 2;
+      // of 8j + p + 4 (row g + 8): shift p - 2 - 8j
+#define SKV_F2V(P_)                                                                        \
+  {                                                                                        \
+    const u32 a0 = j ? f2_pair<B, P_, P_ - 6>(x01, pp01) : f2_pair<B, P_, P_ + 2>(x01, pp01); \
+    const u32 a1 = j ? f2_pair<B, P_, P_ - 10>(y01, pp01) : f2_pair<B, P_, P_ - 2>(y01, pp01); \
+    if (k8) {                                                                              \
+      mma_1688(acc[4 * j + P_], a0, a1, pb[u][0]);                                         \
+    } else {                                                                               \
+      const u32 a2 = j ? f2_pair<B, P_, P_ - 6>(x23, pp23) : f2_pair<B, P_, P_ + 2>(x23, pp23); \
+      const u32 a3 = j ? f2_pair<B, P_, P_ - 10>(y23, pp23) : f2_pair<B, P_, P_ - 2>(y23, pp23); \
+      mma_16816(acc[4 * j + P_], a0, a1, a2, a3, pb[u][0], pb[u][1]);                      \
+    }                                                                                      \
+  }
+      SKV_F2V(0) SKV_F2V(1) SKV_F2V(2) SKV_F2V(3)
+#undef SKV_F2V
+    }
+  }
+}
+
+// Moves the value accumulators between domains: 0 = generic scale, 1 = F44 (page44: acc[i]
+// carries 2^(4 (i & 1) - 24); none with DEC7_CONV = 1), 2 = F2 (page_f2: 2^(2 (i & 3) - 24)).
+// Exact power-of-two multiplies.
+__host__ __device__ constexpr int f7_dom_exp(int dom, int i) {
+  return dom == 0 ? 0 : dom == 1 ? (DEC7_CONV == 0 ? 4 * (i & 1) - 24 : 0) : 2 * (i & 3) - 24;
+}
+template <int D, int FROM, int TO>
+__device__ __forceinline__ void f7_domain(float (&acc)[D / 16][4]) {
+  if constexpr (D == 128) {
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      const float f = __int_as_float((127 + f7_dom_exp(TO, i) - f7_dom_exp(FROM, i)) << 23);
+      acc[i][0] *= f; acc[i][1] *= f; acc[i][2] *= f; acc[i][3] *= f;
+    }
+  }
+}
+// The page loop's domain state: d44 (F44), d2 (F2), neither: generic. To the domain of the
+// next page (w44, w2), in one pass.
+template <int D>
+__device__ __forceinline__ void f7_move(float (&acc)[D / 16][4], bool& d44, bool& d2, bool w44,
+                                        bool w2) {
+  if (d44 == w44 && d2 == w2) return;
+  if (d44) {
+    if (w2) f7_domain<D, 1, 2>(acc); else f7_domain<D, 1, 0>(acc);
+  } else if (d2) {
+    if (w44) f7_domain<D, 2, 1>(acc); else f7_domain<D, 2, 0>(acc);
+  } else {
+    if (w44) f7_domain<D, 0, 1>(acc); else f7_domain<D, 0, 2>(acc);
+  }
+  d44 = w44;
+  d2 = w2;
 }
 
 // ------------------------------------------------------------------------------ v8 ----
@@ -980,17 +1298,93 @@ __device__ __forceinline__ void page44_pipe(u32 buf, u32 vbuf, u32 qf7, u32 kk, 
   f44_softmax(buf, fl, kk, hv, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
 }
 
+// A page of kind 0 or 1 on v6's decode_page inside v7 and v8 (c: its packed header; a partial
+// page re-reads its id from `indices`, a full one is staged at shared address bsh).
+template <int D, int PATH, int NSUB, class SM, class QF>
+__device__ __forceinline__ void decode_generic(const u32* __restrict__ pages, int page_words,
+                                               const int* __restrict__ indices,
+                                               const int* __restrict__ geom, u32 prange, int pi,
+                                               u32 c, u32 bsh, SM& sm, const QF& qsrc,
+                                               const Luts& lut, __half* pt, int g, int t,
+                                               float (&acc)[D / 16][4], float& m0, float& m1,
+                                               float& l0, float& l1, float& ps0, float& ps1) {
+  const int count = static_cast<int>(c & 0xffffu);
+  const int* gm = geom + static_cast<int>((c >> 16) & 0xfffu) * SKV_GEOM_STRIDE;
+  if ((c >> 28) == 1) {
+    SharedRow r;
+    r.a = bsh;
+    decode_page<D, PATH, NSUB, true, true>(r, gm, count, qsrc, lut, sm.kfac, sm.qmu, sm.hstep,
+                                           sm.qhalf, pt, g, t, acc, m0, m1, l0, l1, ps0, ps1);
+  } else {
+    GlobalRow r;
+    r.p = pages + (size_t)indices[lds_s32(prange) + pi] * page_words;
+    decode_page<D, PATH, NSUB, true, true>(r, gm, count, qsrc, lut, sm.kfac, sm.qmu, sm.hstep,
+                                           sm.qhalf, pt, g, t, acc, m0, m1, l0, l1, ps0, ps1);
+  }
+}
+
+// Page kind of a page header (decode_pages7, decode_pages8): 0 = partial page; 1 = other full
+// page; 2 = full 4/4 page (f44ok: D = 128 and 4096-byte pages); with F2 (v7), 3 = full 3/3 page
+// and 4 = full 2/2 page (page_f2).
+template <bool F2>
+__device__ __forceinline__ int page_kind(int count, const int4& gq, bool f44ok) {
+  if (count != gq.z) return 0;
+  if (!f44ok || gq.x != gq.y) return 1;
+  return gq.x == 4 ? 2 : (F2 && DEC7_FAST3 && gq.x == 3) ? 3 : (F2 && DEC7_FAST2 && gq.x == 2) ? 4 : 1;
+}
+// Loads the header block of the warp's pages first, first + 4, ..., first + 124 (lane l: page
+// first + 4 l) into the warp's 512-byte P' tile (unused from v6 on) at shared address hsh:
+// lane l's entry {page id, count | tier << 16 | kind << 28} at 8 l. Kept in shared memory, a
+// page's header costs one 8-byte load and no registers across the page loop (in shuffle
+// registers ptxas spilled at 128 registers). Warp-uniform; the previous block was read before
+// the __syncwarp at the end of the last step.
+template <bool F2>
+__device__ __forceinline__ void header_refill(u32 hsh, int first, int lane, u32 prange,
+                                              const int* __restrict__ indices,
+                                              const int* __restrict__ page_tier,
+                                              const int* __restrict__ page_count,
+                                              const int* __restrict__ geom, bool f44ok) {
+  const int idx = first + DEC_WARPS * lane;
+  u32 hp = 0, hc = 0;
+  if (idx < lds_s32(prange + 4)) {
+    const int page = indices[lds_s32(prange) + idx];
+    const int tier = page_tier[page], count = page_count[page];
+    const int4 gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
+    hp = static_cast<u32>(page);
+    hc = static_cast<u32>(count) | (static_cast<u32>(tier) << 16) |
+         (static_cast<u32>(page_kind<F2>(count, gq, f44ok)) << 28);
+  }
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};" :: "r"(hsh + 8u * lane), "r"(hp), "r"(hc));
+  __syncwarp();
+}
+// Starts the copy of a full page into the staging buffer at shared address dst, laid out as
+// its kind's decoder reads it (partial pages are not staged).
+template <bool F2>
+__device__ __forceinline__ void stage_page(const u32* src, u32 c, u32 dst, int page_words, int lane) {
+  const u32 kind = c >> 28;
+  if (kind == 2) {
+    f44_stage(dst, src, lane);
+  } else if (F2 && kind == 4) {
+    fp_stage<F2Geo<2>::SW, 16>(dst, src, lane);   // rows 30, 31 (scales) in place
+  } else if (kind == 1 || kind == 3) {
+    for (int i = lane; i < page_words / 4; i += 32)
+      cp_async16_sh(dst + 16u * i, reinterpret_cast<const char*>(src) + 16 * i);
+  }
+}
+
 // v7 page loop of one warp: pages pi0, pi0 + 4, ... of the CTA's range (end re-read from
 // shared memory at `prange` + 4, start of the row's list at `prange`, as on v6). Page headers
-// come in blocks of 32: lane l loads page id, tier, count and kind of the warp's page 32b + l
-// (all lanes at once, one dependent chain per 32 pages instead of one per page) and a page's
-// header is two shuffles. Each page is one of three kinds: 2 = full 4/4 page (F44 only),
-// staged with the 4/4 swizzle and decoded by page44; 1 = other full page, staged plainly,
-// decode_page on shared memory; 0 = partial page, read in place (decode_page on global memory,
-// no byte past its states). The next page streams into the other buffer while this one is
-// decoded. The accumulators stay in the F domain while fast pages follow each other and change
-// domain (32 exact multiplies) only between kinds.
-template <int D, int PATH, int NSUB, bool F44, class SM, class QF>
+// come in blocks of 32 (header_refill: one dependent chain of global loads per 32 pages instead
+// of one per page), a page's header stays packed (count | tier << 16 | kind << 28) across the
+// loop and a partial page re-reads its id from `indices`. Each page is one of five kinds
+// (page_kind): 2 = full 4/4 page (F44 only), staged with the 4/4 swizzle and decoded by page44;
+// 3 = full 3/3 page (F2 only), staged plainly, page_f2<3>; 4 = full 2/2 page (F2 only), staged
+// with the 2/2 swizzle, page_f2<2>; 1 = other full page, staged plainly, decode_page on shared
+// memory; 0 = partial page, read in place (decode_page on global memory, no byte past its
+// states). The next page streams into the other buffer while this one is decoded. The
+// accumulators stay in one domain (generic, F44 or F2) while pages of that domain follow each
+// other and change domain (32 exact multiplies, f7_move) only between them.
+template <int D, int PATH, int NSUB, bool F44, bool F2, class SM, class QF>
 __device__ __forceinline__ void decode_pages7(
     const u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
     const int* __restrict__ page_count, const int* __restrict__ indices,
@@ -1000,106 +1394,79 @@ __device__ __forceinline__ void decode_pages7(
   const int g = lane >> 2, t = lane & 3;
   const bool f44ok = F44 && page_words == F44_WORDS;
   const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
-  u32 hp = 0, hc = 0;   // this lane's header of the current block: page id; count | tier << 16 | kind << 28
-  auto refill = [&](int first) {   // the block of the warp's pages first, first + 4, ...
-    const int idx = first + DEC_WARPS * lane;
-    hp = 0; hc = 0;
-    if (idx < lds_s32(prange + 4)) {
-      const int page = indices[lds_s32(prange) + idx];
-      const int tier = page_tier[page], count = page_count[page];
-      const int4 gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
-      const int kind = count != gq.z ? 0 : (f44ok && gq.x == 4 && gq.y == 4) ? 2 : 1;
-      hp = static_cast<u32>(page);
-      hc = static_cast<u32>(count) | (static_cast<u32>(tier) << 16) | (static_cast<u32>(kind) << 28);
-    }
+  const u32 hsh = static_cast<u32>(__cvta_generic_to_shared(pt));
+  auto refill = [&](int first) {
+    header_refill<F2>(hsh, first, lane, prange, indices, page_tier, page_count, geom, f44ok);
   };
-  auto header = [&](int jb, int& page, int& tier, int& count, int& kind) {   // jb-th of the block
-    page = static_cast<int>(__shfl_sync(0xffffffffu, hp, jb));
-    const u32 c = __shfl_sync(0xffffffffu, hc, jb);
-    count = static_cast<int>(c & 0xffffu);
-    tier = static_cast<int>((c >> 16) & 0xfffu);
-    kind = static_cast<int>(c >> 28);
-  };
-  auto stage = [&](int page, int kind, int which) {
-    const u32* src = pages + (size_t)page * page_words;
-    const u32 dst = bufs_sh + 4u * which * page_words;
-    if (kind == 2) {
-      f44_stage(dst, src, lane);
-    } else if (kind == 1) {
-      for (int c = lane; c < page_words / 4; c += 32)
-        cp_async16_sh(dst + 16u * c, reinterpret_cast<const char*>(src) + 16 * c);
-    }
+  auto stage = [&](int jb, u32& c, int which) {   // the jb-th page of the block: header, copy
+    const uint2 v = lds64(hsh + 8u * jb);
+    c = v.y;
+    stage_page<F2>(pages + (size_t)v.x * page_words, c, bufs_sh + 4u * which * page_words,
+                   page_words, lane);
   };
   constexpr int NST = DEC7_STAGES;   // page buffers; pages pi + 4, ..., pi + 4 (NST - 1) in flight
   static_assert(NST == 2 || NST == 3, "DEC7_STAGES: 2 or 3");
-  bool fdom = true;   // the accumulators (all zero) are valid in either domain
-  int cur_page = 0, cur_tier = 0, cur_count = 0, cur_kind = 0;
-  int mid_page = 0, mid_tier = 0, mid_count = 0, mid_kind = 0;   // NST = 3: page pi + 4
+  bool d44 = false, d2 = false;   // domain of the accumulators (f7_move): generic at first
+  u32 cur_c = 0, mid_c = 0;       // headers of pages pi and (NST = 3) pi + 4
   int pi = pi0, jb = 0;   // jb: place in its header block of the last page staged
   if (pi < lds_s32(prange + 4)) {
     refill(pi);
-    header(0, cur_page, cur_tier, cur_count, cur_kind);
-    stage(cur_page, cur_kind, 0);
+    stage(0, cur_c, 0);
   }
   cp_async_commit();
   if constexpr (NST == 3) {
     jb = 1;
-    if (pi + DEC_WARPS < lds_s32(prange + 4)) {
-      header(1, mid_page, mid_tier, mid_count, mid_kind);
-      stage(mid_page, mid_kind, 1);
-    }
+    if (pi + DEC_WARPS < lds_s32(prange + 4)) stage(1, mid_c, 1);
     cp_async_commit();
   }
   int buf = 0;
   for (; pi < lds_s32(prange + 4); pi += DEC_WARPS) {
     jb = (jb + 1) & 31;   // ... of page pi + 4 (NST - 1), staged now
-    int nxt_page = 0, nxt_tier = 0, nxt_count = 0, nxt_kind = 0;
+    u32 nxt_c = 0;
     const int npi = pi + DEC_WARPS * (NST - 1);
     if (npi < lds_s32(prange + 4)) {
       if (jb == 0) refill(npi);
-      header(jb, nxt_page, nxt_tier, nxt_count, nxt_kind);
-      stage(nxt_page, nxt_kind, NST == 2 ? buf ^ 1 : (buf == 0 ? 2 : buf - 1));
+      stage(jb, nxt_c, NST == 2 ? buf ^ 1 : (buf == 0 ? 2 : buf - 1));
     }
     cp_async_commit();
     if constexpr (NST == 2) cp_async_wait1(); else cp_async_wait2();   // this lane's copies of
     __syncwarp();       // the current page are done, ... and every other lane's
     const u32 bsh = bufs_sh + 4u * buf * page_words;
-    if (F44 && cur_kind == 2) {
+    const int cur_kind = static_cast<int>(cur_c >> 28);
+    f7_move<D>(acc, d44, d2, F44 && cur_kind == 2, F2 && cur_kind >= 3);
+    if (F2 && cur_kind >= 3) {
+      if constexpr (F2) {
+        const u32 qf2 = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag2[0][lane]));
+        if (DEC7_FAST3 && (!DEC7_FAST2 || cur_kind == 3)) {
+          page_f2<3>(bsh, qf2, static_cast<u32>(__cvta_generic_to_shared(&sm.k12b[1][2 * t][0])),
+                     lds_f32(sm.hstep + level_row(3), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
+        } else if (DEC7_FAST2) {
+          page_f2<2>(bsh, qf2, static_cast<u32>(__cvta_generic_to_shared(&sm.k12b[0][2 * t][0])),
+                     lds_f32(sm.hstep + level_row(2), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
+        }
+      }
+    } else if (F44 && cur_kind == 2) {
       if constexpr (F44) {
-        if (!fdom) { f44_domain<D>(acc, true); fdom = true; }
         page44(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag7[0][lane])),
                static_cast<u32>(__cvta_generic_to_shared(&sm.k12[2 * t][0])),
                lds_f32(sm.hstep + level_row(4), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
       }
     } else {
-      if (fdom) { f44_domain<D>(acc, false); fdom = false; }
-      const int* gm = geom + cur_tier * SKV_GEOM_STRIDE;
-      if (cur_kind == 1) {
-        SharedRow r;
-        r.a = bsh;
-        decode_page<D, PATH, NSUB, true, true>(r, gm, cur_count, qsrc, lut, sm.kfac, sm.qmu,
-                                               sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1, l0,
-                                               l1, ps0, ps1);
-      } else {
-        GlobalRow r;
-        r.p = pages + (size_t)cur_page * page_words;
-        decode_page<D, PATH, NSUB, true, true>(r, gm, cur_count, qsrc, lut, sm.kfac, sm.qmu,
-                                               sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1, l0,
-                                               l1, ps0, ps1);
-      }
+      decode_generic<D, PATH, NSUB>(pages, page_words, indices, geom, prange, pi, cur_c, bsh, sm,
+                                    qsrc, lut, pt, g, t, acc, m0, m1, l0, l1, ps0, ps1);
     }
     __syncwarp();   // every lane is done with this buffer before it is refilled
     if constexpr (NST == 2) {
       buf ^= 1;
-      cur_page = nxt_page; cur_tier = nxt_tier; cur_count = nxt_count; cur_kind = nxt_kind;
+      cur_c = nxt_c;
     } else {
       buf = buf == 2 ? 0 : buf + 1;
-      cur_page = mid_page; cur_tier = mid_tier; cur_count = mid_count; cur_kind = mid_kind;
-      mid_page = nxt_page; mid_tier = nxt_tier; mid_count = nxt_count; mid_kind = nxt_kind;
+      cur_c = mid_c;
+      mid_c = nxt_c;
     }
   }
   cp_async_wait0();
-  if (fdom) f44_domain<D>(acc, false);
+  f7_move<D>(acc, d44, d2, false, false);
 }
 
 // v8 page loop: as decode_pages7 with two buffers' worth of pages decoded at once on the fast
@@ -1116,23 +1483,9 @@ __device__ __forceinline__ void decode_pages8(
   const int g = lane >> 2, t = lane & 3;
   const bool f44ok = page_words == F44_WORDS;
   const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
-  // The header block (as decode_pages7) is kept in the warp's 512-byte P' tile (unused from
-  // v6 on), lane l's entry {page id, count | tier << 16 | kind << 28} at 8 l: two registers
-  // fewer across the page loop than in shuffle registers (at 128 registers ptxas spilled).
-  const u32 hsh = static_cast<u32>(__cvta_generic_to_shared(pt));
-  auto refill = [&](int first) {   // warp-uniform; the previous block was read before the
-    const int idx = first + DEC_WARPS * lane;   // __syncwarp at the end of the last step
-    u32 hp = 0, hc = 0;
-    if (idx < lds_s32(prange + 4)) {
-      const int page = indices[lds_s32(prange) + idx];
-      const int tier = page_tier[page], count = page_count[page];
-      const int4 gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
-      const int kind = count != gq.z ? 0 : (f44ok && gq.x == 4 && gq.y == 4) ? 2 : 1;
-      hp = static_cast<u32>(page);
-      hc = static_cast<u32>(count) | (static_cast<u32>(tier) << 16) | (static_cast<u32>(kind) << 28);
-    }
-    asm volatile("st.shared.v2.u32 [%0], {%1, %2};" :: "r"(hsh + 8u * lane), "r"(hp), "r"(hc));
-    __syncwarp();
+  const u32 hsh = static_cast<u32>(__cvta_generic_to_shared(pt));   // header block (header_refill)
+  auto refill = [&](int first) {
+    header_refill<false>(hsh, first, lane, prange, indices, page_tier, page_count, geom, f44ok);
   };
   // a page's header stays packed (page; count | tier << 16 | kind << 28) across the loop
   auto header = [&](int jb, int& page, u32& c) {
@@ -1141,14 +1494,7 @@ __device__ __forceinline__ void decode_pages8(
     c = v.y;
   };
   auto stage = [&](int page, u32 c, u32 dst) {
-    const u32 kind = c >> 28;
-    const u32* src = pages + (size_t)page * page_words;
-    if (kind == 2) {
-      f44_stage(dst, src, lane);
-    } else if (kind == 1) {
-      for (int c = lane; c < page_words / 4; c += 32)
-        cp_async16_sh(dst + 16u * c, reinterpret_cast<const char*>(src) + 16 * c);
-    }
+    stage_page<false>(pages + (size_t)page * page_words, c, dst, page_words, lane);
   };
   const u32 bstride = 4u * page_words;
   bool fdom = true;    // accumulators in the F domain (all zero: either)
@@ -1194,21 +1540,8 @@ __device__ __forceinline__ void decode_pages8(
         pend = false;
       }
       if (fdom) { f44_domain<D>(acc, false); fdom = false; }
-      const int cur_count = static_cast<int>(cur_c & 0xffffu);
-      const int* gm = geom + static_cast<int>((cur_c >> 16) & 0xfffu) * SKV_GEOM_STRIDE;
-      if (cur_kind == 1) {
-        SharedRow r;
-        r.a = bsh;
-        decode_page<D, PATH, NSUB, true, true>(r, gm, cur_count, qsrc, lut, sm.kfac, sm.qmu,
-                                               sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1, l0,
-                                               l1, ps0, ps1);
-      } else {
-        GlobalRow r;
-        r.p = pages + (size_t)indices[lds_s32(prange) + pi] * page_words;
-        decode_page<D, PATH, NSUB, true, true>(r, gm, cur_count, qsrc, lut, sm.kfac, sm.qmu,
-                                               sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1, l0,
-                                               l1, ps0, ps1);
-      }
+      decode_generic<D, PATH, NSUB>(pages, page_words, indices, geom, prange, pi, cur_c, bsh, sm,
+                                    qsrc, lut, pt, g, t, acc, m0, m1, l0, l1, ps0, ps1);
     }
     __syncwarp();   // every lane is done with page pi - 4's buffer before it is refilled
     bsh = nsh;
@@ -1246,7 +1579,8 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   static_assert(!V7 || (V6 && PATH == PATH_AFFINE), "v7 is the affine path on top of v6");
   static_assert(!V8 || V7, "v8 is v7 with the fast path pipelined across pages");
   constexpr bool F44 = V7 && D == 128;   // the 4/4 fast path exists for D = 128
-  __shared__ typename SmemOf<D, V7>::type sm;
+  constexpr bool F2 = F44 && !V8;        // the 3/3 and 2/2 fast paths: v7 only
+  __shared__ typename SmemOf<D, V7, V8>::type sm;
   extern __shared__ __align__(16) unsigned char dyn[];
   float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
   const int split = blockIdx.x, row = blockIdx.y;
@@ -1358,6 +1692,41 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
       }
     }
   }
+  if constexpr (F2) {
+    // 3/3 and 2/2 fast pages (page_f2): chunk c = 2k + h of lane (g, t) holds head g's
+    // coordinates m = 32t + 16(k >> 1) + 4(k & 1) + f and m + 8 for field f = 2h (b0) and
+    // 2h + 1 (b1), scaled by 2^-2f (the field's POS; exact unless the fp16 is subnormal).
+    if (warp == 1) {
+      const float inv = sm.qfac[g] > 0.0f ? 1.0f / (sm.qfac[g] * (float)D) : 0.0f;
+      float asum = 0.0f;   // sum of head g's q' as the mma sees them (times 2^POS)
+#pragma unroll
+      for (int c = 0; c < D / 16; ++c) {
+        const int k = c >> 1;
+        const float* src = qs + g * D + 32 * t + 16 * (k >> 1) + 4 * (k & 1) + 2 * (c & 1);
+        u32 b[2];
+#pragma unroll
+        for (int f = 0; f < 2; ++f) {
+          const float sc = (c & 1) ? (f ? 0x1p-6f : 0x1p-4f) : (f ? 0x1p-2f : 1.0f);
+          const float2 q = __half22float2(__floats2half2_rn(src[f] * inv, src[f + 8] * inv));
+          const __half2 h = __floats2half2_rn(q.x * sc, q.y * sc);
+          const float2 hf = __half22float2(h);
+          asum += (hf.x + hf.y) * (1.0f / sc);
+          b[f] = h2_as_u32(h);
+        }
+        sm.qfrag2[c][lane] = make_uint2(b[0], b[1]);
+      }
+      asum += __shfl_xor_sync(0xffffffffu, asum, 1);
+      asum += __shfl_xor_sync(0xffffffffu, asum, 2);
+      if (t == 0) {
+#pragma unroll
+        for (int b2 = 0; b2 < 2; ++b2) {   // the 2/2 and 3/3 tiers: u = c - 1.5, c - 3.5
+          const float kf = sm.kfac[g] * sm.hstep[level_row(2 + b2)];
+          sm.k12b[b2][g][0] = kf * 0x1p24f;
+          sm.k12b[b2][g][1] = kf * (b2 ? -3.5f : -1.5f) * asum;
+        }
+      }
+    }
+  }
   QShared qsh;
   qsh.a = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane]));
   const auto& qsrc = QSource<V6>::of(qsh, qr);
@@ -1384,7 +1753,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
                                  pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc, m0, m1,
                                  l0, l1, ps0, ps1);
   } else if constexpr (V7) {
-    decode_pages7<D, PATH, NSUB, F44>(pages, page_words, page_tier, page_count, indices, geom,
+    decode_pages7<D, PATH, NSUB, F44, F2>(pages, page_words, page_tier, page_count, indices, geom,
                                       pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc,
                                       m0, m1, l0, l1, ps0, ps1);
   } else {
@@ -1514,7 +1883,10 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   for (int k = 0; k < PER; ++k) obuf[threadIdx.x + k * DEC_WARPS * 32] = val[k];
   __syncthreads();
   if (num_splits == 1) {
-    finish_heads<D>(obuf, G, sigma_v + (size_t)kvh * D, mean_v ? mean_v + (size_t)row * D : nullptr,
+    // v7: the kv-head re-derived from the block index (held across the page loop, ptxas
+    // keeps it in local memory at 128 registers)
+    const int kvh_o = (V7 && !V8) ? ctaid_y() % num_kv_heads : kvh;
+    finish_heads<D>(obuf, G, sigma_v + (size_t)kvh_o * D, mean_v ? mean_v + (size_t)row * D : nullptr,
                     out + (long long)row * G * D, D);
   } else {
     const size_t base = ((size_t)split * gridDim.y + row) * G;
@@ -1567,7 +1939,9 @@ ada_decode_uniform_v6_kernel(SKV_DECODE_PARAMS) {
 
 // v7 (affine path only): full 4/4 pages on the fast path (page44: no predication, swizzled
 // staging, conflict-free 16- and 8-byte code loads, one lop3 per code pair, one MUFU per
-// weight), every other page on v6's decode_page with the v7 value map and MUFU exp2.
+// weight), full 3/3 and 2/2 pages on theirs (page_f2: 2-bit fields one lop3 per pair, the
+// 3-bit plane bit merged by a shift and a lop3), every other page on v6's decode_page with the
+// v7 value map and MUFU exp2.
 #ifndef DEC7_SUB
 #define DEC7_SUB 2              // 16-state sub-tiles per softmax step of the generic pages
 #endif
