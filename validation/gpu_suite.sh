@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
-#   validation/gpu_suite.sh tests sanitize ncu profile variants bench-quick bench-encode bench flashinfer
+#   validation/gpu_suite.sh build tests sanitize ncu profile variants bench-quick bench-encode bench flashinfer
 # (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
 set -u
@@ -13,6 +13,10 @@ note "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,clocks.
 for stage in "$@"; do
   t0=$(date +%s)
   case "$stage" in
+    build)
+      # registers and local memory of the device's own (NVRTC) build of every kernel
+      timeout 240 python3 validation/build_info.py --out "$OUT/build_info.json" 2>&1 | tee "$OUT/build_info.log"
+      rc=${PIPESTATUS[0]};;
     tests)
       timeout ${TESTS_LIMIT:-330} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ada_decode.py \
         tests/test_encode_kernel.py > "$OUT/pytest.log" 2>&1
