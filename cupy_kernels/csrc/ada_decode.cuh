@@ -2,7 +2,8 @@
 //
 // Thread -> data map
 //   grid (num_splits, rows): one CTA per (sequence, kv-head) row and split of its page list;
-//   the split takes pages [s*ceil(n/S), (s+1)*ceil(n/S)) of the row's n pages.
+//   the split takes pages [s*ceil(n/S), (s+1)*ceil(n/S)) of the row's n pages (v7 at D = 128:
+//   pages 4s, 4s+1, 4s+2, 4s+3, then the same + 4S, + 8S, ..., interleaved; see decode_cta).
 //   block = 4 warps; warp w walks the split's pages w, w+4, w+8, ... and, in each page, tiles
 //   of 16 * NSUB states (v4: 16; v5: 32 = two independent m16 sub-tiles per softmax step;
 //   below, "tile" is one 16-state sub-tile). The warp serves all G <= 8 query heads of the kv-head's GQA group from one
@@ -92,7 +93,14 @@ template <int D>
 struct DecodeSmem7F2 : DecodeSmem7<D> {
   uint2 qfrag2[D / 16][32];                  // [chunk][lane], see decode_cta
   __align__(16) float k12b[2][DEC_HEADS][2];   // K1, K2 per head of the 2/2 [0] and 3/3 [1] tiers
+  int pstride;   // pages between two of a warp's pages (interleaved splits: 4 S; decode_pages7)
 };
+// Shared address of the page stride of the interleaved splits (DecodeSmem7F2 only).
+__device__ __forceinline__ u32 pstride_at(DecodeSmem7F2<128>& sm) {
+  return static_cast<u32>(__cvta_generic_to_shared(&sm.pstride));
+}
+template <class SM>
+__device__ __forceinline__ u32 pstride_at(SM&) { return 0u; }
 template <int D, bool V7, bool V8> struct SmemOf { typedef DecodeSmem<D> type; };
 template <int D, bool V8> struct SmemOf<D, true, V8> { typedef DecodeSmem7<D> type; };
 template <> struct SmemOf<128, true, false> { typedef DecodeSmem7F2<128> type; };
@@ -988,6 +996,9 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
 // accumulation error is at most 2x v6's (|c| <= 7 against |u| <= 4 at 3 bits), as on the 4/4
 // path, and the offset term is the 4/4 path's with 3.5 or 1.5 instead of 7.5.
 
+#ifndef DEC7_INTERLEAVE
+#define DEC7_INTERLEAVE 1    // v7 (D = 128): splits take a row's pages interleaved (decode_cta)
+#endif
 #ifndef DEC7_FAST3
 #define DEC7_FAST3 1         // v7: full 3/3 pages on page_f2 (0: v6's generic code, as before)
 #endif
@@ -1332,9 +1343,10 @@ __device__ __forceinline__ int page_kind(int count, const int4& gq, bool f44ok) 
   if (!f44ok || gq.x != gq.y) return 1;
   return gq.x == 4 ? 2 : (F2 && DEC7_FAST3 && gq.x == 3) ? 3 : (F2 && DEC7_FAST2 && gq.x == 2) ? 4 : 1;
 }
-// Loads the header block of the warp's pages first, first + 4, ..., first + 124 (lane l: page
-// first + 4 l) into the warp's 512-byte P' tile (unused from v6 on) at shared address hsh:
-// lane l's entry {page id, count | tier << 16 | kind << 28} at 8 l. Kept in shared memory, a
+// Loads the header block of the warp's pages first, first + stride, ..., first + 31 stride
+// (lane l: page first + l stride; stride 4, or 4 S on v7's interleaved splits) into the warp's
+// 512-byte P' tile (unused from v6 on) at shared address hsh: lane l's entry
+// {page id, count | tier << 16 | kind << 28} at 8 l. Kept in shared memory, a
 // page's header costs one 8-byte load and no registers across the page loop (in shuffle
 // registers ptxas spilled at 128 registers). Warp-uniform; the previous block was read before
 // the __syncwarp at the end of the last step.
@@ -1343,8 +1355,9 @@ __device__ __forceinline__ void header_refill(u32 hsh, int first, int lane, u32 
                                               const int* __restrict__ indices,
                                               const int* __restrict__ page_tier,
                                               const int* __restrict__ page_count,
-                                              const int* __restrict__ geom, bool f44ok) {
-  const int idx = first + DEC_WARPS * lane;
+                                              const int* __restrict__ geom, bool f44ok,
+                                              int stride = DEC_WARPS) {
+  const int idx = first + stride * lane;
   u32 hp = 0, hc = 0;
   if (idx < lds_s32(prange + 4)) {
     const int page = indices[lds_s32(prange) + idx];
@@ -1384,7 +1397,7 @@ __device__ __forceinline__ void stage_page(const u32* src, u32 c, u32 dst, int p
 // states). The next page streams into the other buffer while this one is decoded. The
 // accumulators stay in one domain (generic, F44 or F2) while pages of that domain follow each
 // other and change domain (32 exact multiplies, f7_move) only between them.
-template <int D, int PATH, int NSUB, bool F44, bool F2, class SM, class QF>
+template <int D, int PATH, int NSUB, bool F44, bool F2, bool ILV, class SM, class QF>
 __device__ __forceinline__ void decode_pages7(
     const u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
     const int* __restrict__ page_count, const int* __restrict__ indices,
@@ -1395,8 +1408,12 @@ __device__ __forceinline__ void decode_pages7(
   const bool f44ok = F44 && page_words == F44_WORDS;
   const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
   const u32 hsh = static_cast<u32>(__cvta_generic_to_shared(pt));
+  // the warp's page stride: 4, or 4 S with interleaved splits (re-read from shared memory: a
+  // register held across the page loop would spill at 128 registers)
+  auto stride = [&]() { return ILV ? lds_s32(pstride_at(sm)) : DEC_WARPS; };
   auto refill = [&](int first) {
-    header_refill<F2>(hsh, first, lane, prange, indices, page_tier, page_count, geom, f44ok);
+    header_refill<F2>(hsh, first, lane, prange, indices, page_tier, page_count, geom, f44ok,
+                      stride());
   };
   auto stage = [&](int jb, u32& c, int which) {   // the jb-th page of the block: header, copy
     const uint2 v = lds64(hsh + 8u * jb);
@@ -1416,14 +1433,14 @@ __device__ __forceinline__ void decode_pages7(
   cp_async_commit();
   if constexpr (NST == 3) {
     jb = 1;
-    if (pi + DEC_WARPS < lds_s32(prange + 4)) stage(1, mid_c, 1);
+    if (pi + stride() < lds_s32(prange + 4)) stage(1, mid_c, 1);
     cp_async_commit();
   }
   int buf = 0;
-  for (; pi < lds_s32(prange + 4); pi += DEC_WARPS) {
-    jb = (jb + 1) & 31;   // ... of page pi + 4 (NST - 1), staged now
+  for (; pi < lds_s32(prange + 4); pi += stride()) {
+    jb = (jb + 1) & 31;   // ... of page pi + stride (NST - 1), staged now
     u32 nxt_c = 0;
-    const int npi = pi + DEC_WARPS * (NST - 1);
+    const int npi = pi + stride() * (NST - 1);
     if (npi < lds_s32(prange + 4)) {
       if (jb == 0) refill(npi);
       stage(jb, nxt_c, NST == 2 ? buf ^ 1 : (buf == 0 ? 2 : buf - 1));
@@ -1732,11 +1749,20 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   const auto& qsrc = QSource<V6>::of(qsh, qr);
   const int h0 = 2 * t, h1 = 2 * t + 1;
   const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
+  // Which of the row's n pages the CTA takes. v4-v6, v8 and v7 at D = 64: a contiguous range
+  // [pbeg, pend) of ceil(n / S) pages, warp w its pages pbeg + w, + 4, ... v7 at D = 128
+  // (ILV): interleaved, warp w of split s takes pages 4 s + w + 4 S k, so every split holds
+  // about 1/S of each tier's pages (a row's pages come ordered by tier, and a contiguous range
+  // would give the slow tiers to a few splits, which then set the kernel's time).
+  constexpr bool ILV = F2 && DEC7_INTERLEAVE;
   const int per = (n + num_splits - 1) / num_splits;
-  const int pbeg = split * per, pend = min(n, pbeg + per);
+  const int pbeg = ILV ? split * DEC_WARPS : split * per, pend = ILV ? n : min(n, pbeg + per);
   // v6 re-reads the CTA's page range from shared memory at each page: held in registers
   // across the page loop, ptxas spills it to local memory at the 128-register cap.
   if (V6 && threadIdx.x == 0) { sm.prange[0] = rbeg; sm.prange[1] = pend; }
+  if constexpr (ILV) {
+    if (threadIdx.x == 0) sm.pstride = DEC_WARPS * num_splits;
+  }
   const u32 prange = static_cast<u32>(__cvta_generic_to_shared(&sm.prange[0]));
   __syncthreads();  // the query staging area becomes page buffers
 
@@ -1753,7 +1779,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
                                  pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc, m0, m1,
                                  l0, l1, ps0, ps1);
   } else if constexpr (V7) {
-    decode_pages7<D, PATH, NSUB, F44, F2>(pages, page_words, page_tier, page_count, indices, geom,
+    decode_pages7<D, PATH, NSUB, F44, F2, ILV>(pages, page_words, page_tier, page_count, indices, geom,
                                       pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc,
                                       m0, m1, l0, l1, ps0, ps1);
   } else {
