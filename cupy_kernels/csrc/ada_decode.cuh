@@ -94,6 +94,8 @@ struct DecodeSmem7F2 : DecodeSmem7<D> {
   uint2 qfrag2[D / 16][32];                  // [chunk][lane], see decode_cta
   __align__(16) float k12b[2][DEC_HEADS][2];   // K1, K2 per head of the 2/2 [0] and 3/3 [1] tiers
   int pstride;   // pages between two of a warp's pages (interleaved splits: 4 S; decode_pages7)
+  uint2 qfrag8[D / 16][32];                  // 8/8 pages (page_f8): [chunk][lane], see decode_cta
+  __align__(16) float k12c[2][DEC_HEADS][2];   // K1, K2 per head of the 8/8 [0] and 16/16 [1] tiers
 };
 // Shared address of the page stride of the interleaved splits (DecodeSmem7F2 only).
 __device__ __forceinline__ u32 pstride_at(DecodeSmem7F2<128>& sm) {
@@ -792,7 +794,9 @@ __device__ __forceinline__ void f44_fold(float (&s)[2][4], const float (&s1)[2][
 // offset of the tier (the offset times the sum of P' is taken off once at the end:
 // decode_cta's + 0.5 ps). The lazy running maximum, l and ps as in decode_page (acc is
 // rescaled when the maximum moves).
-template <int NS, int P>
+// SCALED = false (the 16-bit tier, no scales stored): s_K = s_V = hv (sqrt(D), as decode_page's
+// `top`), sk_at and sv_at unused.
+template <int NS, int P, bool SCALED = true>
 __device__ __forceinline__ void fp_softmax(u32 sk_at, u32 sv_at, u32 kk, float hv, float coef,
                                            int g, const float (&s)[NS][4], float (&acc)[8][4],
                                            u32 (&pb)[NS][2], float& m0, float& m1, float& l0,
@@ -805,8 +809,8 @@ __device__ __forceinline__ void fp_softmax(u32 sk_at, u32 sv_at, u32 kk, float h
     ok[j] = 8 * j + 7 < P || (8 * j < P && g < P - 8 * j);
     sk[j] = svh[j] = 0.0f;
     if (8 * j < P) {
-      sk[j] = lds_half(sk_at + 16u * j);
-      svh[j] = lds_half(sv_at + 16u * j) * hv;
+      sk[j] = SCALED ? lds_half(sk_at + 16u * j) : hv;
+      svh[j] = SCALED ? lds_half(sv_at + 16u * j) * hv : hv;
       if (!ok[j]) svh[j] = 0.0f;
     }
   }
@@ -967,7 +971,7 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
 // the same coordinate is shifted to POS + 2 and merged (shift + two lop3 per pair; one mma per
 // k16 chunk, as at 4/4 and 2/2). So both tiers share one query fragment (qfrag2: q~ 2^-POS in
 // the same k order; only 3/3 uses the plane bits) and one accumulator domain, F2: acc[4j + p]
-// carries 2^(2p - 24) (f7_domain). Offsets: u = c - 3.5 (3 bits) or c - 1.5 (2 bits): logits
+// carries 2^(2p - 24) (f7_move). Offsets: u = c - 3.5 (3 bits) or c - 1.5 (2 bits): logits
 // through K2 per head and tier, values through ps (coefficient -7 or -3).
 //
 // Lane maps (lane = 4g + t), the same coordinates as the generic path (shared accumulators):
@@ -1186,6 +1190,217 @@ __device__ __forceinline__ void page_f2(u32 buf, u32 qf2, u32 kk, float hv, int 
   }
 }
 
+// ------------------------------------------------------------ v7, 8/8 and 16/16 pages ----
+// v7 fast path for full pages of the 8/8 and the 16/16 (top) tier (D = 128, 4096-byte pages),
+// the tiers of the RDR mix that were left on the generic code. Page layouts (docs/format.md):
+// 8/8 holds P = 15 states, key codes [15][128 B] at 0 (128-byte rows 0..14), value codes at 1920
+// (rows 15..29), key scales at 3840, value scales at 3870 (row 30); 16/16 holds P = 8 states,
+// keys [8][256 B] at 0 (rows 0..15, state s = rows 2s, 2s + 1), values at 2048 (rows 16..31),
+// no scales (s_K = s_V = sqrt(D), as decode_page's `top`). One page is one 16-state sub-tile
+// (8/8: slot 15 masked in the softmax; 16/16: rows g + 8 are never states, their operands are
+// zero and the values take one m16n8k8 mma per block), one softmax step (fp_softmax), no
+// predication.
+//
+// 8/8, the F8 domain: a byte masked into an otherwise zero fp16 is the exact subnormal c 2^-24
+// (c <= 255 < 2^10). Bytes 0 and 2 of a word are one lop3 (x & 0x00ff00ff), bytes 1 and 3 one
+// prmt (with zero); so the logits take one instruction per pair of codes and a query fragment
+// of their own (qfrag8: chunk c of lane (g, t) holds head g's q~ of coordinates
+// 32t + 4c + (0, 2) in b0 and + (1, 3) in b1, at their plain fp16 value: no rounding beyond
+// v6's). The values pair the same byte of two states (coordinate 16g + 8j + p of states 2t,
+// 2t + 1): one prmt per two pairs, then a lop3 or a prmt per pair (1.5 per pair). The
+// accumulators stay in the 4/4 path's F44 domain (acc[4j + p] carries 2^(4 (p & 1) - 24)): the
+// operands of the odd blocks are multiplied by 16 (one exact HMUL2 per pair of codes: c 2^-20 is
+// an fp16 for c <= 255), so 4/4 and 8/8 pages, neighbours in a row ordered by tier, share the
+// domain, and a third domain (a loop-carried flag: ptxas spilled at 128 registers) is not
+// needed. The offset u = c - 127.5 enters as the 4/4 path's: K2 per head, coefficient -255 on
+// ps.
+// 16/16: the fp16 words go to the mma as they are, in the generic path's k order (qfrag, v6's
+// fragment; one prmt per operand, as tile_logits does), the values in the generic domain (one
+// prmt per operand, as tile_values): the same products and sums as decode_page.
+//
+// Shared-memory banks: 8/8 pages are staged with the XOR swizzle slot ^= row & 7 (rows 0..29;
+// the scale rows 30, 31 in place): a key load (chunks 2t, 2t + 1 of state g) and a value load
+// (chunk g of states 2t, 2t + 1, + 8, + 9) are conflict-free. 16/16 pages with
+// slot ^= 4 ((row >> 1) ^ (row >> 3) & 1) | (row >> 2) & 1: the key loads (chunk t + 4i of
+// state g, rows 2g, 2g + 1) and the value loads (chunks 2g, 2g + 1 of states 2t, 2t + 1) are
+// conflict-free.
+//
+// Error bound: 8/8 operands are exact except q~ (v6's rounding), the accumulation is fp32 over
+// c in [0, 255] times a step 16x smaller than 4/4's, so partial sums and the offset term have the
+// 4/4 path's size in units of the logit (section "Decode v7" of docs/PERF_NOTES.md). 16/16 adds
+// no rounding to decode_page's.
+
+#ifndef DEC7_FAST8
+#define DEC7_FAST8 1         // v7: full 8/8 pages on page_f8 (0: v6's generic code, as before)
+#endif
+#ifndef DEC7_FAST16
+#define DEC7_FAST16 1        // v7: full 16/16 pages on page_f16
+#endif
+
+constexpr u32 F8_VROW = 15, F8_KSOFF = 3840, F8_VSOFF = 3870;
+constexpr u32 F16_VROW = 16;
+
+// 16-byte chunk slot of chunk x (0..7) of 128-byte row `row` in a staged 8/8 page (rows 0..29).
+__host__ __device__ constexpr u32 f8_slot(u32 row, u32 x) { return 8u * row + (x ^ (row & 7u)); }
+// ... of a staged 16/16 page (rows 0..31).
+__host__ __device__ constexpr u32 f16_swz(u32 row) {
+  return ((((row >> 1) ^ (row >> 3)) & 1u) << 2) | ((row >> 2) & 1u);
+}
+__host__ __device__ constexpr u32 f16_slot(u32 row, u32 x) { return 8u * row + (x ^ f16_swz(row)); }
+
+// Staging (lane l copies chunks l + 32 i, i = 0..7: row l / 8 + 4 i, in-row chunk l & 7).
+__device__ __forceinline__ void f8_stage(u32 dst, const u32* src_page, int lane) {
+  const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
+  const u32 l = static_cast<u32>(lane);
+  const u32 d0 = dst + 16u * (l ^ (l >> 3)), d1 = dst + 16u * (l ^ (l >> 3) ^ 4u);   // i even, odd
+  cp_async16_off<0>(d0, src);
+  cp_async16_off<512>(d1, src);
+  cp_async16_off<1024>(d0, src);
+  cp_async16_off<1536>(d1, src);
+  cp_async16_off<2048>(d0, src);
+  cp_async16_off<2560>(d1, src);
+  cp_async16_off<3072>(d0, src);
+  cp_async16_off<3584>(lane >= 16 ? dst + 16u * l : d1, src);   // rows 30, 31 in place
+}
+__device__ __forceinline__ void f16_stage(u32 dst, const u32* src_page, int lane) {
+  const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
+  const u32 l = static_cast<u32>(lane);
+  const u32 b = l ^ (((l >> 4) & 1u) << 2);   // row bit 1 = lane bit 4; bits 2, 3 = i bits 0, 1
+  const u32 d0 = dst + 16u * b, d1 = dst + 16u * (b ^ 1u), d2 = dst + 16u * (b ^ 4u),
+            d3 = dst + 16u * (b ^ 5u);
+  cp_async16_off<0>(d0, src);
+  cp_async16_off<512>(d1, src);
+  cp_async16_off<1024>(d2, src);
+  cp_async16_off<1536>(d3, src);
+  cp_async16_off<2048>(d0, src);
+  cp_async16_off<2560>(d1, src);
+  cp_async16_off<3072>(d2, src);
+  cp_async16_off<3584>(d3, src);
+}
+
+// c 2^-24 -> c 2^-20 in both halves (c <= 255: exact, a normal or subnormal fp16; the fp16
+// multiply keeps subnormals).
+__device__ __forceinline__ u32 f8_x16(u32 a) {
+  return h2_as_u32(__hmul2(u32_as_h2(a), __floats2half2_rn(16.0f, 16.0f)));
+}
+
+// One full 8/8 page staged (swizzled) at shared address `buf`. qf8: shared address of this
+// lane's qfrag8[0][lane] (chunk c at + 256 c); kk: K1/K2 of heads 2t, 2t + 1 for the tier (as
+// page44); hv: the tier's step (twice its half step). acc must be in the F44 domain.
+__device__ __forceinline__ void page_f8(u32 buf, u32 qf8, u32 kk, float hv, int g, int t,
+                                        float (&acc)[8][4], float& m0, float& m1, float& l0,
+                                        float& l1, float& ps0, float& ps1) {
+  const u32 ug = static_cast<u32>(g), ut = static_cast<u32>(t);
+  // ---- logits: rows g, g + 8 (state g + 8 = 15 is masked: its bytes are value codes); lane
+  // (g, t) reads chunks 2t, 2t + 1 (words 8t .. 8t + 7, chunk c of the mma takes word 8t + c);
+  // even and odd chunks on two accumulators (two mma chains of 4)
+  const u32 k0 = 16u * f8_slot(ug, 2u * ut);   // chunk 2t + 1: slot bit 0 flipped (k0 ^ 16)
+  uint4 kw[2][2];   // [row r][chunk 2t + e]
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    kw[r][0] = lds128(buf + k0 + 1024u * r);
+    kw[r][1] = lds128(buf + (k0 ^ 16u) + 1024u * r);
+  }
+  float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const uint2 b = lds64(qf8 + 256u * c);
+    const u32 x0 = word_of(kw[0][c >> 2], c & 3), x1 = word_of(kw[1][c >> 2], c & 3);
+    mma_16816((c & 1) ? s1 : s[0], x0 & 0x00ff00ffu, x1 & 0x00ff00ffu,
+              __byte_perm(x0, 0u, 0x4341u), __byte_perm(x1, 0u, 0x4341u), b.x, b.y);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) s[0][k] += s1[k];
+  // ---- softmax
+  u32 pb[1][2];
+  fp_softmax<1, 15>(buf + F8_KSOFF + 2u * ug, buf + F8_VSOFF + 2u * ug, kk, hv, -255.0f, g, s,
+                    acc, pb, m0, m1, l0, l1, ps0, ps1);
+  // ---- values: acc[4j + p] += V^T(coordinates 16g + 8j + p, + 4) . P'^T; lane (g, t) reads
+  // chunk g of states 2t, 2t + 1, 2t + 8, 2t + 9 (2t + 9 = 15 at t = 3: row 30, masked)
+  const u32 va = buf + 16u * f8_slot(F8_VROW + 2u * ut, ug);
+  const u32 vb = buf + 16u * f8_slot(F8_VROW + 1u + 2u * ut, ug);
+  uint4 v[4];
+  v[0] = lds128(va);
+  v[1] = lds128(vb);
+  v[2] = lds128(va + 1024u);   // 8 rows on: the same swizzle
+  v[3] = lds128(vb + 1024u);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    u32 a[4][4];   // [operand: row g | g + 8 of states (2t, 2t + 1) | (2t + 8, 2t + 9)][p]
+#pragma unroll
+    for (int o = 0; o < 4; ++o) {
+      const int w = 2 * j + (o & 1);        // word: coordinates 16g + 4w .. + 3
+      const u32 xa = word_of(v[o & 2], w), xb = word_of(v[(o & 2) + 1], w);
+      const u32 e = __byte_perm(xa, xb, 0x6420u), od = __byte_perm(xa, xb, 0x7531u);
+      a[o][0] = e & 0x00ff00ffu;
+      a[o][1] = od & 0x00ff00ffu;
+      a[o][2] = __byte_perm(e, 0u, 0x4341u);
+      a[o][3] = __byte_perm(od, 0u, 0x4341u);
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      if (p & 1) {   // the F44 domain's odd blocks carry 2^-20: c 2^-24 x 16, exact in fp16
+#pragma unroll
+        for (int o = 0; o < 4; ++o) a[o][p] = f8_x16(a[o][p]);
+      }
+      mma_16816(acc[4 * j + p], a[0][p], a[1][p], a[2][p], a[3][p], pb[0][0], pb[0][1]);
+    }
+  }
+}
+
+// One full 16/16 page staged (swizzled) at shared address `buf`. qf: shared address of this
+// lane's qfrag[0][lane] (v6's fragment, chunk c at + 256 c); kk: {kfac[2t], 0, kfac[2t + 1], 0}.
+// acc in the generic domain.
+__device__ __forceinline__ void page_f16(u32 buf, u32 qf, u32 kk, int g, int t,
+                                         float (&acc)[8][4], float& m0, float& m1, float& l0,
+                                         float& l1, float& ps0, float& ps1) {
+  const u32 ug = static_cast<u32>(g), ut = static_cast<u32>(t);
+  // ---- logits: row g = state g (rows g + 8: zero operands); chunk (i, h) takes words
+  // 4w + h, 4w + h + 2 of coordinate group w = t + 4i (chunk w of the state's 256 bytes: row
+  // 2g + (i >> 1), in-row chunk t + 4 (i & 1))
+  const u32 ka = 16u * f16_slot(2u * ug, ut);   // i = 0; i = 1: slot bit 2 flipped (ka ^ 64)
+  uint4 kw[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) kw[i] = lds128(buf + ((i & 1) ? (ka ^ 64u) : ka) + 128u * (i >> 1));
+  float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const uint2 b = lds64(qf + 256u * c);
+    const int i = c >> 1, h = c & 1;
+    const u32 x = word_of(kw[i], h), y = word_of(kw[i], h + 2);
+    mma_16816((c & 1) ? s1 : s[0], __byte_perm(x, y, 0x5410u), 0u, __byte_perm(x, y, 0x7632u),
+              0u, b.x, b.y);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) s[0][k] += s1[k];
+  // ---- softmax (s_K = s_V = sqrt(D); no code offset)
+  u32 pb[1][2];
+  fp_softmax<1, 8, false>(0u, 0u, kk, 11.313708498984761f, 0.0f, g, s, acc, pb, m0, m1, l0, l1,
+                          ps0, ps1);
+  // ---- values: acc[4j + p] += V^T(coordinates 16g + 8j + p, + 4) . P'^T over states 0..7
+  // (m16n8k8); lane (g, t) reads chunks 2g, 2g + 1 (words 8g .. 8g + 7) of states 2t, 2t + 1
+  const u32 va = 16u * f16_slot(F16_VROW + 4u * ut + (ug >> 2), (2u * ug) & 7u);
+  const u32 vb = 16u * f16_slot(F16_VROW + 2u + 4u * ut + (ug >> 2), (2u * ug) & 7u);
+  uint4 v[2][2];   // [state 2t | 2t + 1][chunk 2g | 2g + 1]: chunk 2g + 1 flips slot bit 0
+  v[0][0] = lds128(buf + va);
+  v[0][1] = lds128(buf + (va ^ 16u));
+  v[1][0] = lds128(buf + vb);
+  v[1][1] = lds128(buf + (vb ^ 16u));
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      // coordinate 16g + 8j + p: word 4j + (p >> 1) of the lane's 8, half p & 1; + 4: word + 2
+      const int w = 4 * j + (p >> 1);
+      const u32 sel = (p & 1) ? 0x7632u : 0x5410u;
+      const u32 a0 = __byte_perm(word_of(v[0][w >> 2], w & 3), word_of(v[1][w >> 2], w & 3), sel);
+      const u32 a1 = __byte_perm(word_of(v[0][(w + 2) >> 2], (w + 2) & 3),
+                                 word_of(v[1][(w + 2) >> 2], (w + 2) & 3), sel);
+      mma_1688(acc[4 * j + p], a0, a1, pb[0][0]);
+    }
+  }
+}
+
 // Moves the value accumulators between domains: 0 = generic scale, 1 = F44 (page44: acc[i]
 // carries 2^(4 (i & 1) - 24); none with DEC7_CONV = 1), 2 = F2 (page_f2: 2^(2 (i & 3) - 24)).
 // Exact power-of-two multiplies.
@@ -1336,12 +1551,14 @@ __device__ __forceinline__ void decode_generic(const u32* __restrict__ pages, in
 
 // Page kind of a page header (decode_pages7, decode_pages8): 0 = partial page; 1 = other full
 // page; 2 = full 4/4 page (f44ok: D = 128 and 4096-byte pages); with F2 (v7), 3 = full 3/3 page
-// and 4 = full 2/2 page (page_f2).
+// and 4 = full 2/2 page (page_f2), 5 = full 8/8 page (page_f8), 6 = full 16/16 page (page_f16).
 template <bool F2>
 __device__ __forceinline__ int page_kind(int count, const int4& gq, bool f44ok) {
   if (count != gq.z) return 0;
   if (!f44ok || gq.x != gq.y) return 1;
-  return gq.x == 4 ? 2 : (F2 && DEC7_FAST3 && gq.x == 3) ? 3 : (F2 && DEC7_FAST2 && gq.x == 2) ? 4 : 1;
+  return gq.x == 4 ? 2 : (F2 && DEC7_FAST3 && gq.x == 3) ? 3 : (F2 && DEC7_FAST2 && gq.x == 2) ? 4
+       : (F2 && DEC7_FAST8 && DEC7_CONV == 0 && gq.x == 8) ? 5
+       : (F2 && DEC7_FAST16 && gq.x == 16) ? 6 : 1;
 }
 // Loads the header block of the warp's pages first, first + stride, ..., first + 31 stride
 // (lane l: page first + l stride; stride 4, or 4 S on v7's interleaved splits) into the warp's
@@ -1379,6 +1596,10 @@ __device__ __forceinline__ void stage_page(const u32* src, u32 c, u32 dst, int p
     f44_stage(dst, src, lane);
   } else if (F2 && kind == 4) {
     fp_stage<F2Geo<2>::SW, 16>(dst, src, lane);   // rows 30, 31 (scales) in place
+  } else if (F2 && DEC7_FAST8 && kind == 5) {
+    f8_stage(dst, src, lane);
+  } else if (F2 && DEC7_FAST16 && kind == 6) {
+    f16_stage(dst, src, lane);
   } else if (kind == 1 || kind == 3) {
     for (int i = lane; i < page_words / 4; i += 32)
       cp_async16_sh(dst + 16u * i, reinterpret_cast<const char*>(src) + 16 * i);
@@ -1450,8 +1671,20 @@ __device__ __forceinline__ void decode_pages7(
     __syncwarp();       // the current page are done, ... and every other lane's
     const u32 bsh = bufs_sh + 4u * buf * page_words;
     const int cur_kind = static_cast<int>(cur_c >> 28);
-    f7_move<D>(acc, d44, d2, F44 && cur_kind == 2, F2 && cur_kind >= 3);
-    if (F2 && cur_kind >= 3) {
+    f7_move<D>(acc, d44, d2, F44 && (cur_kind == 2 || cur_kind == 5), F2 && (cur_kind == 3 || cur_kind == 4));
+    if (F2 && cur_kind >= 5) {
+      if constexpr (F2) {
+        if (DEC7_FAST8 && (!DEC7_FAST16 || cur_kind == 5)) {
+          page_f8(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag8[0][lane])),
+                  static_cast<u32>(__cvta_generic_to_shared(&sm.k12c[0][2 * t][0])),
+                  lds_f32(sm.hstep + level_row(8), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
+        } else if (DEC7_FAST16) {
+          page_f16(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane])),
+                   static_cast<u32>(__cvta_generic_to_shared(&sm.k12c[1][2 * t][0])), g, t, acc,
+                   m0, m1, l0, l1, ps0, ps1);
+        }
+      }
+    } else if (F2 && cur_kind >= 3) {
       if constexpr (F2) {
         const u32 qf2 = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag2[0][lane]));
         if (DEC7_FAST3 && (!DEC7_FAST2 || cur_kind == 3)) {
@@ -1741,6 +1974,31 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
           sm.k12b[b2][g][0] = kf * 0x1p24f;
           sm.k12b[b2][g][1] = kf * (b2 ? -3.5f : -1.5f) * asum;
         }
+      }
+    }
+    // 8/8 pages (page_f8): chunk c of lane (g, t) holds head g's q~ of coordinates 32t + 4c
+    // + (0, 2) (b0) and + (1, 3) (b1), the bytes one lop3 or prmt pairs (no scaling: the
+    // codes sit at bit 0). 16/16 pages (page_f16) use qfrag and K1 = kfac, K2 = 0.
+    if (warp == 2) {
+      const float inv = sm.qfac[g] > 0.0f ? 1.0f / (sm.qfac[g] * (float)D) : 0.0f;
+      float asum = 0.0f;   // sum of head g's q~ as the mma sees them
+#pragma unroll
+      for (int c = 0; c < D / 16; ++c) {
+        const float* src = qs + g * D + 32 * t + 4 * c;
+        const __half2 b0 = __floats2half2_rn(src[0] * inv, src[2] * inv);
+        const __half2 b1 = __floats2half2_rn(src[1] * inv, src[3] * inv);
+        const float2 f0 = __half22float2(b0), f1 = __half22float2(b1);
+        asum += (f0.x + f0.y) + (f1.x + f1.y);
+        sm.qfrag8[c][lane] = make_uint2(h2_as_u32(b0), h2_as_u32(b1));
+      }
+      asum += __shfl_xor_sync(0xffffffffu, asum, 1);
+      asum += __shfl_xor_sync(0xffffffffu, asum, 2);
+      if (t == 0) {   // u = c - 127.5
+        const float kf = sm.kfac[g] * sm.hstep[level_row(8)];
+        sm.k12c[0][g][0] = kf * 0x1p24f;
+        sm.k12c[0][g][1] = kf * -127.5f * asum;
+        sm.k12c[1][g][0] = sm.kfac[g];
+        sm.k12c[1][g][1] = 0.0f;
       }
     }
   }
