@@ -29,9 +29,10 @@
 //   memory), adds mu_V and writes the output. Several splits: it writes (O / l, lse) to the
 //   small partial buffers and ada_merge combines them. Nothing of size tokens x D exists.
 //   v7 (affine path, D = 128) decodes full pages of the 4/4 tier (page44), the 3/3 and the 2/2
-//   tier (page_f2) on fast paths (one softmax step per page, staged and swizzled, codes as fp16
-//   subnormals; their own lane maps, described there) and every other page on the generic
-//   tile code above; v8 pipelines the 4/4 fast path across pages.
+//   tier (page_f2), the 8/8 tier (page_f8) and the 16/16 tier (page_f16) on fast paths (one
+//   softmax step per page, staged and swizzled, codes as fp16 subnormals or fp16 words; their
+//   own lane maps, described there) and every other page on the generic tile code above; v8
+//   pipelines the 4/4 fast path across pages.
 #pragma once
 #include "spherical_common.cuh"
 
@@ -1610,14 +1611,17 @@ __device__ __forceinline__ void stage_page(const u32* src, u32 c, u32 dst, int p
 // shared memory at `prange` + 4, start of the row's list at `prange`, as on v6). Page headers
 // come in blocks of 32 (header_refill: one dependent chain of global loads per 32 pages instead
 // of one per page), a page's header stays packed (count | tier << 16 | kind << 28) across the
-// loop and a partial page re-reads its id from `indices`. Each page is one of five kinds
+// loop and a partial page re-reads its id from `indices`. Each page is one of seven kinds
 // (page_kind): 2 = full 4/4 page (F44 only), staged with the 4/4 swizzle and decoded by page44;
 // 3 = full 3/3 page (F2 only), staged plainly, page_f2<3>; 4 = full 2/2 page (F2 only), staged
-// with the 2/2 swizzle, page_f2<2>; 1 = other full page, staged plainly, decode_page on shared
-// memory; 0 = partial page, read in place (decode_page on global memory, no byte past its
-// states). The next page streams into the other buffer while this one is decoded. The
-// accumulators stay in one domain (generic, F44 or F2) while pages of that domain follow each
-// other and change domain (32 exact multiplies, f7_move) only between them.
+// with the 2/2 swizzle, page_f2<2>; 5 = full 8/8 page (F2 only), staged with its swizzle,
+// page_f8; 6 = full 16/16 page (F2 only), staged with its swizzle, page_f16; 1 = other full
+// page, staged plainly, decode_page on shared memory; 0 = partial page, read in place
+// (decode_page on global memory, no byte past its states). The next page streams into the
+// other buffer while this one is decoded. The accumulators stay in one domain (generic: kinds
+// 0, 1, 6; F44: 2, 5; F2: 3, 4) while pages of that domain follow each other and change domain
+// (32 exact multiplies, f7_move) only between them. ILV: the warp's pages are pi0, pi0 + 4S, ...
+// (interleaved splits, decode_cta), else pi0, pi0 + 4, ...
 template <int D, int PATH, int NSUB, bool F44, bool F2, bool ILV, class SM, class QF>
 __device__ __forceinline__ void decode_pages7(
     const u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
@@ -2224,8 +2228,9 @@ ada_decode_uniform_v6_kernel(SKV_DECODE_PARAMS) {
 // v7 (affine path only): full 4/4 pages on the fast path (page44: no predication, swizzled
 // staging, conflict-free 16- and 8-byte code loads, one lop3 per code pair, one MUFU per
 // weight), full 3/3 and 2/2 pages on theirs (page_f2: 2-bit fields one lop3 per pair, the
-// 3-bit plane bit merged by a shift and a lop3), every other page on v6's decode_page with the
-// v7 value map and MUFU exp2.
+// 3-bit plane bit merged by a shift and a lop3), full 8/8 and 16/16 pages on theirs (page_f8,
+// page_f16), every other page on v6's decode_page with the v7 value map and MUFU exp2; at
+// D = 128 the splits take a row's pages interleaved (decode_cta).
 #ifndef DEC7_SUB
 #define DEC7_SUB 2              // 16-state sub-tiles per softmax step of the generic pages
 #endif
