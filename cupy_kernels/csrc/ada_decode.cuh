@@ -734,19 +734,26 @@ template <int OFF>
 __device__ __forceinline__ void cp_async16_off(u32 dst, const char* src) {   // both + OFF bytes
   asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" :: "r"(dst), "l"(src), "n"(OFF));
 }
+// The eight rounds of one lane: round i (chunk lane + 32 i) to d[i & 3] + 512 i, except the last
+// round's lanes >= KEEP, in place (fp_stage, f8_stage, f16_stage).
+template <int KEEP>
+__device__ __forceinline__ void stage_rounds(u32 dst, const u32* src_page, int lane, u32 d0,
+                                             u32 d1, u32 d2, u32 d3) {
+  const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
+  cp_async16_off<0>(d0, src);
+  cp_async16_off<512>(d1, src);
+  cp_async16_off<1024>(d2, src);
+  cp_async16_off<1536>(d3, src);
+  cp_async16_off<2048>(d0, src);
+  cp_async16_off<2560>(d1, src);
+  cp_async16_off<3072>(d2, src);
+  cp_async16_off<3584>(lane >= KEEP ? dst + 16u * static_cast<u32>(lane) : d3, src);
+}
 template <u32 SW, int KEEP>
 __device__ __forceinline__ void fp_stage(u32 dst, const u32* src_page, int lane) {
-  const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
   const u32 sl = static_cast<u32>(lane) ^ ((static_cast<u32>(lane) >> 2) & SW);
   const u32 d = dst + 16u * sl;
-  cp_async16_off<0>(d, src);
-  cp_async16_off<512>(d, src);
-  cp_async16_off<1024>(d, src);
-  cp_async16_off<1536>(d, src);
-  cp_async16_off<2048>(d, src);
-  cp_async16_off<2560>(d, src);
-  cp_async16_off<3072>(d, src);
-  cp_async16_off<3584>(lane >= KEEP ? dst + 16u * lane : d, src);
+  stage_rounds<KEEP>(dst, src_page, lane, d, d, d, d);
 }
 __device__ __forceinline__ void f44_stage(u32 dst, const u32* src_page, int lane) {
   fp_stage<6u, 24>(dst, src_page, lane);   // row 31 (lanes 24..31 of the last round) in place
@@ -1249,34 +1256,18 @@ __host__ __device__ constexpr u32 f16_swz(u32 row) {
 }
 __host__ __device__ constexpr u32 f16_slot(u32 row, u32 x) { return 8u * row + (x ^ f16_swz(row)); }
 
-// Staging (lane l copies chunks l + 32 i, i = 0..7: row l / 8 + 4 i, in-row chunk l & 7).
+// Staging (lane l copies chunks l + 32 i, i = 0..7: row l / 8 + 4 i, in-row chunk l & 7;
+// stage_rounds).
 __device__ __forceinline__ void f8_stage(u32 dst, const u32* src_page, int lane) {
-  const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
   const u32 l = static_cast<u32>(lane);
   const u32 d0 = dst + 16u * (l ^ (l >> 3)), d1 = dst + 16u * (l ^ (l >> 3) ^ 4u);   // i even, odd
-  cp_async16_off<0>(d0, src);
-  cp_async16_off<512>(d1, src);
-  cp_async16_off<1024>(d0, src);
-  cp_async16_off<1536>(d1, src);
-  cp_async16_off<2048>(d0, src);
-  cp_async16_off<2560>(d1, src);
-  cp_async16_off<3072>(d0, src);
-  cp_async16_off<3584>(lane >= 16 ? dst + 16u * l : d1, src);   // rows 30, 31 in place
+  stage_rounds<16>(dst, src_page, lane, d0, d1, d0, d1);   // rows 30, 31 in place
 }
 __device__ __forceinline__ void f16_stage(u32 dst, const u32* src_page, int lane) {
-  const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
   const u32 l = static_cast<u32>(lane);
   const u32 b = l ^ (((l >> 4) & 1u) << 2);   // row bit 1 = lane bit 4; bits 2, 3 = i bits 0, 1
-  const u32 d0 = dst + 16u * b, d1 = dst + 16u * (b ^ 1u), d2 = dst + 16u * (b ^ 4u),
-            d3 = dst + 16u * (b ^ 5u);
-  cp_async16_off<0>(d0, src);
-  cp_async16_off<512>(d1, src);
-  cp_async16_off<1024>(d2, src);
-  cp_async16_off<1536>(d3, src);
-  cp_async16_off<2048>(d0, src);
-  cp_async16_off<2560>(d1, src);
-  cp_async16_off<3072>(d2, src);
-  cp_async16_off<3584>(d3, src);
+  stage_rounds<32>(dst, src_page, lane, dst + 16u * b, dst + 16u * (b ^ 1u), dst + 16u * (b ^ 4u),
+                   dst + 16u * (b ^ 5u));
 }
 
 // c 2^-24 -> c 2^-20 in both halves (c <= 255: exact, a normal or subnormal fp16; the fp16
