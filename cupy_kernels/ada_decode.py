@@ -190,8 +190,9 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     or None. version: 5 (32-state softmax steps, lop3 + fma affine decode), 4 (16-state steps),
     6 (P' transposed in registers, a lazy running maximum, the query fragment re-read from
     shared memory; 4 CTAs per SM on the affine path), 7 (affine path: full 4/4 pages on a fast
-    path with one lop3 per code pair and no predication, the rest as v6; splits that fill
-    whole waves; on the table path 7 runs v6), 8 (v7 with the fast path pipelined across
+    path with one lop3 per code pair and no predication, full 3/3, 2/2, 8/8 and 16/16 pages on
+    theirs (d = 128), the rest as v6; splits that fill whole waves, each taking a row's pages
+    interleaved (d = 128); on the table path 7 runs v6), 8 (v7 with the fast path pipelined across
     pages: page i's logits next to page i - 1's values; on the table path v6) or None (``default_version``: the fastest
     measured per path). Returns a CuPy array (a torch tensor if q is one)."""
     version = default_version(tables) if version is None else version

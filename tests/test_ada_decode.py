@@ -156,6 +156,58 @@ def test_v7_fast_33_and_22_pages(softmax_scale):
             _check(c, a, softmax_scale)
 
 
+@pytest.mark.parametrize("softmax_scale", [None, 4.0])
+def test_v7_fast_88_and_1616_pages(softmax_scale):
+    """v7 decodes full 8/8 pages (page_f8: bytes as fp16 subnormals, accumulators in the 4/4
+    path's F44 domain, the odd blocks' operands times 16) and full 16/16 pages (page_f16: the
+    fp16 words straight into the mma, generic domain) on their own fast paths (D = 128): rows
+    where pages of every tier of the wide ladder and partial pages interleave (shuffled page
+    order: the accumulators change domain often), rows of 4/4, 8/8 and 16/16 pages only
+    (4/4 and 8/8 share a domain), pure 8/8 and 16/16 rows of many full pages and one partial
+    page, and a row in chunk order (pages ordered as the cache lays them), at 1, 2, 3, 7 and 40
+    splits. Against the reference and against v6 (same codes, other fp16 roundings). Page
+    padding is random: a read of a non-state slot that were not masked would show."""
+    from cupy_kernels.cases import build_case, run_case
+    mixed = build_case(2, 2, 8, 128, [1500, 900, 37, 2600], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
+                       seed=71, centred=True, codebook="uniform", chunks_per_row=16)
+    wide = build_case(1, 2, 8, 128, [2200, 1700], WIDE_LADDER, [4, 5, 6], seed=72,
+                      centred=True, codebook="uniform", chunks_per_row=12)
+    pure8 = build_case(1, 2, 4, 128, [3000, 46], WIDE_LADDER, [5], seed=73, centred=True,
+                       codebook="uniform")
+    pure16 = build_case(1, 2, 8, 128, [1200, 13], WIDE_LADDER, [6], seed=74, codebook="uniform")
+    ordered = build_case(1, 2, 8, 128, [2900, 2100], WIDE_LADDER, [2, 3, 4, 5, 6], seed=75,
+                         codebook="uniform", chunks_per_row=10, shuffle=False)
+    for c in (mixed, wide, pure8, pure16, ordered):
+        for splits in (1, 2, 3, 7, 40):
+            a = run_case(c, num_splits=splits, version=7, softmax_scale=softmax_scale)
+            b = run_case(c, num_splits=splits, version=6, softmax_scale=softmax_scale).get()
+            diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
+            assert float(np.max(diff / c.error_scale(softmax_scale))) <= BOUND
+            _check(c, a, softmax_scale)
+
+
+def test_v7_split_partition_covers_every_page_once():
+    """v7's splits take a row's pages interleaved (warp w of split s: pages 4s + w + 4Sk): at
+    any split count the CTAs together decode every page exactly once. Compared with one split
+    (every page in one CTA) far more tightly than the error budget: the outputs differ only by
+    fp32 summation order and the fp16 rounding of P' against other running maxima (~2e-4 of a
+    head's output), while a page missed or read twice moves a head by about its share of the
+    softmax weight times its values (rows of 100 to 3000 states, a page is 0.3-30 % of a row:
+    >= 1e-2 of the output; no centring, so the output is not dominated by mu_V). Rows shorter
+    than 4S pages leave splits and warps empty."""
+    from cupy_kernels.cases import build_case, run_case
+    cases = [build_case(2, 2, 8, 128, [3000, 100, 777, 1900], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
+                        seed=81, codebook="uniform", chunks_per_row=9),
+             build_case(1, 2, 4, 128, [2500, 400], WIDE_LADDER, [3, 4, 5], seed=82,
+                        codebook="uniform", chunks_per_row=4, shuffle=False)]
+    for c in cases:
+        one = run_case(c, num_splits=1, version=7).get().astype(np.float64)
+        for splits in (2, 3, 5, 17, 64, 130):
+            got = run_case(c, num_splits=splits, version=7).get().astype(np.float64)
+            rel = np.linalg.norm(got - one, axis=-1) / np.linalg.norm(one, axis=-1)
+            assert float(np.max(rel)) <= 5e-3, (splits, float(np.max(rel)))
+
+
 def test_v7_splits_fill_whole_waves():
     """v7's default split count rounds down to whole waves of resident CTAs (v6 rounds up)."""
     from cupy_kernels import kernel_tables

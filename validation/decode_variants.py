@@ -3,7 +3,9 @@ built (one GPU, one process): which of the v7 choices pays, before v7 is made th
 variant is a set of NVRTC defines of csrc/ada_decode.cuh (DEC7_CONV: 0 = codes fed to the mma
 as fp16 subnormals by one lop3, 1 = v6's lop3 + fma per pair; DEC7_LSPLIT: two accumulators per
 sub-tile for the fast path's logits; DEC7_STAGES: page buffers per warp, with the launcher's
-STAGES_V7; DEC7_FAST3 / DEC7_FAST2: full 3/3 / 2/2 pages on their fast path or the generic code) and/or a launcher setting (WAVES_V7: whole waves of resident CTAs the split count
+STAGES_V7; DEC7_FAST3 / DEC7_FAST2 / DEC7_FAST8 / DEC7_FAST16: full 3/3 / 2/2 / 8/8 / 16/16 pages
+on their fast path or the generic code; DEC7_INTERLEAVE: splits take a row's pages interleaved
+or as contiguous ranges) and/or a launcher setting (WAVES_V7: whole waves of resident CTAs the split count
 aims at; MERGE_V7: v7's merge kernel instead of v6's). Every row carries the relative difference of its output
 from v6's on the same pool and queries (a correctness check of each variant).
 
@@ -30,12 +32,18 @@ VARIANTS = {
     "v8_lsplit1": (dict(DEC8_LSPLIT=1), {}),
     # v7 with full 3/3 and 2/2 pages on the generic code again (as before page_f2)
     "v7_generic32": (dict(DEC7_FAST3=0, DEC7_FAST2=0), {}),
+    # v7 as before the mixed-tier work: contiguous splits, 8/8 and 16/16 pages generic
+    "v7_contig": (dict(DEC7_INTERLEAVE=0, DEC7_FAST8=0, DEC7_FAST16=0), {}),
+    # interleaved splits only (8/8 and 16/16 pages generic); fast 8/8 and 16/16 pages only
+    "v7_ilv_only": (dict(DEC7_FAST8=0, DEC7_FAST16=0), {}),
+    "v7_fast816_only": (dict(DEC7_INTERLEAVE=0), {}),
 }
 # measured in device run 1 (before WAVES_V7 = 1, the v7 merge and DEC7_LSPLIT = 1 were made the
 # default): v7_waves1 (now the default), v7_stages3, v7_conv1 (docs/PERF_NOTES.md, v7)
 CASES = [(32, 8192, "4/4"), (8, 32768, "4/4"), (2, 131072, "4/4"), (1, 131072, "4/4"),
          (8, 32768, "2/2"), (8, 32768, "3/3"), (8, 32768, "rdr-mix"),
-         (32, 8192, "3/3"), (1, 131072, "3/3"), (1, 131072, "2/2")]
+         (32, 8192, "3/3"), (1, 131072, "3/3"), (1, 131072, "2/2"),
+         (32, 8192, "rdr-mix"), (1, 131072, "rdr-mix"), (2, 131072, "rdr-mix")]
 
 
 def variant_kernels(defines: dict):
@@ -58,6 +66,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cases", default="all", help="'all' or indices into CASES, e.g. 0,1,6")
     ap.add_argument("--variants", default="all", help="'all' or names of VARIANTS, e.g. v8_lsplit1")
+    ap.add_argument("--baselines", default="v6,v7,v8",
+                    help="kernels as built, timed before the variants (the first is the reference "
+                         "of rel_diff_vs_v6), e.g. v6,v7")
     args = ap.parse_args(argv)
     import importlib
     import cupy as cp
@@ -79,7 +90,7 @@ def main(argv=None):
         q = cp.random.standard_normal((batch, HQ, D), dtype=cp.float32)
         nbytes = lay.cache_bytes + q.size * 4 + (lay.indptr.size + 3 * lay.indices.size) * 4
         ref = None
-        for name in ["v6", "v7", "v8", *chosen]:
+        for name in [*[b for b in args.baselines.split(",") if b], *chosen]:
             saved = {}
             if name in VARIANTS:
                 defs, over = VARIANTS[name]

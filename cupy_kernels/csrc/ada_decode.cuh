@@ -2,7 +2,8 @@
 //
 // Thread -> data map
 //   grid (num_splits, rows): one CTA per (sequence, kv-head) row and split of its page list;
-//   the split takes pages [s*ceil(n/S), (s+1)*ceil(n/S)) of the row's n pages.
+//   the split takes pages [s*ceil(n/S), (s+1)*ceil(n/S)) of the row's n pages (v7 at D = 128:
+//   pages 4s, 4s+1, 4s+2, 4s+3, then the same + 4S, + 8S, ..., interleaved; see decode_cta).
 //   block = 4 warps; warp w walks the split's pages w, w+4, w+8, ... and, in each page, tiles
 //   of 16 * NSUB states (v4: 16; v5: 32 = two independent m16 sub-tiles per softmax step;
 //   below, "tile" is one 16-state sub-tile). The warp serves all G <= 8 query heads of the kv-head's GQA group from one
@@ -28,9 +29,10 @@
 //   memory), adds mu_V and writes the output. Several splits: it writes (O / l, lse) to the
 //   small partial buffers and ada_merge combines them. Nothing of size tokens x D exists.
 //   v7 (affine path, D = 128) decodes full pages of the 4/4 tier (page44), the 3/3 and the 2/2
-//   tier (page_f2) on fast paths (one softmax step per page, staged and swizzled, codes as fp16
-//   subnormals; their own lane maps, described there) and every other page on the generic
-//   tile code above; v8 pipelines the 4/4 fast path across pages.
+//   tier (page_f2), the 8/8 tier (page_f8) and the 16/16 tier (page_f16) on fast paths (one
+//   softmax step per page, staged and swizzled, codes as fp16 subnormals or fp16 words; their
+//   own lane maps, described there) and every other page on the generic tile code above; v8
+//   pipelines the 4/4 fast path across pages.
 #pragma once
 #include "spherical_common.cuh"
 
@@ -92,7 +94,16 @@ template <int D>
 struct DecodeSmem7F2 : DecodeSmem7<D> {
   uint2 qfrag2[D / 16][32];                  // [chunk][lane], see decode_cta
   __align__(16) float k12b[2][DEC_HEADS][2];   // K1, K2 per head of the 2/2 [0] and 3/3 [1] tiers
+  int pstride;   // pages between two of a warp's pages (interleaved splits: 4 S; decode_pages7)
+  uint2 qfrag8[D / 16][32];                  // 8/8 pages (page_f8): [chunk][lane], see decode_cta
+  __align__(16) float k12c[2][DEC_HEADS][2];   // K1, K2 per head of the 8/8 [0] and 16/16 [1] tiers
 };
+// Shared address of the page stride of the interleaved splits (DecodeSmem7F2 only).
+__device__ __forceinline__ u32 pstride_at(DecodeSmem7F2<128>& sm) {
+  return static_cast<u32>(__cvta_generic_to_shared(&sm.pstride));
+}
+template <class SM>
+__device__ __forceinline__ u32 pstride_at(SM&) { return 0u; }
 template <int D, bool V7, bool V8> struct SmemOf { typedef DecodeSmem<D> type; };
 template <int D, bool V8> struct SmemOf<D, true, V8> { typedef DecodeSmem7<D> type; };
 template <> struct SmemOf<128, true, false> { typedef DecodeSmem7F2<128> type; };
@@ -723,19 +734,26 @@ template <int OFF>
 __device__ __forceinline__ void cp_async16_off(u32 dst, const char* src) {   // both + OFF bytes
   asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" :: "r"(dst), "l"(src), "n"(OFF));
 }
+// The eight rounds of one lane: round i (chunk lane + 32 i) to d[i & 3] + 512 i, except the last
+// round's lanes >= KEEP, in place (fp_stage, f8_stage, f16_stage).
+template <int KEEP>
+__device__ __forceinline__ void stage_rounds(u32 dst, const u32* src_page, int lane, u32 d0,
+                                             u32 d1, u32 d2, u32 d3) {
+  const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
+  cp_async16_off<0>(d0, src);
+  cp_async16_off<512>(d1, src);
+  cp_async16_off<1024>(d2, src);
+  cp_async16_off<1536>(d3, src);
+  cp_async16_off<2048>(d0, src);
+  cp_async16_off<2560>(d1, src);
+  cp_async16_off<3072>(d2, src);
+  cp_async16_off<3584>(lane >= KEEP ? dst + 16u * static_cast<u32>(lane) : d3, src);
+}
 template <u32 SW, int KEEP>
 __device__ __forceinline__ void fp_stage(u32 dst, const u32* src_page, int lane) {
-  const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
   const u32 sl = static_cast<u32>(lane) ^ ((static_cast<u32>(lane) >> 2) & SW);
   const u32 d = dst + 16u * sl;
-  cp_async16_off<0>(d, src);
-  cp_async16_off<512>(d, src);
-  cp_async16_off<1024>(d, src);
-  cp_async16_off<1536>(d, src);
-  cp_async16_off<2048>(d, src);
-  cp_async16_off<2560>(d, src);
-  cp_async16_off<3072>(d, src);
-  cp_async16_off<3584>(lane >= KEEP ? dst + 16u * lane : d, src);
+  stage_rounds<KEEP>(dst, src_page, lane, d, d, d, d);
 }
 __device__ __forceinline__ void f44_stage(u32 dst, const u32* src_page, int lane) {
   fp_stage<6u, 24>(dst, src_page, lane);   // row 31 (lanes 24..31 of the last round) in place
@@ -784,7 +802,9 @@ __device__ __forceinline__ void f44_fold(float (&s)[2][4], const float (&s1)[2][
 // offset of the tier (the offset times the sum of P' is taken off once at the end:
 // decode_cta's + 0.5 ps). The lazy running maximum, l and ps as in decode_page (acc is
 // rescaled when the maximum moves).
-template <int NS, int P>
+// SCALED = false (the 16-bit tier, no scales stored): s_K = s_V = hv (sqrt(D), as decode_page's
+// `top`), sk_at and sv_at unused.
+template <int NS, int P, bool SCALED = true>
 __device__ __forceinline__ void fp_softmax(u32 sk_at, u32 sv_at, u32 kk, float hv, float coef,
                                            int g, const float (&s)[NS][4], float (&acc)[8][4],
                                            u32 (&pb)[NS][2], float& m0, float& m1, float& l0,
@@ -797,8 +817,8 @@ __device__ __forceinline__ void fp_softmax(u32 sk_at, u32 sv_at, u32 kk, float h
     ok[j] = 8 * j + 7 < P || (8 * j < P && g < P - 8 * j);
     sk[j] = svh[j] = 0.0f;
     if (8 * j < P) {
-      sk[j] = lds_half(sk_at + 16u * j);
-      svh[j] = lds_half(sv_at + 16u * j) * hv;
+      sk[j] = SCALED ? lds_half(sk_at + 16u * j) : hv;
+      svh[j] = SCALED ? lds_half(sv_at + 16u * j) * hv : hv;
       if (!ok[j]) svh[j] = 0.0f;
     }
   }
@@ -959,7 +979,7 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
 // the same coordinate is shifted to POS + 2 and merged (shift + two lop3 per pair; one mma per
 // k16 chunk, as at 4/4 and 2/2). So both tiers share one query fragment (qfrag2: q~ 2^-POS in
 // the same k order; only 3/3 uses the plane bits) and one accumulator domain, F2: acc[4j + p]
-// carries 2^(2p - 24) (f7_domain). Offsets: u = c - 3.5 (3 bits) or c - 1.5 (2 bits): logits
+// carries 2^(2p - 24) (f7_move). Offsets: u = c - 3.5 (3 bits) or c - 1.5 (2 bits): logits
 // through K2 per head and tier, values through ps (coefficient -7 or -3).
 //
 // Lane maps (lane = 4g + t), the same coordinates as the generic path (shared accumulators):
@@ -988,6 +1008,9 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
 // accumulation error is at most 2x v6's (|c| <= 7 against |u| <= 4 at 3 bits), as on the 4/4
 // path, and the offset term is the 4/4 path's with 3.5 or 1.5 instead of 7.5.
 
+#ifndef DEC7_INTERLEAVE
+#define DEC7_INTERLEAVE 1    // v7 (D = 128): splits take a row's pages interleaved (decode_cta)
+#endif
 #ifndef DEC7_FAST3
 #define DEC7_FAST3 1         // v7: full 3/3 pages on page_f2 (0: v6's generic code, as before)
 #endif
@@ -1175,6 +1198,201 @@ __device__ __forceinline__ void page_f2(u32 buf, u32 qf2, u32 kk, float hv, int 
   }
 }
 
+// ------------------------------------------------------------ v7, 8/8 and 16/16 pages ----
+// v7 fast path for full pages of the 8/8 and the 16/16 (top) tier (D = 128, 4096-byte pages),
+// the tiers of the RDR mix that were left on the generic code. Page layouts (docs/format.md):
+// 8/8 holds P = 15 states, key codes [15][128 B] at 0 (128-byte rows 0..14), value codes at 1920
+// (rows 15..29), key scales at 3840, value scales at 3870 (row 30); 16/16 holds P = 8 states,
+// keys [8][256 B] at 0 (rows 0..15, state s = rows 2s, 2s + 1), values at 2048 (rows 16..31),
+// no scales (s_K = s_V = sqrt(D), as decode_page's `top`). One page is one 16-state sub-tile
+// (8/8: slot 15 masked in the softmax; 16/16: rows g + 8 are never states, their operands are
+// zero and the values take one m16n8k8 mma per block), one softmax step (fp_softmax), no
+// predication.
+//
+// 8/8, the F8 domain: a byte masked into an otherwise zero fp16 is the exact subnormal c 2^-24
+// (c <= 255 < 2^10). Bytes 0 and 2 of a word are one lop3 (x & 0x00ff00ff), bytes 1 and 3 one
+// prmt (with zero); so the logits take one instruction per pair of codes and a query fragment
+// of their own (qfrag8: chunk c of lane (g, t) holds head g's q~ of coordinates
+// 32t + 4c + (0, 2) in b0 and + (1, 3) in b1, at their plain fp16 value: no rounding beyond
+// v6's). The values pair the same byte of two states (coordinate 16g + 8j + p of states 2t,
+// 2t + 1): one prmt per two pairs, then a lop3 or a prmt per pair (1.5 per pair). The
+// accumulators stay in the 4/4 path's F44 domain (acc[4j + p] carries 2^(4 (p & 1) - 24)): the
+// operands of the odd blocks are multiplied by 16 (one exact HMUL2 per pair of codes: c 2^-20 is
+// an fp16 for c <= 255), so 4/4 and 8/8 pages, neighbours in a row ordered by tier, share the
+// domain, and a third domain (a loop-carried flag: ptxas spilled at 128 registers) is not
+// needed. The offset u = c - 127.5 enters as the 4/4 path's: K2 per head, coefficient -255 on
+// ps.
+// 16/16: the fp16 words go to the mma as they are, in the generic path's k order (qfrag, v6's
+// fragment; one prmt per operand, as tile_logits does), the values in the generic domain (one
+// prmt per operand, as tile_values): the same products and sums as decode_page.
+//
+// Shared-memory banks: 8/8 pages are staged with the XOR swizzle slot ^= row & 7 (rows 0..29;
+// the scale rows 30, 31 in place): a key load (chunks 2t, 2t + 1 of state g) and a value load
+// (chunk g of states 2t, 2t + 1, + 8, + 9) are conflict-free. 16/16 pages with
+// slot ^= 4 ((row >> 1) ^ (row >> 3) & 1) | (row >> 2) & 1: the key loads (chunk t + 4i of
+// state g, rows 2g, 2g + 1) and the value loads (chunks 2g, 2g + 1 of states 2t, 2t + 1) are
+// conflict-free.
+//
+// Error bound: 8/8 operands are exact except q~ (v6's rounding), the accumulation is fp32 over
+// c in [0, 255] times a step 16x smaller than 4/4's, so partial sums and the offset term have the
+// 4/4 path's size in units of the logit (section "Decode v7" of docs/PERF_NOTES.md). 16/16 adds
+// no rounding to decode_page's.
+
+#ifndef DEC7_FAST8
+#define DEC7_FAST8 1         // v7: full 8/8 pages on page_f8 (0: v6's generic code, as before)
+#endif
+#ifndef DEC7_FAST16
+#define DEC7_FAST16 1        // v7: full 16/16 pages on page_f16
+#endif
+
+constexpr u32 F8_VROW = 15, F8_KSOFF = 3840, F8_VSOFF = 3870;
+constexpr u32 F16_VROW = 16;
+
+// 16-byte chunk slot of chunk x (0..7) of 128-byte row `row` in a staged 8/8 page (rows 0..29).
+__host__ __device__ constexpr u32 f8_slot(u32 row, u32 x) { return 8u * row + (x ^ (row & 7u)); }
+// ... of a staged 16/16 page (rows 0..31).
+__host__ __device__ constexpr u32 f16_swz(u32 row) {
+  return ((((row >> 1) ^ (row >> 3)) & 1u) << 2) | ((row >> 2) & 1u);
+}
+__host__ __device__ constexpr u32 f16_slot(u32 row, u32 x) { return 8u * row + (x ^ f16_swz(row)); }
+
+// Staging (lane l copies chunks l + 32 i, i = 0..7: row l / 8 + 4 i, in-row chunk l & 7;
+// stage_rounds).
+__device__ __forceinline__ void f8_stage(u32 dst, const u32* src_page, int lane) {
+  const u32 l = static_cast<u32>(lane);
+  const u32 d0 = dst + 16u * (l ^ (l >> 3)), d1 = dst + 16u * (l ^ (l >> 3) ^ 4u);   // i even, odd
+  stage_rounds<16>(dst, src_page, lane, d0, d1, d0, d1);   // rows 30, 31 in place
+}
+__device__ __forceinline__ void f16_stage(u32 dst, const u32* src_page, int lane) {
+  const u32 l = static_cast<u32>(lane);
+  const u32 b = l ^ (((l >> 4) & 1u) << 2);   // row bit 1 = lane bit 4; bits 2, 3 = i bits 0, 1
+  stage_rounds<32>(dst, src_page, lane, dst + 16u * b, dst + 16u * (b ^ 1u), dst + 16u * (b ^ 4u),
+                   dst + 16u * (b ^ 5u));
+}
+
+// c 2^-24 -> c 2^-20 in both halves (c <= 255: exact, a normal or subnormal fp16; the fp16
+// multiply keeps subnormals).
+__device__ __forceinline__ u32 f8_x16(u32 a) {
+  return h2_as_u32(__hmul2(u32_as_h2(a), __floats2half2_rn(16.0f, 16.0f)));
+}
+
+// One full 8/8 page staged (swizzled) at shared address `buf`. qf8: shared address of this
+// lane's qfrag8[0][lane] (chunk c at + 256 c); kk: K1/K2 of heads 2t, 2t + 1 for the tier (as
+// page44); hv: the tier's step (twice its half step). acc must be in the F44 domain.
+__device__ __forceinline__ void page_f8(u32 buf, u32 qf8, u32 kk, float hv, int g, int t,
+                                        float (&acc)[8][4], float& m0, float& m1, float& l0,
+                                        float& l1, float& ps0, float& ps1) {
+  const u32 ug = static_cast<u32>(g), ut = static_cast<u32>(t);
+  // ---- logits: rows g, g + 8 (state g + 8 = 15 is masked: its bytes are value codes); lane
+  // (g, t) reads chunks 2t, 2t + 1 (words 8t .. 8t + 7, chunk c of the mma takes word 8t + c);
+  // even and odd chunks on two accumulators (two mma chains of 4)
+  const u32 k0 = 16u * f8_slot(ug, 2u * ut);   // chunk 2t + 1: slot bit 0 flipped (k0 ^ 16)
+  uint4 kw[2][2];   // [row r][chunk 2t + e]
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    kw[r][0] = lds128(buf + k0 + 1024u * r);
+    kw[r][1] = lds128(buf + (k0 ^ 16u) + 1024u * r);
+  }
+  float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const uint2 b = lds64(qf8 + 256u * c);
+    const u32 x0 = word_of(kw[0][c >> 2], c & 3), x1 = word_of(kw[1][c >> 2], c & 3);
+    mma_16816((c & 1) ? s1 : s[0], x0 & 0x00ff00ffu, x1 & 0x00ff00ffu,
+              __byte_perm(x0, 0u, 0x4341u), __byte_perm(x1, 0u, 0x4341u), b.x, b.y);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) s[0][k] += s1[k];
+  // ---- softmax
+  u32 pb[1][2];
+  fp_softmax<1, 15>(buf + F8_KSOFF + 2u * ug, buf + F8_VSOFF + 2u * ug, kk, hv, -255.0f, g, s,
+                    acc, pb, m0, m1, l0, l1, ps0, ps1);
+  // ---- values: acc[4j + p] += V^T(coordinates 16g + 8j + p, + 4) . P'^T; lane (g, t) reads
+  // chunk g of states 2t, 2t + 1, 2t + 8, 2t + 9 (2t + 9 = 15 at t = 3: row 30, masked)
+  const u32 va = buf + 16u * f8_slot(F8_VROW + 2u * ut, ug);
+  const u32 vb = buf + 16u * f8_slot(F8_VROW + 1u + 2u * ut, ug);
+  uint4 v[4];
+  v[0] = lds128(va);
+  v[1] = lds128(vb);
+  v[2] = lds128(va + 1024u);   // 8 rows on: the same swizzle
+  v[3] = lds128(vb + 1024u);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    u32 a[4][4];   // [operand: row g | g + 8 of states (2t, 2t + 1) | (2t + 8, 2t + 9)][p]
+#pragma unroll
+    for (int o = 0; o < 4; ++o) {
+      const int w = 2 * j + (o & 1);        // word: coordinates 16g + 4w .. + 3
+      const u32 xa = word_of(v[o & 2], w), xb = word_of(v[(o & 2) + 1], w);
+      const u32 e = __byte_perm(xa, xb, 0x6420u), od = __byte_perm(xa, xb, 0x7531u);
+      a[o][0] = e & 0x00ff00ffu;
+      a[o][1] = od & 0x00ff00ffu;
+      a[o][2] = __byte_perm(e, 0u, 0x4341u);
+      a[o][3] = __byte_perm(od, 0u, 0x4341u);
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      if (p & 1) {   // the F44 domain's odd blocks carry 2^-20: c 2^-24 x 16, exact in fp16
+#pragma unroll
+        for (int o = 0; o < 4; ++o) a[o][p] = f8_x16(a[o][p]);
+      }
+      mma_16816(acc[4 * j + p], a[0][p], a[1][p], a[2][p], a[3][p], pb[0][0], pb[0][1]);
+    }
+  }
+}
+
+// One full 16/16 page staged (swizzled) at shared address `buf`. qf: shared address of this
+// lane's qfrag[0][lane] (v6's fragment, chunk c at + 256 c); kk: {kfac[2t], 0, kfac[2t + 1], 0}.
+// acc in the generic domain.
+__device__ __forceinline__ void page_f16(u32 buf, u32 qf, u32 kk, int g, int t,
+                                         float (&acc)[8][4], float& m0, float& m1, float& l0,
+                                         float& l1, float& ps0, float& ps1) {
+  const u32 ug = static_cast<u32>(g), ut = static_cast<u32>(t);
+  // ---- logits: row g = state g (rows g + 8: zero operands); chunk (i, h) takes words
+  // 4w + h, 4w + h + 2 of coordinate group w = t + 4i (chunk w of the state's 256 bytes: row
+  // 2g + (i >> 1), in-row chunk t + 4 (i & 1))
+  const u32 ka = 16u * f16_slot(2u * ug, ut);   // i = 0; i = 1: slot bit 2 flipped (ka ^ 64)
+  uint4 kw[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) kw[i] = lds128(buf + ((i & 1) ? (ka ^ 64u) : ka) + 128u * (i >> 1));
+  float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const uint2 b = lds64(qf + 256u * c);
+    const int i = c >> 1, h = c & 1;
+    const u32 x = word_of(kw[i], h), y = word_of(kw[i], h + 2);
+    mma_16816((c & 1) ? s1 : s[0], __byte_perm(x, y, 0x5410u), 0u, __byte_perm(x, y, 0x7632u),
+              0u, b.x, b.y);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) s[0][k] += s1[k];
+  // ---- softmax (s_K = s_V = sqrt(D); no code offset)
+  u32 pb[1][2];
+  fp_softmax<1, 8, false>(0u, 0u, kk, 11.313708498984761f, 0.0f, g, s, acc, pb, m0, m1, l0, l1,
+                          ps0, ps1);
+  // ---- values: acc[4j + p] += V^T(coordinates 16g + 8j + p, + 4) . P'^T over states 0..7
+  // (m16n8k8); lane (g, t) reads chunks 2g, 2g + 1 (words 8g .. 8g + 7) of states 2t, 2t + 1
+  const u32 va = 16u * f16_slot(F16_VROW + 4u * ut + (ug >> 2), (2u * ug) & 7u);
+  const u32 vb = 16u * f16_slot(F16_VROW + 2u + 4u * ut + (ug >> 2), (2u * ug) & 7u);
+  uint4 v[2][2];   // [state 2t | 2t + 1][chunk 2g | 2g + 1]: chunk 2g + 1 flips slot bit 0
+  v[0][0] = lds128(buf + va);
+  v[0][1] = lds128(buf + (va ^ 16u));
+  v[1][0] = lds128(buf + vb);
+  v[1][1] = lds128(buf + (vb ^ 16u));
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      // coordinate 16g + 8j + p: word 4j + (p >> 1) of the lane's 8, half p & 1; + 4: word + 2
+      const int w = 4 * j + (p >> 1);
+      const u32 sel = (p & 1) ? 0x7632u : 0x5410u;
+      const u32 a0 = __byte_perm(word_of(v[0][w >> 2], w & 3), word_of(v[1][w >> 2], w & 3), sel);
+      const u32 a1 = __byte_perm(word_of(v[0][(w + 2) >> 2], (w + 2) & 3),
+                                 word_of(v[1][(w + 2) >> 2], (w + 2) & 3), sel);
+      mma_1688(acc[4 * j + p], a0, a1, pb[0][0]);
+    }
+  }
+}
+
 // Moves the value accumulators between domains: 0 = generic scale, 1 = F44 (page44: acc[i]
 // carries 2^(4 (i & 1) - 24); none with DEC7_CONV = 1), 2 = F2 (page_f2: 2^(2 (i & 3) - 24)).
 // Exact power-of-two multiplies.
@@ -1325,16 +1543,19 @@ __device__ __forceinline__ void decode_generic(const u32* __restrict__ pages, in
 
 // Page kind of a page header (decode_pages7, decode_pages8): 0 = partial page; 1 = other full
 // page; 2 = full 4/4 page (f44ok: D = 128 and 4096-byte pages); with F2 (v7), 3 = full 3/3 page
-// and 4 = full 2/2 page (page_f2).
+// and 4 = full 2/2 page (page_f2), 5 = full 8/8 page (page_f8), 6 = full 16/16 page (page_f16).
 template <bool F2>
 __device__ __forceinline__ int page_kind(int count, const int4& gq, bool f44ok) {
   if (count != gq.z) return 0;
   if (!f44ok || gq.x != gq.y) return 1;
-  return gq.x == 4 ? 2 : (F2 && DEC7_FAST3 && gq.x == 3) ? 3 : (F2 && DEC7_FAST2 && gq.x == 2) ? 4 : 1;
+  return gq.x == 4 ? 2 : (F2 && DEC7_FAST3 && gq.x == 3) ? 3 : (F2 && DEC7_FAST2 && gq.x == 2) ? 4
+       : (F2 && DEC7_FAST8 && DEC7_CONV == 0 && gq.x == 8) ? 5
+       : (F2 && DEC7_FAST16 && gq.x == 16) ? 6 : 1;
 }
-// Loads the header block of the warp's pages first, first + 4, ..., first + 124 (lane l: page
-// first + 4 l) into the warp's 512-byte P' tile (unused from v6 on) at shared address hsh:
-// lane l's entry {page id, count | tier << 16 | kind << 28} at 8 l. Kept in shared memory, a
+// Loads the header block of the warp's pages first, first + stride, ..., first + 31 stride
+// (lane l: page first + l stride; stride 4, or 4 S on v7's interleaved splits) into the warp's
+// 512-byte P' tile (unused from v6 on) at shared address hsh: lane l's entry
+// {page id, count | tier << 16 | kind << 28} at 8 l. Kept in shared memory, a
 // page's header costs one 8-byte load and no registers across the page loop (in shuffle
 // registers ptxas spilled at 128 registers). Warp-uniform; the previous block was read before
 // the __syncwarp at the end of the last step.
@@ -1343,8 +1564,9 @@ __device__ __forceinline__ void header_refill(u32 hsh, int first, int lane, u32 
                                               const int* __restrict__ indices,
                                               const int* __restrict__ page_tier,
                                               const int* __restrict__ page_count,
-                                              const int* __restrict__ geom, bool f44ok) {
-  const int idx = first + DEC_WARPS * lane;
+                                              const int* __restrict__ geom, bool f44ok,
+                                              int stride = DEC_WARPS) {
+  const int idx = first + stride * lane;
   u32 hp = 0, hc = 0;
   if (idx < lds_s32(prange + 4)) {
     const int page = indices[lds_s32(prange) + idx];
@@ -1366,6 +1588,10 @@ __device__ __forceinline__ void stage_page(const u32* src, u32 c, u32 dst, int p
     f44_stage(dst, src, lane);
   } else if (F2 && kind == 4) {
     fp_stage<F2Geo<2>::SW, 16>(dst, src, lane);   // rows 30, 31 (scales) in place
+  } else if (F2 && DEC7_FAST8 && kind == 5) {
+    f8_stage(dst, src, lane);
+  } else if (F2 && DEC7_FAST16 && kind == 6) {
+    f16_stage(dst, src, lane);
   } else if (kind == 1 || kind == 3) {
     for (int i = lane; i < page_words / 4; i += 32)
       cp_async16_sh(dst + 16u * i, reinterpret_cast<const char*>(src) + 16 * i);
@@ -1376,15 +1602,18 @@ __device__ __forceinline__ void stage_page(const u32* src, u32 c, u32 dst, int p
 // shared memory at `prange` + 4, start of the row's list at `prange`, as on v6). Page headers
 // come in blocks of 32 (header_refill: one dependent chain of global loads per 32 pages instead
 // of one per page), a page's header stays packed (count | tier << 16 | kind << 28) across the
-// loop and a partial page re-reads its id from `indices`. Each page is one of five kinds
+// loop and a partial page re-reads its id from `indices`. Each page is one of seven kinds
 // (page_kind): 2 = full 4/4 page (F44 only), staged with the 4/4 swizzle and decoded by page44;
 // 3 = full 3/3 page (F2 only), staged plainly, page_f2<3>; 4 = full 2/2 page (F2 only), staged
-// with the 2/2 swizzle, page_f2<2>; 1 = other full page, staged plainly, decode_page on shared
-// memory; 0 = partial page, read in place (decode_page on global memory, no byte past its
-// states). The next page streams into the other buffer while this one is decoded. The
-// accumulators stay in one domain (generic, F44 or F2) while pages of that domain follow each
-// other and change domain (32 exact multiplies, f7_move) only between them.
-template <int D, int PATH, int NSUB, bool F44, bool F2, class SM, class QF>
+// with the 2/2 swizzle, page_f2<2>; 5 = full 8/8 page (F2 only), staged with its swizzle,
+// page_f8; 6 = full 16/16 page (F2 only), staged with its swizzle, page_f16; 1 = other full
+// page, staged plainly, decode_page on shared memory; 0 = partial page, read in place
+// (decode_page on global memory, no byte past its states). The next page streams into the
+// other buffer while this one is decoded. The accumulators stay in one domain (generic: kinds
+// 0, 1, 6; F44: 2, 5; F2: 3, 4) while pages of that domain follow each other and change domain
+// (32 exact multiplies, f7_move) only between them. ILV: the warp's pages are pi0, pi0 + 4S, ...
+// (interleaved splits, decode_cta), else pi0, pi0 + 4, ...
+template <int D, int PATH, int NSUB, bool F44, bool F2, bool ILV, class SM, class QF>
 __device__ __forceinline__ void decode_pages7(
     const u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
     const int* __restrict__ page_count, const int* __restrict__ indices,
@@ -1395,8 +1624,12 @@ __device__ __forceinline__ void decode_pages7(
   const bool f44ok = F44 && page_words == F44_WORDS;
   const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
   const u32 hsh = static_cast<u32>(__cvta_generic_to_shared(pt));
+  // the warp's page stride: 4, or 4 S with interleaved splits (re-read from shared memory: a
+  // register held across the page loop would spill at 128 registers)
+  auto stride = [&]() { return ILV ? lds_s32(pstride_at(sm)) : DEC_WARPS; };
   auto refill = [&](int first) {
-    header_refill<F2>(hsh, first, lane, prange, indices, page_tier, page_count, geom, f44ok);
+    header_refill<F2>(hsh, first, lane, prange, indices, page_tier, page_count, geom, f44ok,
+                      stride());
   };
   auto stage = [&](int jb, u32& c, int which) {   // the jb-th page of the block: header, copy
     const uint2 v = lds64(hsh + 8u * jb);
@@ -1416,14 +1649,14 @@ __device__ __forceinline__ void decode_pages7(
   cp_async_commit();
   if constexpr (NST == 3) {
     jb = 1;
-    if (pi + DEC_WARPS < lds_s32(prange + 4)) stage(1, mid_c, 1);
+    if (pi + stride() < lds_s32(prange + 4)) stage(1, mid_c, 1);
     cp_async_commit();
   }
   int buf = 0;
-  for (; pi < lds_s32(prange + 4); pi += DEC_WARPS) {
-    jb = (jb + 1) & 31;   // ... of page pi + 4 (NST - 1), staged now
+  for (; pi < lds_s32(prange + 4); pi += stride()) {
+    jb = (jb + 1) & 31;   // ... of page pi + stride (NST - 1), staged now
     u32 nxt_c = 0;
-    const int npi = pi + DEC_WARPS * (NST - 1);
+    const int npi = pi + stride() * (NST - 1);
     if (npi < lds_s32(prange + 4)) {
       if (jb == 0) refill(npi);
       stage(jb, nxt_c, NST == 2 ? buf ^ 1 : (buf == 0 ? 2 : buf - 1));
@@ -1433,8 +1666,20 @@ __device__ __forceinline__ void decode_pages7(
     __syncwarp();       // the current page are done, ... and every other lane's
     const u32 bsh = bufs_sh + 4u * buf * page_words;
     const int cur_kind = static_cast<int>(cur_c >> 28);
-    f7_move<D>(acc, d44, d2, F44 && cur_kind == 2, F2 && cur_kind >= 3);
-    if (F2 && cur_kind >= 3) {
+    f7_move<D>(acc, d44, d2, F44 && (cur_kind == 2 || cur_kind == 5), F2 && (cur_kind == 3 || cur_kind == 4));
+    if (F2 && cur_kind >= 5) {
+      if constexpr (F2) {
+        if (DEC7_FAST8 && (!DEC7_FAST16 || cur_kind == 5)) {
+          page_f8(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag8[0][lane])),
+                  static_cast<u32>(__cvta_generic_to_shared(&sm.k12c[0][2 * t][0])),
+                  lds_f32(sm.hstep + level_row(8), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
+        } else if (DEC7_FAST16) {
+          page_f16(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane])),
+                   static_cast<u32>(__cvta_generic_to_shared(&sm.k12c[1][2 * t][0])), g, t, acc,
+                   m0, m1, l0, l1, ps0, ps1);
+        }
+      }
+    } else if (F2 && cur_kind >= 3) {
       if constexpr (F2) {
         const u32 qf2 = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag2[0][lane]));
         if (DEC7_FAST3 && (!DEC7_FAST2 || cur_kind == 3)) {
@@ -1726,17 +1971,51 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
         }
       }
     }
+    // 8/8 pages (page_f8): chunk c of lane (g, t) holds head g's q~ of coordinates 32t + 4c
+    // + (0, 2) (b0) and + (1, 3) (b1), the bytes one lop3 or prmt pairs (no scaling: the
+    // codes sit at bit 0). 16/16 pages (page_f16) use qfrag and K1 = kfac, K2 = 0.
+    if (warp == 2) {
+      const float inv = sm.qfac[g] > 0.0f ? 1.0f / (sm.qfac[g] * (float)D) : 0.0f;
+      float asum = 0.0f;   // sum of head g's q~ as the mma sees them
+#pragma unroll
+      for (int c = 0; c < D / 16; ++c) {
+        const float* src = qs + g * D + 32 * t + 4 * c;
+        const __half2 b0 = __floats2half2_rn(src[0] * inv, src[2] * inv);
+        const __half2 b1 = __floats2half2_rn(src[1] * inv, src[3] * inv);
+        const float2 f0 = __half22float2(b0), f1 = __half22float2(b1);
+        asum += (f0.x + f0.y) + (f1.x + f1.y);
+        sm.qfrag8[c][lane] = make_uint2(h2_as_u32(b0), h2_as_u32(b1));
+      }
+      asum += __shfl_xor_sync(0xffffffffu, asum, 1);
+      asum += __shfl_xor_sync(0xffffffffu, asum, 2);
+      if (t == 0) {   // u = c - 127.5
+        const float kf = sm.kfac[g] * sm.hstep[level_row(8)];
+        sm.k12c[0][g][0] = kf * 0x1p24f;
+        sm.k12c[0][g][1] = kf * -127.5f * asum;
+        sm.k12c[1][g][0] = sm.kfac[g];
+        sm.k12c[1][g][1] = 0.0f;
+      }
+    }
   }
   QShared qsh;
   qsh.a = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane]));
   const auto& qsrc = QSource<V6>::of(qsh, qr);
   const int h0 = 2 * t, h1 = 2 * t + 1;
   const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
+  // Which of the row's n pages the CTA takes. v4-v6, v8 and v7 at D = 64: a contiguous range
+  // [pbeg, pend) of ceil(n / S) pages, warp w its pages pbeg + w, + 4, ... v7 at D = 128
+  // (ILV): interleaved, warp w of split s takes pages 4 s + w + 4 S k, so every split holds
+  // about 1/S of each tier's pages (a row's pages come ordered by tier, and a contiguous range
+  // would give the slow tiers to a few splits, which then set the kernel's time).
+  constexpr bool ILV = F2 && DEC7_INTERLEAVE;
   const int per = (n + num_splits - 1) / num_splits;
-  const int pbeg = split * per, pend = min(n, pbeg + per);
+  const int pbeg = ILV ? split * DEC_WARPS : split * per, pend = ILV ? n : min(n, pbeg + per);
   // v6 re-reads the CTA's page range from shared memory at each page: held in registers
   // across the page loop, ptxas spills it to local memory at the 128-register cap.
   if (V6 && threadIdx.x == 0) { sm.prange[0] = rbeg; sm.prange[1] = pend; }
+  if constexpr (ILV) {
+    if (threadIdx.x == 0) sm.pstride = DEC_WARPS * num_splits;
+  }
   const u32 prange = static_cast<u32>(__cvta_generic_to_shared(&sm.prange[0]));
   __syncthreads();  // the query staging area becomes page buffers
 
@@ -1753,7 +2032,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
                                  pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc, m0, m1,
                                  l0, l1, ps0, ps1);
   } else if constexpr (V7) {
-    decode_pages7<D, PATH, NSUB, F44, F2>(pages, page_words, page_tier, page_count, indices, geom,
+    decode_pages7<D, PATH, NSUB, F44, F2, ILV>(pages, page_words, page_tier, page_count, indices, geom,
                                       pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc,
                                       m0, m1, l0, l1, ps0, ps1);
   } else {
@@ -1940,8 +2219,9 @@ ada_decode_uniform_v6_kernel(SKV_DECODE_PARAMS) {
 // v7 (affine path only): full 4/4 pages on the fast path (page44: no predication, swizzled
 // staging, conflict-free 16- and 8-byte code loads, one lop3 per code pair, one MUFU per
 // weight), full 3/3 and 2/2 pages on theirs (page_f2: 2-bit fields one lop3 per pair, the
-// 3-bit plane bit merged by a shift and a lop3), every other page on v6's decode_page with the
-// v7 value map and MUFU exp2.
+// 3-bit plane bit merged by a shift and a lop3), full 8/8 and 16/16 pages on theirs (page_f8,
+// page_f16), every other page on v6's decode_page with the v7 value map and MUFU exp2; at
+// D = 128 the splits take a row's pages interleaved (decode_cta).
 #ifndef DEC7_SUB
 #define DEC7_SUB 2              // 16-state sub-tiles per softmax step of the generic pages
 #endif
