@@ -1,5 +1,5 @@
 """A small representative run of every kernel (encode v1, v2 and v3, decode on the table and the affine path,
-v8, v7, v6, v5 and v4, with and without split-K, merge, re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
+v8, v7 (every fast page kind), v6, v5 and v4, with and without split-K, merge, re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 validation/sanitize_run.py
     ... python3 validation/sanitize_run.py --encode-only    # the encode and re-tier part alone
@@ -77,6 +77,16 @@ def main(argv=None):
             dev = to_device(case)
             for splits, version in ((1, 7), (2, 7), (1, 8), (2, 8)):
                 out = run_case(case, dev, num_splits=splits, version=version)
+                assert bool(cp.all(cp.isfinite(out)))
+            # v7's other fast pages (full 2/2, 3/3, 8/8 and 16/16 pages) with partial pages of
+            # every tier, in rows of several pages per tier, split-K interleaved over them
+            wide = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
+            case = build_case(1, 2, group, dim, [1500, 1100], wide, [1, 2, 3, 4, 5], seed=3,
+                              fill_random=True, reference_parts=False, codebook="uniform",
+                              chunks_per_row=8)
+            dev = to_device(case)
+            for splits in (1, 2, 3):
+                out = run_case(case, dev, num_splits=splits, version=7)
                 assert bool(cp.all(cp.isfinite(out)))
         encode_part(dim, tables, ladder)
     cp.cuda.Device().synchronize()
