@@ -42,10 +42,16 @@ def rdr_mix(context: int) -> dict:
 
 
 class Timer:
-    def __init__(self, reps: int):
+    def __init__(self, reps: int, flush: str = "write"):
+        """flush: how L2 is emptied before each repetition: "write" zeroes a 256 MiB buffer
+        (the usual way; its dirty lines are written back while the timed call runs), "read"
+        sums it (clean lines only)."""
         import torch
+        if flush not in ("write", "read"):
+            raise ValueError(f"flush must be 'write' or 'read', got {flush!r}")
         self.torch = torch
         self.reps = reps
+        self.flush = flush
         self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 
     def __call__(self, fn, stream=None) -> float:
@@ -56,7 +62,10 @@ class Timer:
         torch.cuda.synchronize()
         times = []
         for _ in range(self.reps):
-            self.flush_buf.zero_()
+            if self.flush == "write":
+                self.flush_buf.zero_()
+            else:
+                self.flush_buf.view(torch.int64).sum()
             a = torch.cuda.Event(enable_timing=True)
             b = torch.cuda.Event(enable_timing=True)
             a.record()
