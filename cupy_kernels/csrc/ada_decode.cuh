@@ -650,8 +650,10 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
 #define DEC7_STAGES 2        // v7: page buffers per warp (pages in flight + 1); the launcher's
 #endif                       // STAGES_V7 must match (dynamic shared memory)
 #ifndef DEC7_EARLY
-#define DEC7_EARLY 1         // v7: each warp's first header block and page copy start at kernel
-#endif                       // entry, the query is staged past the page buffers (decode_cta)
+#define DEC7_EARLY 2         // v7: each warp's first header block and page copies start at kernel
+#endif                       // entry, the query is staged past the page buffers (decode_cta):
+// 0 = after the query prologue, as before; 1 = the first page (DEC7_STAGES - 1 pages) at entry;
+// 2 = two pages at entry also with DEC7_STAGES = 2 (the loop's first step stages nothing)
 
 constexpr int F44_WORDS = 1024;   // page words of the fast path (4096-byte pages)
 constexpr u32 F44_VCHUNK = 124;   // 16-byte chunk where the value codes start (1984 / 16)
@@ -1631,11 +1633,12 @@ __device__ __forceinline__ u32 stage_from_block(const u32* __restrict__ pages, i
   return v.y;
 }
 // The start of a warp's v7 page stream: the header block of pages pi0, pi0 + stride, ... and
-// the copies of the first DEC7_STAGES - 1 pages into buffers 0 (and 1), one cp.async group
-// each. decode_pages7 calls it before its loop, or (DEC7_EARLY) decode_cta at kernel entry,
-// with the range in registers, so the dependent header loads and the first copy overlap the
-// query prologue. cur_c, mid_c: packed headers of pages pi0 and pi0 + stride (0: none).
-template <bool F2, class RG>
+// the copies of the first AHEAD pages (DEC7_STAGES - 1, or 2 with DEC7_EARLY = 2) into buffers
+// 0 (and 1), one cp.async group each. decode_pages7 calls it before its loop, or (DEC7_EARLY)
+// decode_cta at kernel entry, with the range in registers, so the dependent header loads and
+// the first copies overlap the query prologue. cur_c, mid_c: packed headers of pages pi0 and
+// pi0 + stride (0: none).
+template <bool F2, int AHEAD, class RG>
 __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int page_words,
                                              const int* __restrict__ page_tier,
                                              const int* __restrict__ page_count,
@@ -1649,7 +1652,8 @@ __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int 
     cur_c = stage_from_block<F2>(pages, page_words, hsh, 0, bufs_sh, lane);
   }
   cp_async_commit();
-  if constexpr (DEC7_STAGES == 3) {
+  static_assert(AHEAD == 1 || AHEAD == 2, "pages7_start: one or two pages ahead");
+  if constexpr (AHEAD == 2) {
     if (pi0 + stride < range.end())
       mid_c = stage_from_block<F2>(pages, page_words, hsh, 1, bufs_sh + 4u * page_words, lane);
     cp_async_commit();
@@ -1671,8 +1675,11 @@ __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int 
 // 0, 1, 6; F44: 2, 5; F2: 3, 4) while pages of that domain follow each other and change domain
 // (32 exact multiplies, f7_move) only between them. ILV: the warp's pages are pi0, pi0 + 4S, ...
 // (interleaved splits, decode_cta), else pi0, pi0 + 4, ... STARTED: pages7_start has run
-// (DEC7_EARLY) and cur_c, mid_c are its headers; else the loop starts the stream itself.
-template <int D, int PATH, int NSUB, bool F44, bool F2, bool ILV, bool STARTED, class SM, class QF>
+// (DEC7_EARLY) with AHEAD pages and cur_c, mid_c are its headers; else the loop starts the
+// stream itself (AHEAD = DEC7_STAGES - 1). AHEAD = 2 with two buffers: the first step's next
+// page is already staged (mid_c).
+template <int D, int PATH, int NSUB, bool F44, bool F2, bool ILV, bool STARTED, int AHEAD,
+          class SM, class QF>
 __device__ __forceinline__ void decode_pages7(
     const u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
     const int* __restrict__ page_count, const int* __restrict__ indices,
@@ -1697,19 +1704,24 @@ __device__ __forceinline__ void decode_pages7(
   static_assert(NST == 2 || NST == 3, "DEC7_STAGES: 2 or 3");
   bool d44 = false, d2 = false;   // domain of the accumulators (f7_move): generic at first
   // cur_c, mid_c: headers of pages pi and (NST = 3) pi + 4
+  static_assert(AHEAD == NST - 1 || (STARTED && NST == 2 && AHEAD == 2), "decode_pages7: AHEAD");
   if constexpr (!STARTED)
-    pages7_start<F2>(pages, page_words, page_tier, page_count, indices, geom, pi0,
+    pages7_start<F2, AHEAD>(pages, page_words, page_tier, page_count, indices, geom, pi0,
                      RangeSmem{prange}, stride(), bufs_sh, hsh, lane, f44ok, cur_c, mid_c);
   // One page: pi in buffer buf; page pi + stride (NST - 1) is staged now into buffer nbuf, at
   // place jb of its header block.
-  auto step = [&](int pi, int jb, int buf, int nbuf) {
+  auto step = [&](int pi, int jb, int buf, int nbuf, bool staged) {
     u32 nxt_c = 0;
-    const int npi = pi + stride() * (NST - 1);
-    if (npi < lds_s32(prange + 4)) {
-      if (jb == 0) refill(npi);
-      stage(jb, nxt_c, nbuf);
+    if (staged) {   // AHEAD > NST - 1, first step: staged by pages7_start, no group committed
+      nxt_c = mid_c;
+    } else {
+      const int npi = pi + stride() * (NST - 1);
+      if (npi < lds_s32(prange + 4)) {
+        if (jb == 0) refill(npi);
+        stage(jb, nxt_c, nbuf);
+      }
+      cp_async_commit();
     }
-    cp_async_commit();
     if constexpr (NST == 2) cp_async_wait1(); else cp_async_wait2();   // this lane's copies of
     __syncwarp();       // the current page are done, ... and every other lane's
     const u32 bsh = bufs_sh + 4u * buf * page_words;
@@ -1764,14 +1776,14 @@ __device__ __forceinline__ void decode_pages7(
     for (int k = 0;; ++k) {
       const int pi = (ILV ? DEC_WARPS * ctaid_x() + (tid_x() >> 5) : pi0) + k * stride();
       if (pi >= lds_s32(prange + 4)) break;
-      step(pi, (k + NST - 1) & 31, k % NST, (k + NST - 1) % NST);
+      step(pi, (k + NST - 1) & 31, k % NST, (k + NST - 1) % NST, AHEAD > NST - 1 && k == 0);
     }
   } else {   // as before DEC7_EARLY (with one counter, this build spills it)
     int jb = NST - 2, buf = 0;   // jb: place in its header block of the last page staged
     for (int pi = pi0; pi < lds_s32(prange + 4); pi += stride()) {
       jb = (jb + 1) & 31;   // ... of page pi + stride (NST - 1), staged now
       const int nbuf = NST == 2 ? buf ^ 1 : (buf == 0 ? 2 : buf - 1);
-      step(pi, jb, buf, nbuf);
+      step(pi, jb, buf, nbuf, false);
       buf = NST == 2 ? buf ^ 1 : (buf == 2 ? 0 : buf + 1);
     }
   }
@@ -1972,6 +1984,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   constexpr bool ILV = F2 && DEC7_INTERLEAVE;
   // EARLY (v7): the page stream starts at kernel entry, the query is staged past the page buffers
   constexpr bool EARLY = V7 && !V8 && DEC7_EARLY;
+  constexpr int AHEAD7 = (EARLY && DEC7_EARLY == 2) ? 2 : DEC7_STAGES - 1;   // pages7_start
   __shared__ typename SmemOf<D, V7, V8>::type sm;
   extern __shared__ __align__(16) unsigned char dyn[];
   float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
@@ -1991,7 +2004,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     // nothing in shared memory is needed before the first barrier: the range in registers,
     // the header block in the warp's own P' tile, the copies into its own buffers
     const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
-    pages7_start<F2>(pages, page_words, page_tier, page_count, indices, geom, cp.pbeg + warp,
+    pages7_start<F2, AHEAD7>(pages, page_words, page_tier, page_count, indices, geom, cp.pbeg + warp,
                      RangeRegs{cp.rbeg, cp.pend}, ILV ? DEC_WARPS * num_splits : DEC_WARPS,
                      static_cast<u32>(__cvta_generic_to_shared(bufs)),
                      static_cast<u32>(__cvta_generic_to_shared(pt)), lane,
@@ -2198,7 +2211,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
                                  pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc, m0, m1,
                                  l0, l1, ps0, ps1);
   } else if constexpr (V7) {
-    decode_pages7<D, PATH, NSUB, F44, F2, ILV, EARLY>(pages, page_words, page_tier, page_count,
+    decode_pages7<D, PATH, NSUB, F44, F2, ILV, EARLY, AHEAD7>(pages, page_words, page_tier, page_count,
                                       indices, geom, pbeg + warp, prange, bufs, sm, qsrc, lut, pt,
                                       lane, acc, m0, m1, l0, l1, ps0, ps1, cur_c, mid_c);
   } else {
