@@ -41,8 +41,8 @@ VARIANTS = {
     # v7 as before DEC7_EARLY: the query prologue first (block-wide rotation, fragments, the
     # staging area shared with the page buffers), then the first header block and page copy
     "v7_late": (dict(DEC7_EARLY=0), {}),
-    # the same with one page per warp in flight at entry instead of two (DEC7_EARLY = 2)
-    "v7_early1": (dict(DEC7_EARLY=1), {}),
+    # two pages per warp in flight at entry instead of one (measured slower as the default)
+    "v7_early2": (dict(DEC7_EARLY=2), {}),
 }
 # measured in device run 1 (before WAVES_V7 = 1, the v7 merge and DEC7_LSPLIT = 1 were made the
 # default): v7_waves1 (now the default), v7_stages3, v7_conv1 (docs/PERF_NOTES.md, v7)

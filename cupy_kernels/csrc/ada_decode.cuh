@@ -650,10 +650,11 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
 #define DEC7_STAGES 2        // v7: page buffers per warp (pages in flight + 1); the launcher's
 #endif                       // STAGES_V7 must match (dynamic shared memory)
 #ifndef DEC7_EARLY
-#define DEC7_EARLY 2         // v7: each warp's first header block and page copies start at kernel
+#define DEC7_EARLY 1         // v7: each warp's first header block and page copy start at kernel
 #endif                       // entry, the query is staged past the page buffers (decode_cta):
 // 0 = after the query prologue, as before; 1 = the first page (DEC7_STAGES - 1 pages) at entry;
-// 2 = two pages at entry also with DEC7_STAGES = 2 (the loop's first step stages nothing)
+// 2 = two pages at entry also with DEC7_STAGES = 2 (the loop's first step stages nothing;
+// measured 0.7-1.9 us slower than 1, docs/PERF_NOTES.md)
 
 constexpr int F44_WORDS = 1024;   // page words of the fast path (4096-byte pages)
 constexpr u32 F44_VCHUNK = 124;   // 16-byte chunk where the value codes start (1984 / 16)
