@@ -32,7 +32,8 @@
 //   tier (page_f2), the 8/8 tier (page_f8) and the 16/16 tier (page_f16) on fast paths (one
 //   softmax step per page, staged and swizzled, codes as fp16 subnormals or fp16 words; their
 //   own lane maps, described there) and every other page on the generic tile code above; v8
-//   pipelines the 4/4 fast path across pages.
+//   pipelines the 4/4 fast path across pages. v7 starts each warp's page stream at kernel entry,
+//   before the query prologue (DEC7_EARLY; the query is staged past the page buffers).
 #pragma once
 #include "spherical_common.cuh"
 
