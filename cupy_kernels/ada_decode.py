@@ -84,10 +84,15 @@ def _check_version(version) -> None:
         raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
 
 
-def decode_smem_bytes(dim: int, page_bytes: int, uniform: bool = False, stages: int = 2) -> int:
+def decode_smem_bytes(dim: int, page_bytes: int, uniform: bool = False, stages: int = 2,
+                      query_apart: bool = False) -> int:
     """Dynamic shared memory of the decode kernel: tables (table path only) + max(``stages``
-    page buffers per warp, the merge tiles) (csrc/ada_decode.cuh decode_region_bytes)."""
-    return (0 if uniform else LUT_BYTES) + max(4 * stages * page_bytes, 4 * MAX_GROUP * dim * 4)
+    page buffers per warp, the merge tiles) (csrc/ada_decode.cuh decode_region_bytes).
+    query_apart (v7 affine kernel, csrc DEC7_EARLY): the rotated query (MAX_GROUP x dim
+    float32) is staged past the page buffers, which fill while it is built."""
+    query = MAX_GROUP * dim * 4 if query_apart else 0
+    return (0 if uniform else LUT_BYTES) + max(4 * stages * page_bytes + query,
+                                               4 * MAX_GROUP * dim * 4)
 
 
 @dataclass
@@ -293,7 +298,8 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
         name = name.replace("_kernel", f"_v{kversion}_kernel")
     kern = kernel(name, d)
     stages = {7: STAGES_V7, 8: STAGES_V8}.get(version, 2) if uniform else 2
-    smem = decode_smem_bytes(d, tables.page_bytes, uniform, stages)
+    smem = decode_smem_bytes(d, tables.page_bytes, uniform, stages,
+                             query_apart=uniform and version == 7)
     levels = dev["half_steps"] if uniform else dev["levels32"]
     if smem > 227 * 1024:
         raise ValueError(f"page_bytes={tables.page_bytes} needs {smem} bytes of shared memory "

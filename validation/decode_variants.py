@@ -5,7 +5,8 @@ as fp16 subnormals by one lop3, 1 = v6's lop3 + fma per pair; DEC7_LSPLIT: two a
 sub-tile for the fast path's logits; DEC7_STAGES: page buffers per warp, with the launcher's
 STAGES_V7; DEC7_FAST3 / DEC7_FAST2 / DEC7_FAST8 / DEC7_FAST16: full 3/3 / 2/2 / 8/8 / 16/16 pages
 on their fast path or the generic code; DEC7_INTERLEAVE: splits take a row's pages interleaved
-or as contiguous ranges) and/or a launcher setting (WAVES_V7: whole waves of resident CTAs the split count
+or as contiguous ranges; DEC7_EARLY: the page stream starts at kernel entry, before the query
+prologue, or after it) and/or a launcher setting (WAVES_V7: whole waves of resident CTAs the split count
 aims at; MERGE_V7: v7's merge kernel instead of v6's). Every row carries the relative difference of its output
 from v6's on the same pool and queries (a correctness check of each variant).
 
@@ -37,6 +38,11 @@ VARIANTS = {
     # interleaved splits only (8/8 and 16/16 pages generic); fast 8/8 and 16/16 pages only
     "v7_ilv_only": (dict(DEC7_FAST8=0, DEC7_FAST16=0), {}),
     "v7_fast816_only": (dict(DEC7_INTERLEAVE=0), {}),
+    # v7 as before DEC7_EARLY: the query prologue first (block-wide rotation, fragments, the
+    # staging area shared with the page buffers), then the first header block and page copy
+    "v7_late": (dict(DEC7_EARLY=0), {}),
+    # two pages per warp in flight at entry instead of one (measured slower as the default)
+    "v7_early2": (dict(DEC7_EARLY=2), {}),
 }
 # measured in device run 1 (before WAVES_V7 = 1, the v7 merge and DEC7_LSPLIT = 1 were made the
 # default): v7_waves1 (now the default), v7_stages3, v7_conv1 (docs/PERF_NOTES.md, v7)

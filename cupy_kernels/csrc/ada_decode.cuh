@@ -32,7 +32,8 @@
 //   tier (page_f2), the 8/8 tier (page_f8) and the 16/16 tier (page_f16) on fast paths (one
 //   softmax step per page, staged and swizzled, codes as fp16 subnormals or fp16 words; their
 //   own lane maps, described there) and every other page on the generic tile code above; v8
-//   pipelines the 4/4 fast path across pages.
+//   pipelines the 4/4 fast path across pages. v7 starts each warp's page stream at kernel entry,
+//   before the query prologue (DEC7_EARLY; the query is staged past the page buffers).
 #pragma once
 #include "spherical_common.cuh"
 
@@ -109,7 +110,8 @@ template <int D, bool V8> struct SmemOf<D, true, V8> { typedef DecodeSmem7<D> ty
 template <> struct SmemOf<128, true, false> { typedef DecodeSmem7F2<128> type; };
 
 // Dynamic shared memory: [LUT_BYTES tables][region], region = max(2 page buffers per warp,
-// the per-warp output tiles of the final merge, which reuse it).
+// the per-warp output tiles of the final merge, which reuse it). v7 (DEC7_EARLY) stages the
+// query past its page buffers: the launcher adds DEC_HEADS * D floats (decode_smem_bytes).
 __host__ __device__ constexpr int decode_region_bytes(int D, int page_bytes) {
   return (DEC_WARPS * 2 * page_bytes > DEC_WARPS * DEC_HEADS * D * 4)
              ? DEC_WARPS * 2 * page_bytes : DEC_WARPS * DEC_HEADS * D * 4;
@@ -144,6 +146,11 @@ struct QShared {
 __device__ __forceinline__ int tid_x() {
   int v;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(v));
+  return v;
+}
+__device__ __forceinline__ int ctaid_x() {
+  int v;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(v));
   return v;
 }
 __device__ __forceinline__ int ctaid_y() {
@@ -643,6 +650,12 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
 #ifndef DEC7_STAGES
 #define DEC7_STAGES 2        // v7: page buffers per warp (pages in flight + 1); the launcher's
 #endif                       // STAGES_V7 must match (dynamic shared memory)
+#ifndef DEC7_EARLY
+#define DEC7_EARLY 1         // v7: each warp's first header block and page copy start at kernel
+#endif                       // entry, the query is staged past the page buffers (decode_cta):
+// 0 = after the query prologue, as before; 1 = the first page (DEC7_STAGES - 1 pages) at entry;
+// 2 = two pages at entry also with DEC7_STAGES = 2 (the loop's first step stages nothing;
+// measured 0.7-1.9 us slower than 1, docs/PERF_NOTES.md)
 
 constexpr int F44_WORDS = 1024;   // page words of the fast path (4096-byte pages)
 constexpr u32 F44_VCHUNK = 124;   // 16-byte chunk where the value codes start (1984 / 16)
@@ -1552,6 +1565,20 @@ __device__ __forceinline__ int page_kind(int count, const int4& gq, bool f44ok) 
        : (F2 && DEC7_FAST8 && DEC7_CONV == 0 && gq.x == 8) ? 5
        : (F2 && DEC7_FAST16 && gq.x == 16) ? 6 : 1;
 }
+// The CTA's page range as header_refill reads it: beg() = start of the row's list in
+// `indices`, end() = end of the CTA's pages. In the page loop from shared memory (sm.prange: a
+// register held across the loop would spill); at kernel entry (DEC7_EARLY) from registers, as
+// no barrier has published sm.prange yet.
+struct RangeSmem {
+  u32 a;
+  __device__ __forceinline__ int beg() const { return lds_s32(a); }
+  __device__ __forceinline__ int end() const { return lds_s32(a + 4); }
+};
+struct RangeRegs {
+  int b, e;
+  __device__ __forceinline__ int beg() const { return b; }
+  __device__ __forceinline__ int end() const { return e; }
+};
 // Loads the header block of the warp's pages first, first + stride, ..., first + 31 stride
 // (lane l: page first + l stride; stride 4, or 4 S on v7's interleaved splits) into the warp's
 // 512-byte P' tile (unused from v6 on) at shared address hsh: lane l's entry
@@ -1559,8 +1586,8 @@ __device__ __forceinline__ int page_kind(int count, const int4& gq, bool f44ok) 
 // page's header costs one 8-byte load and no registers across the page loop (in shuffle
 // registers ptxas spilled at 128 registers). Warp-uniform; the previous block was read before
 // the __syncwarp at the end of the last step.
-template <bool F2>
-__device__ __forceinline__ void header_refill(u32 hsh, int first, int lane, u32 prange,
+template <bool F2, class RG>
+__device__ __forceinline__ void header_refill(u32 hsh, int first, int lane, const RG& range,
                                               const int* __restrict__ indices,
                                               const int* __restrict__ page_tier,
                                               const int* __restrict__ page_count,
@@ -1568,8 +1595,8 @@ __device__ __forceinline__ void header_refill(u32 hsh, int first, int lane, u32 
                                               int stride = DEC_WARPS) {
   const int idx = first + stride * lane;
   u32 hp = 0, hc = 0;
-  if (idx < lds_s32(prange + 4)) {
-    const int page = indices[lds_s32(prange) + idx];
+  if (idx < range.end()) {
+    const int page = indices[range.beg() + idx];
     const int tier = page_tier[page], count = page_count[page];
     const int4 gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
     hp = static_cast<u32>(page);
@@ -1598,6 +1625,43 @@ __device__ __forceinline__ void stage_page(const u32* src, u32 c, u32 dst, int p
   }
 }
 
+// Starts the copy of the jb-th page of the warp's header block (at shared address hsh) into the
+// staging buffer at dst; returns the page's packed header (count | tier << 16 | kind << 28).
+template <bool F2>
+__device__ __forceinline__ u32 stage_from_block(const u32* __restrict__ pages, int page_words,
+                                                u32 hsh, int jb, u32 dst, int lane) {
+  const uint2 v = lds64(hsh + 8u * jb);
+  stage_page<F2>(pages + (size_t)v.x * page_words, v.y, dst, page_words, lane);
+  return v.y;
+}
+// The start of a warp's v7 page stream: the header block of pages pi0, pi0 + stride, ... and
+// the copies of the first AHEAD pages (DEC7_STAGES - 1, or 2 with DEC7_EARLY = 2) into buffers
+// 0 (and 1), one cp.async group each. decode_pages7 calls it before its loop, or (DEC7_EARLY)
+// decode_cta at kernel entry, with the range in registers, so the dependent header loads and
+// the first copies overlap the query prologue. cur_c, mid_c: packed headers of pages pi0 and
+// pi0 + stride (0: none).
+template <bool F2, int AHEAD, class RG>
+__device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int page_words,
+                                             const int* __restrict__ page_tier,
+                                             const int* __restrict__ page_count,
+                                             const int* __restrict__ indices,
+                                             const int* __restrict__ geom, int pi0,
+                                             const RG& range, int stride, u32 bufs_sh, u32 hsh,
+                                             int lane, bool f44ok, u32& cur_c, u32& mid_c) {
+  cur_c = mid_c = 0;
+  if (pi0 < range.end()) {
+    header_refill<F2>(hsh, pi0, lane, range, indices, page_tier, page_count, geom, f44ok, stride);
+    cur_c = stage_from_block<F2>(pages, page_words, hsh, 0, bufs_sh, lane);
+  }
+  cp_async_commit();
+  static_assert(AHEAD == 1 || AHEAD == 2, "pages7_start: one or two pages ahead");
+  if constexpr (AHEAD == 2) {
+    if (pi0 + stride < range.end())
+      mid_c = stage_from_block<F2>(pages, page_words, hsh, 1, bufs_sh + 4u * page_words, lane);
+    cp_async_commit();
+  }
+}
+
 // v7 page loop of one warp: pages pi0, pi0 + 4, ... of the CTA's range (end re-read from
 // shared memory at `prange` + 4, start of the row's list at `prange`, as on v6). Page headers
 // come in blocks of 32 (header_refill: one dependent chain of global loads per 32 pages instead
@@ -1612,14 +1676,18 @@ __device__ __forceinline__ void stage_page(const u32* src, u32 c, u32 dst, int p
 // other buffer while this one is decoded. The accumulators stay in one domain (generic: kinds
 // 0, 1, 6; F44: 2, 5; F2: 3, 4) while pages of that domain follow each other and change domain
 // (32 exact multiplies, f7_move) only between them. ILV: the warp's pages are pi0, pi0 + 4S, ...
-// (interleaved splits, decode_cta), else pi0, pi0 + 4, ...
-template <int D, int PATH, int NSUB, bool F44, bool F2, bool ILV, class SM, class QF>
+// (interleaved splits, decode_cta), else pi0, pi0 + 4, ... STARTED: pages7_start has run
+// (DEC7_EARLY) with AHEAD pages and cur_c, mid_c are its headers; else the loop starts the
+// stream itself (AHEAD = DEC7_STAGES - 1). AHEAD = 2 with two buffers: the first step's next
+// page is already staged (mid_c).
+template <int D, int PATH, int NSUB, bool F44, bool F2, bool ILV, bool STARTED, int AHEAD,
+          class SM, class QF>
 __device__ __forceinline__ void decode_pages7(
     const u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
     const int* __restrict__ page_count, const int* __restrict__ indices,
     const int* __restrict__ geom, int pi0, u32 prange, u32* bufs, SM& sm, const QF& qsrc,
     const Luts& lut, __half* pt, int lane, float (&acc)[D / 16][4], float& m0, float& m1,
-    float& l0, float& l1, float& ps0, float& ps1) {
+    float& l0, float& l1, float& ps0, float& ps1, u32 cur_c, u32 mid_c) {
   const int g = lane >> 2, t = lane & 3;
   const bool f44ok = F44 && page_words == F44_WORDS;
   const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
@@ -1628,40 +1696,34 @@ __device__ __forceinline__ void decode_pages7(
   // register held across the page loop would spill at 128 registers)
   auto stride = [&]() { return ILV ? lds_s32(pstride_at(sm)) : DEC_WARPS; };
   auto refill = [&](int first) {
-    header_refill<F2>(hsh, first, lane, prange, indices, page_tier, page_count, geom, f44ok,
-                      stride());
+    header_refill<F2>(hsh, first, lane, RangeSmem{prange}, indices, page_tier, page_count, geom,
+                      f44ok, stride());
   };
   auto stage = [&](int jb, u32& c, int which) {   // the jb-th page of the block: header, copy
-    const uint2 v = lds64(hsh + 8u * jb);
-    c = v.y;
-    stage_page<F2>(pages + (size_t)v.x * page_words, c, bufs_sh + 4u * which * page_words,
-                   page_words, lane);
+    c = stage_from_block<F2>(pages, page_words, hsh, jb, bufs_sh + 4u * which * page_words, lane);
   };
   constexpr int NST = DEC7_STAGES;   // page buffers; pages pi + 4, ..., pi + 4 (NST - 1) in flight
   static_assert(NST == 2 || NST == 3, "DEC7_STAGES: 2 or 3");
   bool d44 = false, d2 = false;   // domain of the accumulators (f7_move): generic at first
-  u32 cur_c = 0, mid_c = 0;       // headers of pages pi and (NST = 3) pi + 4
-  int pi = pi0, jb = 0;   // jb: place in its header block of the last page staged
-  if (pi < lds_s32(prange + 4)) {
-    refill(pi);
-    stage(0, cur_c, 0);
-  }
-  cp_async_commit();
-  if constexpr (NST == 3) {
-    jb = 1;
-    if (pi + stride() < lds_s32(prange + 4)) stage(1, mid_c, 1);
-    cp_async_commit();
-  }
-  int buf = 0;
-  for (; pi < lds_s32(prange + 4); pi += stride()) {
-    jb = (jb + 1) & 31;   // ... of page pi + stride (NST - 1), staged now
+  // cur_c, mid_c: headers of pages pi and (NST = 3) pi + 4
+  static_assert(AHEAD == NST - 1 || (STARTED && NST == 2 && AHEAD == 2), "decode_pages7: AHEAD");
+  if constexpr (!STARTED)
+    pages7_start<F2, AHEAD>(pages, page_words, page_tier, page_count, indices, geom, pi0,
+                     RangeSmem{prange}, stride(), bufs_sh, hsh, lane, f44ok, cur_c, mid_c);
+  // One page: pi in buffer buf; page pi + stride (NST - 1) is staged now into buffer nbuf, at
+  // place jb of its header block.
+  auto step = [&](int pi, int jb, int buf, int nbuf, bool staged) {
     u32 nxt_c = 0;
-    const int npi = pi + stride() * (NST - 1);
-    if (npi < lds_s32(prange + 4)) {
-      if (jb == 0) refill(npi);
-      stage(jb, nxt_c, NST == 2 ? buf ^ 1 : (buf == 0 ? 2 : buf - 1));
+    if (staged) {   // AHEAD > NST - 1, first step: staged by pages7_start, no group committed
+      nxt_c = mid_c;
+    } else {
+      const int npi = pi + stride() * (NST - 1);
+      if (npi < lds_s32(prange + 4)) {
+        if (jb == 0) refill(npi);
+        stage(jb, nxt_c, nbuf);
+      }
+      cp_async_commit();
     }
-    cp_async_commit();
     if constexpr (NST == 2) cp_async_wait1(); else cp_async_wait2();   // this lane's copies of
     __syncwarp();       // the current page are done, ... and every other lane's
     const u32 bsh = bufs_sh + 4u * buf * page_words;
@@ -1702,12 +1764,29 @@ __device__ __forceinline__ void decode_pages7(
     }
     __syncwarp();   // every lane is done with this buffer before it is refilled
     if constexpr (NST == 2) {
-      buf ^= 1;
       cur_c = nxt_c;
     } else {
-      buf = buf == 2 ? 0 : buf + 1;
       cur_c = mid_c;
       mid_c = nxt_c;
+    }
+  };
+  if constexpr (STARTED) {
+    // k: the warp's pages so far. Page pi = pi0 + k stride sits in buffer k % NST, page
+    // pi + stride (NST - 1) goes to place (k + NST - 1) & 31 of its header block. One counter
+    // instead of a page index, a buffer and a block place (ILV: pi0 = 4 s + w re-read from the
+    // special registers): with the prologue's values of DEC7_EARLY those spill at 128 registers.
+    for (int k = 0;; ++k) {
+      const int pi = (ILV ? DEC_WARPS * ctaid_x() + (tid_x() >> 5) : pi0) + k * stride();
+      if (pi >= lds_s32(prange + 4)) break;
+      step(pi, (k + NST - 1) & 31, k % NST, (k + NST - 1) % NST, AHEAD > NST - 1 && k == 0);
+    }
+  } else {   // as before DEC7_EARLY (with one counter, this build spills it)
+    int jb = NST - 2, buf = 0;   // jb: place in its header block of the last page staged
+    for (int pi = pi0; pi < lds_s32(prange + 4); pi += stride()) {
+      jb = (jb + 1) & 31;   // ... of page pi + stride (NST - 1), staged now
+      const int nbuf = NST == 2 ? buf ^ 1 : (buf == 0 ? 2 : buf - 1);
+      step(pi, jb, buf, nbuf, false);
+      buf = NST == 2 ? buf ^ 1 : (buf == 2 ? 0 : buf + 1);
     }
   }
   cp_async_wait0();
@@ -1730,7 +1809,8 @@ __device__ __forceinline__ void decode_pages8(
   const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
   const u32 hsh = static_cast<u32>(__cvta_generic_to_shared(pt));   // header block (header_refill)
   auto refill = [&](int first) {
-    header_refill<false>(hsh, first, lane, prange, indices, page_tier, page_count, geom, f44ok);
+    header_refill<false>(hsh, first, lane, RangeSmem{prange}, indices, page_tier, page_count, geom,
+                         f44ok);
   };
   // a page's header stays packed (page; count | tier << 16 | kind << 28) across the loop
   auto header = [&](int jb, int& page, u32& c) {
@@ -1813,6 +1893,84 @@ __device__ __forceinline__ void decode_pages8(
       sigma_k, sigma_v, mean_k, mean_v, num_kv_heads, G, scale_log2, num_splits, out, part_o,   \
       part_lse
 
+// Which of the row's pages the CTA takes: the row's list starts at indices[rbeg]; v4-v6, v8
+// and v7 at D = 64: a contiguous range [pbeg, pend) of ceil(n / S) pages, warp w its pages
+// pbeg + w, + 4, ... ILV (v7 at D = 128): interleaved, warp w of split s takes pages
+// 4 s + w + 4 S k, so every split holds about 1/S of each tier's pages (a row's pages come
+// ordered by tier, and a contiguous range would give the slow tiers to a few splits, which
+// then set the kernel's time).
+struct CtaPages { int rbeg, pbeg, pend; };
+template <bool ILV>
+__device__ __forceinline__ CtaPages cta_pages(const int* __restrict__ indptr, int row, int split,
+                                              int num_splits) {
+  const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
+  const int per = (n + num_splits - 1) / num_splits;
+  const int pbeg = ILV ? split * DEC_WARPS : split * per, pend = ILV ? n : min(n, pbeg + per);
+  return {rbeg, pbeg, pend};
+}
+
+// Rotated query of the warp's heads warp, warp + 4 (DEC7_EARLY): q' = H(sigma_K * q), lane l
+// holding coordinates V l, ..., V l + V - 1 (V = D / 32) of head warp + 4 k in y[k] (loaded by
+// warp_query_load before the page stream starts, so both chains of global loads are in flight
+// at once), the butterflies below V in registers and the rest through shuffles. Every sum and
+// difference is the one block_fwht forms (the lower coordinate's value first), so q' is
+// bit-identical to it, without its 2 log2 D barriers. Writes q' to qs[head][D] and
+// max|q'| / D (qfac, kfac) as decode_cta's prologue.
+constexpr int DEC_WHEADS = DEC_HEADS / DEC_WARPS;   // heads per warp
+static_assert(DEC_HEADS % DEC_WARPS == 0, "warp_query_load: whole heads per warp");
+template <int D>
+__device__ __forceinline__ void warp_query_load(float (&y)[DEC_WHEADS][D / 32], const float* qrow,
+                                                long long q_sh, const float* sk, int G, int warp,
+                                                int lane) {
+  constexpr int V = D / 32;
+#pragma unroll
+  for (int k = 0; k < DEC_WHEADS; ++k) {
+    const int gg = warp + DEC_WARPS * k;
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+      y[k][v] = gg < G ? qrow[gg * q_sh + V * lane + v] * sk[V * lane + v] : 0.0f;
+  }
+}
+template <int D>
+__device__ __forceinline__ void warp_query_rotate(float (&yq)[DEC_WHEADS][D / 32], float* qs,
+                                                  int warp, int lane, float scale_log2,
+                                                  float* qfac, float* kfac) {
+  constexpr int V = D / 32;
+#pragma unroll
+  for (int k = 0; k < DEC_WHEADS; ++k) {
+    const int gg = warp + DEC_WARPS * k;
+    float (&y)[V] = yq[k];
+#pragma unroll
+    for (int h = 1; h < V; h <<= 1) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        if (v & h) continue;
+        const float a = y[v], b = y[v + h];
+        y[v] = a + b;
+        y[v + h] = a - b;
+      }
+    }
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {   // coordinate bit V h = lane bit h
+      const bool upper = lane & h;
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const float o = __shfl_xor_sync(0xffffffffu, y[v], h);
+        y[v] = upper ? o - y[v] : y[v] + o;
+      }
+    }
+    float mx = 0.0f;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      mx = fmaxf(mx, fabsf(y[v]));
+      qs[gg * D + V * lane + v] = y[v];
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
+    if (lane == 0) { qfac[gg] = mx / (float)D; kfac[gg] = mx / (float)D * scale_log2; }
+  }
+}
+
 // The body of the decode kernels. PATH_TABLE: any codebook (`levels` is the (5, 256) float32
 // level table). PATH_AFFINE(_V4): uniform codebook (`levels` holds the 5 half steps hs_b of
 // b = 1, 2, 3, 4, 8 bits; no tables in shared memory). NSUB: 16-state sub-tiles per softmax
@@ -1825,6 +1983,10 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   static_assert(!V8 || V7, "v8 is v7 with the fast path pipelined across pages");
   constexpr bool F44 = V7 && D == 128;   // the 4/4 fast path exists for D = 128
   constexpr bool F2 = F44 && !V8;        // the 3/3 and 2/2 fast paths: v7 only
+  constexpr bool ILV = F2 && DEC7_INTERLEAVE;
+  // EARLY (v7): the page stream starts at kernel entry, the query is staged past the page buffers
+  constexpr bool EARLY = V7 && !V8 && DEC7_EARLY;
+  constexpr int AHEAD7 = (EARLY && DEC7_EARLY == 2) ? 2 : DEC7_STAGES - 1;   // pages7_start
   __shared__ typename SmemOf<D, V7, V8>::type sm;
   extern __shared__ __align__(16) unsigned char dyn[];
   float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
@@ -1832,6 +1994,24 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   const int b = row / num_kv_heads, kvh = row % num_kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
+  __half* pt = &sm.ptile[warp][0][0];
+  u32* bufs = reinterpret_cast<u32*>(region) +
+              (size_t)warp * (V8 ? DEC8_STAGES : V7 ? DEC7_STAGES : 2) * page_words;
+  const float* qrow = q + (long long)b * q_sb + (long long)(kvh * G) * q_sh;
+  const float* sk = sigma_k + (size_t)kvh * D;
+  u32 cur_c = 0, mid_c = 0;   // EARLY: headers of the warp's first pages (pages7_start)
+  float qv[DEC_WHEADS][D / 32];   // EARLY: sigma_K * q of the warp's heads (warp_query_load)
+  if constexpr (EARLY) {
+    warp_query_load<D>(qv, qrow, q_sh, sk, G, warp, lane);
+    // nothing in shared memory is needed before the first barrier: the range in registers,
+    // the header block in the warp's own P' tile, the copies into its own buffers
+    const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
+    pages7_start<F2, AHEAD7>(pages, page_words, page_tier, page_count, indices, geom, cp.pbeg + warp,
+                     RangeRegs{cp.rbeg, cp.pend}, ILV ? DEC_WARPS * num_splits : DEC_WARPS,
+                     static_cast<u32>(__cvta_generic_to_shared(bufs)),
+                     static_cast<u32>(__cvta_generic_to_shared(pt)), lane,
+                     F44 && page_words == F44_WORDS, cur_c, mid_c);
+  }
 
   Luts lut = {};
   if constexpr (UNI) {
@@ -1842,9 +2022,12 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
 
   // ---- rotated query, once per head: q' = H(sigma_K * q) / D, kept as q'/max|q'| in fp16
-  float* qs = region;
-  const float* qrow = q + (long long)b * q_sb + (long long)(kvh * G) * q_sh;
-  const float* sk = sigma_k + (size_t)kvh * D;
+  // (EARLY: staged past the page buffers, which are filling already; the launcher's
+  // decode_smem_bytes adds the room)
+  float* qs = EARLY ? region + DEC_WARPS * DEC7_STAGES * page_words : region;
+  if constexpr (EARLY) {
+    warp_query_rotate<D>(qv, qs, warp, lane, scale_log2, sm.qfac, sm.kfac);
+  } else {
   for (int idx = threadIdx.x; idx < DEC_HEADS * D; idx += blockDim.x) {
     int gg = idx / D, j = idx % D;
     qs[idx] = gg < G ? qrow[gg * q_sh + j] * sk[j] : 0.0f;
@@ -1867,12 +2050,17 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
       if (lane == 0) { sm.qfac[gg] = mx / (float)D; sm.kfac[gg] = mx / (float)D * scale_log2; }
     }
   }
+  }
   __syncthreads();
   // Q fragment: lane (g, t) holds head g of group 8*(t+4i); k16 chunk (i, h) takes the
   // group's pairs 2h and 2h+1, i.e. coordinates 4h + (0, 1 | 2, 3) on the table path and
-  // 2h + (0, 4 | 1, 5) on the affine path (UGroup pairs coordinates p and p + 4).
+  // 2h + (0, 4 | 1, 5) on the affine path (UGroup pairs coordinates p and p + 4). v6 on keeps
+  // it in shared memory (qfrag), built by one warp: warp 0, or (EARLY) warp 3, which builds
+  // none of the fast pages' fragments below.
+  constexpr int QW = EARLY ? DEC_WARPS - 1 : 0;
   QRegs<D> qr;
   u32 (&qf)[D / 16][2] = qr.v;
+  if (!EARLY || warp == QW) {
   {
     float inv = sm.qfac[g] > 0.0f ? 1.0f / (sm.qfac[g] * (float)D) : 0.0f;
 #pragma unroll
@@ -1902,11 +2090,12 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     }
     qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
     qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
-    if (warp == 0 && t == 0) sm.qhalf[g] = 0.5f * qsum;
+    if (warp == QW && t == 0) sm.qhalf[g] = 0.5f * qsum;
   }
-  if (V6 && warp == 0) {
+  if (V6 && warp == QW) {
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) sm.qfrag[i][lane] = make_uint2(qf[i][0], qf[i][1]);
+  }
   }
   if constexpr (F44) {
     // v7 fast path: chunk c = 2i + h of lane (g, t) holds head g's coordinates 8w + 2h, + 4
@@ -2001,15 +2190,8 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   qsh.a = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane]));
   const auto& qsrc = QSource<V6>::of(qsh, qr);
   const int h0 = 2 * t, h1 = 2 * t + 1;
-  const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
-  // Which of the row's n pages the CTA takes. v4-v6, v8 and v7 at D = 64: a contiguous range
-  // [pbeg, pend) of ceil(n / S) pages, warp w its pages pbeg + w, + 4, ... v7 at D = 128
-  // (ILV): interleaved, warp w of split s takes pages 4 s + w + 4 S k, so every split holds
-  // about 1/S of each tier's pages (a row's pages come ordered by tier, and a contiguous range
-  // would give the slow tiers to a few splits, which then set the kernel's time).
-  constexpr bool ILV = F2 && DEC7_INTERLEAVE;
-  const int per = (n + num_splits - 1) / num_splits;
-  const int pbeg = ILV ? split * DEC_WARPS : split * per, pend = ILV ? n : min(n, pbeg + per);
+  const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
+  const int rbeg = cp.rbeg, pbeg = cp.pbeg, pend = cp.pend;
   // v6 re-reads the CTA's page range from shared memory at each page: held in registers
   // across the page loop, ptxas spills it to local memory at the 128-register cap.
   if (V6 && threadIdx.x == 0) { sm.prange[0] = rbeg; sm.prange[1] = pend; }
@@ -2017,24 +2199,23 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     if (threadIdx.x == 0) sm.pstride = DEC_WARPS * num_splits;
   }
   const u32 prange = static_cast<u32>(__cvta_generic_to_shared(&sm.prange[0]));
-  __syncthreads();  // the query staging area becomes page buffers
+  // the query fragments and the page range are written (and, without EARLY, the query staging
+  // area becomes page buffers)
+  __syncthreads();
 
   float acc[D / 16][4];
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   float m0 = -SKV_INF, m1 = -SKV_INF, l0 = 0.0f, l1 = 0.0f, ps0 = 0.0f, ps1 = 0.0f;
 
-  __half* pt = &sm.ptile[warp][0][0];
-  u32* bufs = reinterpret_cast<u32*>(region) +
-              (size_t)warp * (V8 ? DEC8_STAGES : V7 ? DEC7_STAGES : 2) * page_words;
   if constexpr (V8 && F44) {
     decode_pages8<D, PATH, NSUB>(pages, page_words, page_tier, page_count, indices, geom,
                                  pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc, m0, m1,
                                  l0, l1, ps0, ps1);
   } else if constexpr (V7) {
-    decode_pages7<D, PATH, NSUB, F44, F2, ILV>(pages, page_words, page_tier, page_count, indices, geom,
-                                      pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc,
-                                      m0, m1, l0, l1, ps0, ps1);
+    decode_pages7<D, PATH, NSUB, F44, F2, ILV, EARLY, AHEAD7>(pages, page_words, page_tier, page_count,
+                                      indices, geom, pbeg + warp, prange, bufs, sm, qsrc, lut, pt,
+                                      lane, acc, m0, m1, l0, l1, ps0, ps1, cur_c, mid_c);
   } else {
   // Page header of the warp's first page; a full page starts streaming at once.
   int pi = pbeg + warp;
@@ -2156,6 +2337,18 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
       val[k] = L > 0.0f ? O / L : 0.0f;
       if (j == 0) sm.lse[gg] = L > 0.0f ? M + log2f(L) : -SKV_INF;
     }
+  }
+  if (EARLY && num_splits > 1) {
+    // the partials straight from registers: no round trip through obuf, two barriers fewer
+    // (the same values and layout as below; split and row re-read, as tid below)
+    const size_t base = ((size_t)ctaid_x() * gridDim.y + ctaid_y()) * G;
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int idx = tid_x() + k * DEC_WARPS * 32;
+      if (idx < G * D) part_o[base * D + idx] = val[k];
+      if (idx < G * D && idx % D == 0) part_lse[base + idx / D] = sm.lse[idx / D];
+    }
+    return;
   }
   __syncthreads();
 #pragma unroll
