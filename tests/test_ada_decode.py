@@ -30,6 +30,17 @@ def _check(case, out, softmax_scale=None):
     assert float(np.mean(err / scale)) <= BOUND / 8
 
 
+def _check_against_v6(case, splits, version, softmax_scale):
+    """One decode of ``version`` against v6 on the same pool (same codes, other fp16
+    roundings: within the error budget) and against the reference."""
+    from cupy_kernels.cases import run_case
+    a = run_case(case, num_splits=splits, version=version, softmax_scale=softmax_scale)
+    b = run_case(case, num_splits=splits, version=6, softmax_scale=softmax_scale).get()
+    diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
+    assert float(np.max(diff / case.error_scale(softmax_scale))) <= BOUND
+    _check(case, a, softmax_scale)
+
+
 @st.composite
 def decode_shapes(draw):
     dim = draw(st.sampled_from([64, 128]))
@@ -118,17 +129,13 @@ def test_v7_fast_path_and_domain_changes(softmax_scale, version):
     domain many times, next to long pure-4/4 rows (one split and several). Against the
     reference and against v6 (same codes, other fp16 roundings). v8: the same with each fast
     page's values one page late (flushed before every other page kind and at the end)."""
-    from cupy_kernels.cases import build_case, run_case
+    from cupy_kernels.cases import build_case
     case = build_case(2, 2, 8, 128, [1300, 640, 31, 2000], WIDE_LADDER, [2, 3, 4, 5, 6],
                       seed=57, centred=True, codebook="uniform", chunks_per_row=12)
     pure = build_case(1, 2, 4, 128, [3100, 62], WIDE_LADDER, [4], seed=58, codebook="uniform")
     for c in (case, pure):
         for splits in (1, 2, 7, 40):
-            a = run_case(c, num_splits=splits, version=version, softmax_scale=softmax_scale)
-            b = run_case(c, num_splits=splits, version=6, softmax_scale=softmax_scale).get()
-            diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
-            assert float(np.max(diff / c.error_scale(softmax_scale))) <= BOUND
-            _check(c, a, softmax_scale)
+            _check_against_v6(c, splits, version, softmax_scale)
 
 
 @pytest.mark.parametrize("softmax_scale", [None, 4.0])
@@ -141,7 +148,7 @@ def test_v7_fast_33_and_22_pages(softmax_scale):
     partial page, at 1, 2, 7 and 40 splits. Against the reference and against v6 (same codes,
     other fp16 roundings). Page padding is random, so a read of a non-state slot that were not
     masked would show."""
-    from cupy_kernels.cases import build_case, run_case
+    from cupy_kernels.cases import build_case
     mixed = build_case(2, 2, 8, 128, [1500, 700, 41, 2400], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
                        seed=61, centred=True, codebook="uniform", chunks_per_row=16)
     pure3 = build_case(1, 2, 4, 128, [4000, 39], WIDE_LADDER, [3], seed=62, centred=True,
@@ -149,11 +156,7 @@ def test_v7_fast_33_and_22_pages(softmax_scale):
     pure2 = build_case(1, 2, 8, 128, [6000, 61], WIDE_LADDER, [2], seed=63, codebook="uniform")
     for c in (mixed, pure3, pure2):
         for splits in (1, 2, 7, 40):
-            a = run_case(c, num_splits=splits, version=7, softmax_scale=softmax_scale)
-            b = run_case(c, num_splits=splits, version=6, softmax_scale=softmax_scale).get()
-            diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
-            assert float(np.max(diff / c.error_scale(softmax_scale))) <= BOUND
-            _check(c, a, softmax_scale)
+            _check_against_v6(c, splits, 7, softmax_scale)
 
 
 @pytest.mark.parametrize("softmax_scale", [None, 4.0])
@@ -167,7 +170,7 @@ def test_v7_fast_88_and_1616_pages(softmax_scale):
     page, and a row in chunk order (pages ordered as the cache lays them), at 1, 2, 3, 7 and 40
     splits. Against the reference and against v6 (same codes, other fp16 roundings). Page
     padding is random: a read of a non-state slot that were not masked would show."""
-    from cupy_kernels.cases import build_case, run_case
+    from cupy_kernels.cases import build_case
     mixed = build_case(2, 2, 8, 128, [1500, 900, 37, 2600], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
                        seed=71, centred=True, codebook="uniform", chunks_per_row=16)
     wide = build_case(1, 2, 8, 128, [2200, 1700], WIDE_LADDER, [4, 5, 6], seed=72,
@@ -179,11 +182,7 @@ def test_v7_fast_88_and_1616_pages(softmax_scale):
                          codebook="uniform", chunks_per_row=10, shuffle=False)
     for c in (mixed, wide, pure8, pure16, ordered):
         for splits in (1, 2, 3, 7, 40):
-            a = run_case(c, num_splits=splits, version=7, softmax_scale=softmax_scale)
-            b = run_case(c, num_splits=splits, version=6, softmax_scale=softmax_scale).get()
-            diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
-            assert float(np.max(diff / c.error_scale(softmax_scale))) <= BOUND
-            _check(c, a, softmax_scale)
+            _check_against_v6(c, splits, 7, softmax_scale)
 
 
 def test_v7_split_partition_covers_every_page_once():
