@@ -692,10 +692,9 @@ __device__ __forceinline__ uint2 lds64(u32 a) {
   return v;
 }
 __device__ __forceinline__ float4 lds128f(u32 a) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
-  return v;
+  const uint4 v = lds128(a);
+  return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z),
+                     __uint_as_float(v.w));
 }
 __device__ __forceinline__ float lds_half(u32 a) {
   unsigned short h;

@@ -190,22 +190,27 @@ __device__ __forceinline__ bool group_load(float (&y)[D / 8], const float* __res
   return bad;
 }
 
+// One in-register Walsh–Hadamard stage of span h: pairs (i, i + h) -> (a + b, a - b).
+template <int V>
+__device__ __forceinline__ void reg_butterfly(float (&y)[V], int h) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    if ((i & h) == 0) {
+      const float a = y[i], b = y[i + h];
+      y[i] = a + b;
+      y[i + h] = a - b;
+    }
+  }
+}
+
 // Unnormalised Walsh–Hadamard transform of the group's vector, stages in the reference's
 // order (span h = 1, 2, 4, ...; pairs (j, j + h) -> (a + b, a - b), each output rounded once).
-template <int D>
+// FIRST = 2: from span 2 on (encode v3's loader does span 1, fused with the sign multiply).
+template <int D, int FIRST = 1>
 __device__ __forceinline__ void group_fwht(float (&y)[D / 8], int g) {
   constexpr int V = D / 8;
 #pragma unroll
-  for (int h = 1; h < 4; h <<= 1) {          // spans 1, 2: register bits 0-1
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      if ((i & h) == 0) {
-        const float a = y[i], b = y[i + h];
-        y[i] = a + b;
-        y[i + h] = a - b;
-      }
-    }
-  }
+  for (int h = FIRST; h < 4; h <<= 1) reg_butterfly<V>(y, h);   // spans 1, 2: register bits 0-1
 #pragma unroll
   for (int m = 1; m < 8; m <<= 1) {          // spans 4, 8, 16: group-lane bits
     const float sgn = (g & m) ? -1.f : 1.f;  // lower lane: mine + other; upper: other - mine
@@ -213,16 +218,7 @@ __device__ __forceinline__ void group_fwht(float (&y)[D / 8], int g) {
     for (int i = 0; i < V; ++i) y[i] = fmaf(sgn, y[i], __shfl_xor_sync(ENC_FULL, y[i], m));
   }
 #pragma unroll
-  for (int h = 4; h < V; h <<= 1) {          // spans 32, 64: register bits 2-3
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      if ((i & h) == 0) {
-        const float a = y[i], b = y[i + h];
-        y[i] = a + b;
-        y[i + h] = a - b;
-      }
-    }
-  }
+  for (int h = 4; h < V; h <<= 1) reg_butterfly<V>(y, h);       // spans 32, 64: register bits 2-3
 }
 
 // Cell of every t by binary search over the 2^bits - 1 midpoints `mid` (a tie goes to the
@@ -434,39 +430,6 @@ template <> struct Enc3Row<2> { static constexpr int G = 32, OFF = 8; };
 template <> struct Enc3Row<3> { static constexpr int G = 64, OFF = 40; };
 template <> struct Enc3Row<4> { static constexpr int G = 128, OFF = 104; };
 template <> struct Enc3Row<8> { static constexpr int G = 768, OFF = 232; };
-
-// The Walsh–Hadamard stages after span 1 (which the loader fuses with the sign multiply):
-// span 2 in-lane, spans 4, 8, 16 by shuffles inside the group, spans >= 32 in-lane. The order
-// of the stages does not change the error bound; the float64 pipeline keeps the reference's.
-template <int D>
-__device__ __forceinline__ void enc3_fwht_rest(float (&y)[D / 8], int g) {
-  constexpr int V = D / 8;
-#pragma unroll
-  for (int i = 0; i < V; ++i) {
-    if ((i & 2) == 0) {
-      const float a = y[i], b = y[i + 2];
-      y[i] = a + b;
-      y[i + 2] = a - b;
-    }
-  }
-#pragma unroll
-  for (int m = 1; m < 8; m <<= 1) {
-    const float sgn = (g & m) ? -1.f : 1.f;   // lower lane: mine + other; upper: other - mine
-#pragma unroll
-    for (int i = 0; i < V; ++i) y[i] = fmaf(sgn, y[i], __shfl_xor_sync(ENC_FULL, y[i], m));
-  }
-#pragma unroll
-  for (int h = 4; h < V; h <<= 1) {
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      if ((i & h) == 0) {
-        const float a = y[i], b = y[i + h];
-        y[i] = a + b;
-        y[i + h] = a - b;
-      }
-    }
-  }
-}
 
 // z = span-1 butterflies of x' = (x - mu) sigma for the lane's coordinates: a + b =
 // fma(x0, s0, x1 s1) rounds the exact sum of the exact products once, like adding x'0 and
@@ -687,7 +650,7 @@ __device__ __forceinline__ void encode_v3_body(
     const bool r_ok = r2 >= 1e-30f && r2 <= 1e30f;
     const float rinv = rsqrtf(r2);
     const float kt = 1.41421356f * rinv, rz = r2 * rinv;
-    enc3_fwht_rest<D>(z, g);
+    group_fwht<D, 2>(z, g);   // span 1 was fused into the load
 
     // Destination checks in the order of v1: tier, then slot (then the input: r_ok). The
     // tier's geometry row (8 ints, 32-byte aligned) in two 16-byte loads.
