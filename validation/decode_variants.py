@@ -25,7 +25,7 @@ from decode_bench import D, HKV, HQ, LADDER, Timer, ada_step, build_ada, copy_ba
 # name: (NVRTC defines or None for the module as built, launcher overrides)
 VARIANTS = {
     "v7_waves2": (None, dict(WAVES_V7=2)),
-    "v7_oldmerge": (None, dict(MERGE_V7=False)),
+    "v7_oldmerge": (None, dict(MERGE_V7=False, FUSE_V7=False)),
     "v7_lsplit0": (dict(DEC7_LSPLIT=0), {}),
     "v7_stages3": (dict(DEC7_STAGES=3), dict(STAGES_V7=3)),
     "v7_conv1": (dict(DEC7_CONV=1), {}),
@@ -40,7 +40,9 @@ VARIANTS = {
     "v7_fast816_only": (dict(DEC7_INTERLEAVE=0), {}),
     # v7 as before DEC7_EARLY: the query prologue first (block-wide rotation, fragments, the
     # staging area shared with the page buffers), then the first header block and page copy
-    "v7_late": (dict(DEC7_EARLY=0), {}),
+    "v7_late": (dict(DEC7_EARLY=0), dict(FUSE_V7=False)),
+    # v7 with the split-K merge in its own kernel after the decode (as before the fused merge)
+    "v7_sepmerge": (None, dict(FUSE_V7=False)),
     # two pages per warp in flight at entry instead of one (measured slower as the default)
     "v7_early2": (dict(DEC7_EARLY=2), {}),
 }
@@ -52,9 +54,9 @@ CASES = [(32, 8192, "4/4"), (8, 32768, "4/4"), (2, 131072, "4/4"), (1, 131072, "
          (32, 8192, "rdr-mix"), (1, 131072, "rdr-mix"), (2, 131072, "rdr-mix")]
 
 
-def variant_kernels(defines: dict):
-    """A kernel getter like cupy_kernels._module.kernel, for a module built with `defines`
-    (only the affine v7 decode and the merge are instantiated)."""
+def variant_module(defines: dict):
+    """(module, kernel getter like cupy_kernels._module.kernel) for a module built with
+    `defines` (only the affine v7 and v8 decode and the merges are instantiated)."""
     import cupy as cp
     from cupy_kernels import _module
     opts = _module.OPTIONS + (f"-I{_module.CSRC}",) + tuple(f"-D{k}={v}" for k, v in defines.items())
@@ -63,7 +65,12 @@ def variant_kernels(defines: dict):
                                                     "ada_merge_kernel", "ada_merge_v7_kernel")]
     mod = cp.RawModule(code=_module.source(), options=opts, name_expressions=names)
     mod.compile()
-    return lambda name, dim: mod.get_function(_module.template_name(name, dim))
+    return mod, lambda name, dim: mod.get_function(_module.template_name(name, dim))
+
+
+def variant_kernels(defines: dict):
+    """A kernel getter like cupy_kernels._module.kernel, for a module built with `defines`."""
+    return variant_module(defines)[1]
 
 
 def main(argv=None):

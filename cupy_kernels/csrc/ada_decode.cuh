@@ -1886,11 +1886,11 @@ __device__ __forceinline__ void decode_pages8(
       const float* __restrict__ sigma_k, const float* __restrict__ sigma_v,                     \
       const float* __restrict__ mean_k, const float* __restrict__ mean_v, int num_kv_heads,     \
       int G, float scale_log2, int num_splits, float* __restrict__ out,                         \
-      float* __restrict__ part_o, float* __restrict__ part_lse
+      float* __restrict__ part_o, float* __restrict__ part_lse, unsigned* __restrict__ sem
 #define SKV_DECODE_ARGS                                                                      \
   q, q_sb, q_sh, pages, page_words, page_tier, page_count, indptr, indices, geom, levels,       \
       sigma_k, sigma_v, mean_k, mean_v, num_kv_heads, G, scale_log2, num_splits, out, part_o,   \
-      part_lse
+      part_lse, sem
 
 // Which of the row's pages the CTA takes: the row's list starts at indices[rbeg]; v4-v6, v8
 // and v7 at D = 64: a contiguous range [pbeg, pend) of ceil(n / S) pages, warp w its pages
@@ -1939,25 +1939,7 @@ __device__ __forceinline__ void warp_query_rotate(float (&yq)[DEC_WHEADS][D / 32
   for (int k = 0; k < DEC_WHEADS; ++k) {
     const int gg = warp + DEC_WARPS * k;
     float (&y)[V] = yq[k];
-#pragma unroll
-    for (int h = 1; h < V; h <<= 1) {
-#pragma unroll
-      for (int v = 0; v < V; ++v) {
-        if (v & h) continue;
-        const float a = y[v], b = y[v + h];
-        y[v] = a + b;
-        y[v + h] = a - b;
-      }
-    }
-#pragma unroll
-    for (int h = 1; h < 32; h <<= 1) {   // coordinate bit V h = lane bit h
-      const bool upper = lane & h;
-#pragma unroll
-      for (int v = 0; v < V; ++v) {
-        const float o = __shfl_xor_sync(0xffffffffu, y[v], h);
-        y[v] = upper ? o - y[v] : y[v] + o;
-      }
-    }
+    warp_fwht<D>(y, lane);
     float mx = 0.0f;
 #pragma unroll
     for (int v = 0; v < V; ++v) {
@@ -1969,6 +1951,124 @@ __device__ __forceinline__ void warp_query_rotate(float (&yq)[DEC_WHEADS][D / 32
     if (lane == 0) { qfac[gg] = mx / (float)D; kfac[gg] = mx / (float)D * scale_log2; }
   }
 }
+
+// Split-K merge inside the decode kernel (v7 with DEC7_EARLY, when the launcher passes `sem`:
+// one zeroed counter per row, left zeroed again by every launch). Each CTA writes its partial
+// (O, lse), makes it visible device-wide and counts itself in its row's counter; the CTA that
+// counts last merges the row and resets the counter. No merge kernel, no launch gap.
+constexpr int MERGE7_MAX_SPLITS = 256;   // the fused merge and ada_merge_v7_kernel (launcher checks)
+__device__ __forceinline__ bool last_of_row(unsigned* cnt, int num_splits) {
+  __shared__ int is_last;
+  __threadfence();      // this thread's partial stores before the count (release)
+  __syncthreads();      // every thread's
+  if (threadIdx.x == 0) {
+    const unsigned prev = atomicAdd(cnt, 1u);
+    const bool last = prev == (unsigned)(num_splits - 1);
+    if (last) *cnt = 0u;   // no other CTA of this launch touches it again
+    __threadfence();       // (acquire) the other CTAs' partials before this CTA reads them
+    is_last = last;
+  }
+  __syncthreads();
+  return is_last;
+}
+
+// One warp: the weights w_s = 2^(lse_s - M), M = max_s lse_s, of a head's num_splits partials
+// (lse_s at lse[s * stride], read from L2) into wsh[s]; returns sum_s w_s (all lanes). Every
+// split empty (M = -inf): all weights 0.
+__device__ __forceinline__ float split_weights(const float* lse, size_t stride, int num_splits,
+                                               float* wsh, int lane) {
+  float M = -SKV_INF;
+  for (int s = lane; s < num_splits; s += 32) {
+    const float v = __ldcg(lse + s * stride);
+    wsh[s] = v;
+    M = fmaxf(M, v);
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, m));
+  float W = 0.0f;
+  for (int s = lane; s < num_splits; s += 32) {
+    const float w = M == -SKV_INF ? 0.0f : exp2f(wsh[s] - M);
+    wsh[s] = w;
+    W += w;
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) W += __shfl_xor_sync(0xffffffffu, W, m);
+  return W;
+}
+
+// The row's G heads from num_splits partials: warp w takes heads w, w + 4, lane l coordinates
+// V l, ..., V l + V - 1 (one V-float load per split, from L2: the partials were written by
+// other SMs), weights 2^(lse_s - M) staged in the warp's wsh[MERGE7_MAX_SPLITS]; then the
+// inverse rotation in registers (warp_fwht, the sums block_fwht forms), sigma_V / D and mu_V,
+// as finish_heads. hstride: rows * G heads per split; base: row * G.
+template <int D>
+__device__ __forceinline__ void merge_row(const float* part_o, const float* part_lse,
+                                          int num_splits, size_t hstride, size_t base, int G,
+                                          const float* sigma_v, const float* mean_v, float* out,
+                                          float* wsh, int warp, int lane) {
+  constexpr int V = D / 32;
+  static_assert(V == 2 || V == 4, "merge_row: D = 64 or 128");
+  for (int gg = warp; gg < G; gg += DEC_WARPS) {
+    const float W = split_weights(part_lse + base + gg, hstride, num_splits, wsh, lane);
+    __syncwarp();
+    float o[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) o[v] = 0.0f;
+    const float* src = part_o + (base + gg) * D + V * lane;
+#pragma unroll 8
+    for (int s = 0; s < num_splits; ++s) {
+      const float w = wsh[s];
+      const float* p = src + (size_t)s * hstride * D;
+      if constexpr (V == 4) {
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(p));
+        o[0] += w * x.x; o[1] += w * x.y; o[2] += w * x.z; o[3] += w * x.w;
+      } else {
+        const float2 x = __ldcg(reinterpret_cast<const float2*>(p));
+        o[0] += w * x.x; o[1] += w * x.y;
+      }
+    }
+    __syncwarp();   // wsh is refilled for the warp's next head
+#pragma unroll
+    for (int v = 0; v < V; ++v) o[v] = W > 0.0f ? o[v] / W : 0.0f;
+    warp_fwht<D>(o, lane);
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      const int j = V * lane + v;
+      float r = o[v] * sigma_v[j] * (1.0f / (float)D);
+      if (mean_v) r += mean_v[j];
+      out[gg * D + j] = r;
+    }
+  }
+}
+
+// DEC7_TRACE (diagnostic builds only, validation/decode_anatomy.py): thread 0 of each CTA
+// stamps %globaltimer at points of the v7 kernel into skv_trace[cta][point]; point 8 holds
+// the SM id. Off (the default), DEC_TRACE compiles to nothing.
+#ifndef DEC7_TRACE
+#define DEC7_TRACE 0
+#endif
+#if DEC7_TRACE
+constexpr int SKV_TRACE_CTAS = 4096, SKV_TRACE_POINTS = 10;
+}  // namespace skv: the buffer at global scope, found by name (RawModule.get_global)
+__device__ unsigned long long skv_trace[skv::SKV_TRACE_CTAS * skv::SKV_TRACE_POINTS];   // unmangled
+namespace skv {
+__device__ __forceinline__ void dec_trace(int point) {
+  if (threadIdx.x != 0) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  const int cta = blockIdx.y * gridDim.x + blockIdx.x;
+  if (cta >= SKV_TRACE_CTAS) return;
+  skv_trace[cta * SKV_TRACE_POINTS + point] = t;
+  if (point == 0) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    skv_trace[cta * SKV_TRACE_POINTS + 8] = smid;
+  }
+}
+#define DEC_TRACE(p) dec_trace(p)
+#else
+#define DEC_TRACE(p) ((void)0)
+#endif
 
 // The body of the decode kernels. PATH_TABLE: any codebook (`levels` is the (5, 256) float32
 // level table). PATH_AFFINE(_V4): uniform codebook (`levels` holds the 5 half steps hs_b of
@@ -1989,6 +2089,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   __shared__ typename SmemOf<D, V7, V8>::type sm;
   extern __shared__ __align__(16) unsigned char dyn[];
   float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
+  DEC_TRACE(0);
   const int split = blockIdx.x, row = blockIdx.y;
   const int b = row / num_kv_heads, kvh = row % num_kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -2201,6 +2302,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   // the query fragments and the page range are written (and, without EARLY, the query staging
   // area becomes page buffers)
   __syncthreads();
+  DEC_TRACE(1);
 
   float acc[D / 16][4];
 #pragma unroll
@@ -2272,6 +2374,15 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
   cp_async_wait0();
   }
+#if DEC7_TRACE
+  if ((threadIdx.x & 31) == 0) {   // each warp's end of its pages: points 4 + warp
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const int cta = blockIdx.y * gridDim.x + blockIdx.x;
+    if (cta < SKV_TRACE_CTAS && threadIdx.x < 128)
+      skv_trace[cta * SKV_TRACE_POINTS + 4 + (threadIdx.x >> 5)] = t;
+  }
+#endif
 
   // ---- merge the warps: l over the 8 lanes sharing t; then (m, l, O) through shared memory
 #pragma unroll
@@ -2291,6 +2402,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     }
   }
   __syncthreads();   // all warps are done with their page buffers (the merge reuses them)
+  DEC_TRACE(2);
   float* obuf = region;   // [DEC_WARPS][DEC_HEADS][D]
   if (g == 0) {
     sm.m[warp][h0] = m0; sm.m[warp][h1] = m1;
@@ -2347,6 +2459,15 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
       if (idx < G * D) part_o[base * D + idx] = val[k];
       if (idx < G * D && idx % D == 0) part_lse[base + idx / D] = sm.lse[idx / D];
     }
+    if (sem != nullptr) {   // the split-K merge in this kernel: the row's last CTA does it
+      const int row_o = ctaid_y();
+      if (last_of_row(sem + row_o, num_splits))
+        merge_row<D>(part_o, part_lse, num_splits, (size_t)gridDim.y * G, (size_t)row_o * G, G,
+                     sigma_v + (size_t)(row_o % num_kv_heads) * D,
+                     mean_v ? mean_v + (size_t)row_o * D : nullptr, out + (long long)row_o * G * D,
+                     region + (size_t)(tid_x() >> 5) * MERGE7_MAX_SPLITS, tid_x() >> 5, tid_x() & 31);
+    }
+    DEC_TRACE(3);
     return;
   }
   __syncthreads();
@@ -2365,6 +2486,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     const int tid = tid_x();   // re-read: held across the page loop it would cost a register
     if (tid < G) part_lse[base + tid] = sm.lse[tid];
   }
+  DEC_TRACE(3);
 }
 
 // Table path (Lloyd–Max or any codebook): 37 KiB of replicated tables, 3 CTAs per SM.
@@ -2465,7 +2587,6 @@ ada_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ par
 // loads, coalesced over the D coordinates), then Pi_V^T and mu_V of the one head. The v4-v6 merge
 // (one CTA per row, D threads, splits in sequence) is latency-bound when there are many splits
 // per row (1 x 128K: 66-132). num_splits <= MERGE7_MAX_SPLITS (the launcher checks).
-constexpr int MERGE7_MAX_SPLITS = 256;
 template <int D>
 __global__ void __launch_bounds__(4 * D)
 ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
@@ -2480,22 +2601,7 @@ ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ 
   const int tid = threadIdx.x, j = tid % D, part = tid / D;
   const size_t hstride = (size_t)rows * G, base = (size_t)row * G + gg;   // in heads
   if (tid < 32) {
-    float M = -SKV_INF;
-    for (int s = tid; s < num_splits; s += 32) {
-      const float v = part_lse[s * hstride + base];
-      wsh[s] = v;
-      M = fmaxf(M, v);
-    }
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, m));
-    float W = 0.0f;
-    for (int s = tid; s < num_splits; s += 32) {
-      const float w = M == -SKV_INF ? 0.0f : exp2f(wsh[s] - M);
-      wsh[s] = w;
-      W += w;
-    }
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) W += __shfl_xor_sync(0xffffffffu, W, m);
+    const float W = split_weights(part_lse + base, hstride, num_splits, wsh, tid);
     if (tid == 0) wsum = W;
   }
   __syncthreads();

@@ -1,0 +1,181 @@
+"""Where the time of one v7 decode step goes: a diagnostic build of the v7 kernel
+(csrc/ada_decode.cuh, DEC7_TRACE = 1) stamps %globaltimer per CTA at kernel entry, after the
+query prologue, at each warp's end of its pages, after the cross-warp barrier and at exit (after
+the merge, for the CTA that merges its row in the kernel). This script runs that build on the
+benchmark's pools (one GPU), with the split-K merge in the kernel and in its own kernel after
+it, and writes per-case summaries and one repetition's per-CTA stamps; ``--plot`` draws them.
+
+    PYTHONPATH=. python3 validation/decode_anatomy.py --out anatomy.json          # GPU
+    python3 -m validation.decode_anatomy --plot anatomy.json --png anatomy.png    # CPU
+
+The stamps cost a few instructions and (at 128 registers) a few spilled bytes, so the traced
+kernel is slightly slower than the built one; read the split of the time, not its total.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_bench import D, HKV, HQ, LADDER, build_ada  # noqa: E402
+
+POINTS = 10   # csrc SKV_TRACE_POINTS: 0 entry, 1 prologue done, 2 pages done (barrier), 3 exit,
+# 4..7 each warp's end of its pages, 8 SM id
+CASES = "8x32768:4/4,1x131072:4/4,32x8192:4/4,2x131072:4/4,8x32768:rdr-mix"
+
+
+def summarize(tr: np.ndarray, splits: int) -> dict:
+    """Per-step figures (microseconds) from the stamps tr[cta, point] of one launch."""
+    t = tr[:, :8].astype(np.float64)
+    t0 = t[:, 0].min()
+    us = (t - t0) / 1e3
+    entry, pro, done, exit_ = us[:, 0], us[:, 1], us[:, 2], us[:, 3]
+    wend = us[:, 4:8]
+    row_ctas = exit_.reshape(-1, splits)
+    epi = (exit_ - done).reshape(-1, splits)
+    last = np.argmax(exit_.reshape(-1, splits), axis=1)
+    merge = epi[np.arange(epi.shape[0]), last]
+    rest = np.sort(epi, axis=1)[:, :-1]   # the row's CTAs but the one that took longest
+    return dict(
+        span_us=float(exit_.max()), entry_spread_us=float(entry.max()),
+        prologue_us_median=float(np.median(pro - entry)), prologue_us_max=float((pro - entry).max()),
+        pages_start_us_median=float(np.median(pro)),
+        pages_us_median=float(np.median(wend.max(axis=1) - pro)),
+        pages_end_us_p10=float(np.percentile(wend.max(axis=1), 10)),
+        pages_end_us_median=float(np.median(wend.max(axis=1))),
+        pages_end_us_max=float(wend.max()),
+        warp_spread_us_median=float(np.median(wend.max(axis=1) - wend.min(axis=1))),
+        warp_spread_us_max=float((wend.max(axis=1) - wend.min(axis=1)).max()),
+        barrier_us_median=float(np.median(done - wend.max(axis=1))),
+        epilogue_us_median=float(np.median(rest)) if rest.size else 0.0,
+        last_cta_epilogue_us_median=float(np.median(merge)),
+        last_cta_epilogue_us_max=float(merge.max()),
+        exit_us_p50=float(np.median(exit_)), exit_us_p90=float(np.percentile(exit_, 90)),
+        row_end_spread_us_median=float(np.median(row_ctas.max(axis=1) - row_ctas.min(axis=1))),
+        sms=int(len(np.unique(tr[:, 8]))))
+
+
+def measure(args) -> dict:
+    import importlib
+    import cupy as cp
+    from cupy_kernels import kernel_tables, make_workspace
+    from cupy_kernels.ada_decode import splits_for
+    from decode_variants import variant_module
+    ad = importlib.import_module("cupy_kernels.ada_decode")
+    mod, getter = variant_module(dict(DEC7_TRACE=1))
+    try:
+        ptr = mod.get_global("skv_trace")
+    except Exception as e:   # the module exposes no such symbol: nothing to read
+        raise SystemExit(f"cannot read the trace buffer: {e}")
+    ctas_max = 4096
+    trace = cp.ndarray((ctas_max, POINTS), cp.uint64, memptr=ptr)
+    flush = cp.empty(256 << 20, cp.uint8)
+    tables = kernel_tables(LADDER, D, codebook="uniform")
+    built = ad.kernel
+    out_rows, raw = [], {}
+    for case in args.cases.split(","):
+        shape, tiers = case.split(":")
+        batch, context = (int(v) for v in shape.split("x"))
+        state, _ = build_ada(batch, context, tiers, tables)
+        q = cp.random.standard_normal((batch, HQ, D), dtype=cp.float32)
+        rows = batch * HKV
+        splits = splits_for(tables, 7, rows, int(state["indices"].size))
+        if rows * splits > ctas_max:
+            print(f"{case}: {rows * splits} CTAs, more than the trace holds; skipped", flush=True)
+            continue
+        call = (q, state["pages"], state["page_tier"], state["page_count"], state["indptr"],
+                state["indices"], tables, state["sigma_k"], state["sigma_v"])
+        for fused in (True, False):
+            ws = make_workspace(rows, HQ // HKV, D, splits)
+            out = cp.empty((batch, HQ, D), cp.float32)
+            saved = ad.FUSE_V7
+            ad.kernel, ad.FUSE_V7 = getter, fused
+            try:
+                ad.ada_decode(*call, num_kv_heads=HKV, out=out, workspace=ws, version=7)
+                reps = []
+                for _ in range(args.reps):
+                    trace.fill(0)
+                    flush.fill(0)
+                    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                    e0.record()
+                    ad.ada_decode(*call, num_kv_heads=HKV, out=out, workspace=ws, version=7,
+                                  validate=False)
+                    e1.record()
+                    e1.synchronize()
+                    tr = cp.asnumpy(trace[:rows * splits])
+                    reps.append((cp.cuda.get_elapsed_time(e0, e1) * 1e3, tr))
+            finally:
+                ad.kernel, ad.FUSE_V7 = built, saved
+            if not bool(cp.all(cp.isfinite(out))):
+                raise SystemExit(f"{case}: non-finite output")
+            sums = [dict(event_us=ev, **summarize(tr, splits)) for ev, tr in reps]
+            med = {k: float(np.median([s[k] for s in sums])) for k in sums[0]}
+            mid = int(np.argsort([s["event_us"] for s in sums])[len(sums) // 2])
+            r = dict(batch=batch, context=context, tiers=tiers, splits=splits, fused_merge=fused,
+                     reps=args.reps, cache_bytes=int(state["layout"].cache_bytes),
+                     **{k: round(v, 2) for k, v in med.items()})
+            out_rows.append(r)
+            tr = reps[mid][1]
+            raw[f"{case}:{'fused' if fused else 'separate'}"] = dict(
+                splits=splits, event_us=reps[mid][0],
+                stamps_ns=(tr[:, :8].astype(np.int64) - int(tr[:, 0].min())).tolist(),
+                sm=tr[:, 8].astype(int).tolist())
+            print(json.dumps(r), flush=True)
+        del state
+        cp.get_default_memory_pool().free_all_blocks()
+    return dict(rows=out_rows, raw=raw)
+
+
+def plot(data: dict, png: str) -> None:
+    """One panel per case and merge mode: each CTA a line from entry to exit, coloured by
+    phase (prologue, pages, epilogue / merge), CTAs ordered by SM."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = list(data["raw"])
+    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 2.6 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        r = data["raw"][key]
+        st = np.asarray(r["stamps_ns"], dtype=np.float64) / 1e3
+        order = np.lexsort((st[:, 0], np.asarray(r["sm"])))
+        st = st[order]
+        y = np.arange(st.shape[0])
+        wend = st[:, 4:8].max(axis=1)
+        ax.hlines(y, st[:, 0], st[:, 1], color="tab:orange", lw=0.6, label="prologue")
+        ax.hlines(y, st[:, 1], wend, color="tab:blue", lw=0.6, label="pages")
+        ax.hlines(y, wend, st[:, 3], color="tab:red", lw=0.6, label="epilogue / merge")
+        ax.axvline(r["event_us"], color="k", ls="--", lw=0.8, label="event time of the step")
+        ax.set_title(f"{key}: {st.shape[0]} CTAs, {r['splits']} splits per row", fontsize=9)
+        ax.set_ylabel("CTA (by SM)")
+        ax.set_xlim(0, max(r["event_us"], st[:, 3].max()) * 1.02)
+    axes[-1, 0].set_xlabel("microseconds since the first CTA's entry")
+    axes[0, 0].legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="decode_anatomy.json")
+    ap.add_argument("--cases", default=CASES, help="BxCONTEXT:tiers, comma-separated")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--plot", help="draw a saved JSON instead of measuring (no GPU needed)")
+    ap.add_argument("--png", default=None)
+    args = ap.parse_args(argv)
+    if args.plot:
+        with open(args.plot) as f:
+            data = json.load(f)
+        plot(data, args.png or os.path.splitext(args.plot)[0] + ".png")
+        return 0
+    data = measure(args)
+    with open(args.out, "w") as f:
+        json.dump(data, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
