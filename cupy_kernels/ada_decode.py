@@ -102,9 +102,10 @@ def decode_smem_bytes(dim: int, page_bytes: int, uniform: bool = False, stages: 
 
 @dataclass
 class DecodeWorkspace:
-    """Split-K partial outputs (splits, rows, group, d) float32, their log2-sum-exp, and one
-    uint32 counter per row for the merge inside the v7 kernel (zero between launches: the
-    kernel leaves it as it found it). One workspace serves one launch at a time."""
+    """Split-K partial outputs (splits, rows, group, d) float32, their log2-sum-exp, and two
+    uint32 counters per row for the v7 kernel (finished CTAs, for the merge inside it, and
+    claimed page chunks; zero between launches: the kernel leaves them as it found them). One
+    workspace serves one launch at a time."""
     num_splits: int
     part_o: object
     part_lse: object
@@ -156,7 +157,7 @@ def make_workspace(rows: int, group: int, dim: int, num_splits: int) -> DecodeWo
     return DecodeWorkspace(int(num_splits),
                            cp.empty((num_splits, rows, group, dim), cp.float32),
                            cp.empty((num_splits, rows, group), cp.float32),
-                           cp.zeros(rows, cp.uint32))
+                           cp.zeros(2 * rows, cp.uint32))
 
 
 def validate_page_table(page_tier, page_count, indptr, indices, tables: KernelTables, rows: int):
@@ -279,7 +280,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
             raise ValueError("num_splits disagrees with the workspace")
         if splits > 1 and workspace.part_o.shape != (splits, rows, group, d):
             raise ValueError("workspace shape does not match this call")
-        if splits > 1 and workspace.sem is not None and workspace.sem.shape != (rows,):
+        if splits > 1 and workspace.sem is not None and workspace.sem.shape != (2 * rows,):
             raise ValueError("workspace counters do not match this call")
     else:
         splits = (splits_for(tables, version, rows, ix.shape[0])
