@@ -96,7 +96,7 @@ struct DecodeSmem7F2 : DecodeSmem7<D> {
   uint2 qfrag2[D / 16][32];                  // [chunk][lane], see decode_cta
   __align__(16) float k12b[2][DEC_HEADS][2];   // K1, K2 per head of the 2/2 [0] and 3/3 [1] tiers
   int pstride;   // pages between two of a warp's pages (interleaved splits: 4 S; decode_pages7)
-  int steal[DEC_WARPS][4];   // DEC7_STEAL: each warp's claimed chunk {first, count, k at its start}
+  __align__(16) int steal[DEC_WARPS][4];   // DEC7_STEAL: each warp's claimed chunk {first, count, k at its start}
   uint2 qfrag8[D / 16][32];                  // 8/8 pages (page_f8): [chunk][lane], see decode_cta
   __align__(16) float k12c[2][DEC_HEADS][2];   // K1, K2 per head of the 8/8 [0] and 16/16 [1] tiers
 };
