@@ -5,6 +5,7 @@ CuPy is imported lazily so that ``import cupy_kernels`` works where CuPy is abse
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -37,8 +38,16 @@ def cupy():
 
 
 def source() -> str:
-    """Translation unit handed to NVRTC: every op's .cuh, in dependency order."""
-    return "\n".join(f'#include "{name}"' for name in ("ada_decode.cuh", "encode.cuh", "retier.cuh"))
+    """Translation unit handed to NVRTC: every op's .cuh, in dependency order, after a digest
+    of every .cuh's text. CuPy caches compiled modules on disk keyed by this string and the
+    options; the #include lines alone would let a changed header load a stale binary (seen
+    once: a kernel fixed in its header kept faulting from the cache)."""
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.glob("*.cuh")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    lines = [f"// sources sha256 {digest.hexdigest()}"]
+    lines += [f'#include "{name}"' for name in ("ada_decode.cuh", "encode.cuh", "retier.cuh")]
+    return "\n".join(lines)
 
 
 @functools.lru_cache(maxsize=None)

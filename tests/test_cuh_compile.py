@@ -54,3 +54,19 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
         assert int(stores) <= allowed and int(loads) <= 2 * allowed, \
             f"register spills in {entry} ({name}):\n{log}"
     assert "warning" not in log.lower(), log
+
+
+def test_module_source_changes_with_any_header(tmp_path, monkeypatch):
+    """The string handed to NVRTC (CuPy's on-disk cache key, with the options) carries a digest
+    of every header, so an edited .cuh is compiled again instead of loaded stale."""
+    from cupy_kernels import _module
+    for p in CSRC.glob("*.cuh"):
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    monkeypatch.setattr(_module, "CSRC", tmp_path)
+    before = _module.source()
+    assert before == _module.source()
+    with open(tmp_path / "spherical_common.cuh", "a") as f:
+        f.write("\n// edited\n")
+    after = _module.source()
+    assert after != before
+    assert after.splitlines()[1:] == before.splitlines()[1:]   # the same #include lines
