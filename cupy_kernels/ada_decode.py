@@ -35,11 +35,6 @@ WAVES_V7 = 1
 # summed by four thread groups) when num_splits <= MERGE7_MAX_SPLITS, else with v6's merge.
 MERGE_V7 = True
 MERGE7_MAX_SPLITS = 256   # csrc MERGE7_MAX_SPLITS
-# v7 (affine path) merges the split-K partials inside the decode kernel: the last CTA of each row
-# combines them (a counter per row in the workspace, reset by that CTA), so the step is one
-# kernel; up to FUSE_V7_MAX_SPLITS splits, else ada_merge_v7_kernel after it.
-FUSE_V7 = True
-FUSE_V7_MAX_SPLITS = MERGE7_MAX_SPLITS
 STAGES_V7 = 2   # page buffers per warp of the v7 affine kernel (csrc DEC7_STAGES)
 STAGES_V8 = 3   # v8: page i + 1 in flight, page i (logits) and page i - 1 (values) staged
 # (csrc DEC8_STAGES)
@@ -102,14 +97,10 @@ def decode_smem_bytes(dim: int, page_bytes: int, uniform: bool = False, stages: 
 
 @dataclass
 class DecodeWorkspace:
-    """Split-K partial outputs (splits, rows, group, d) float32, their log2-sum-exp, and two
-    uint32 counters per row for the v7 kernel (finished CTAs, for the merge inside it, and
-    claimed page chunks; zero between launches: the kernel leaves them as it found them). One
-    workspace serves one launch at a time."""
+    """Split-K partial outputs (splits, rows, group, d) float32 and their log2-sum-exp."""
     num_splits: int
     part_o: object
     part_lse: object
-    sem: object = None
 
 
 def _sm_count() -> int:
@@ -156,8 +147,7 @@ def make_workspace(rows: int, group: int, dim: int, num_splits: int) -> DecodeWo
         return DecodeWorkspace(1, None, None)
     return DecodeWorkspace(int(num_splits),
                            cp.empty((num_splits, rows, group, dim), cp.float32),
-                           cp.empty((num_splits, rows, group), cp.float32),
-                           cp.zeros(2 * rows, cp.uint32))
+                           cp.empty((num_splits, rows, group), cp.float32))
 
 
 def validate_page_table(page_tier, page_count, indptr, indices, tables: KernelTables, rows: int):
@@ -280,8 +270,6 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
             raise ValueError("num_splits disagrees with the workspace")
         if splits > 1 and workspace.part_o.shape != (splits, rows, group, d):
             raise ValueError("workspace shape does not match this call")
-        if splits > 1 and workspace.sem is not None and workspace.sem.shape != (2 * rows,):
-            raise ValueError("workspace counters do not match this call")
     else:
         splits = (splits_for(tables, version, rows, ix.shape[0])
                   if num_splits is None else int(num_splits))
@@ -304,9 +292,6 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     mv = means[1] if means[1] is not None else null
     po = workspace.part_o if splits > 1 else null
     pl = workspace.part_lse if splits > 1 else null
-    fused = (uniform and version == 7 and FUSE_V7 and 1 < splits <= FUSE_V7_MAX_SPLITS
-             and splits <= MERGE7_MAX_SPLITS and workspace.sem is not None)
-    sem = workspace.sem if fused else null
     name = "ada_decode_uniform_kernel" if uniform else "ada_decode_kernel"
     kversion = 6 if (version >= 7 and not uniform) else version   # v7, v8: affine path only
     if kversion != 5:
@@ -324,9 +309,9 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
          (qa, np.int64(qa.strides[0] // 4), np.int64(qa.strides[1] // 4),
           pg, np.int32(tables.page_words), pt, pc, ip, ix, dev["geom"], levels,
           sk, sv, mk, mv, np.int32(hkv), np.int32(group),
-          np.float32(scale * math.log2(math.e)), np.int32(splits), out, po, pl, sem),
+          np.float32(scale * math.log2(math.e)), np.int32(splits), out, po, pl),
          shared_mem=smem)
-    if splits > 1 and not fused:
+    if splits > 1:
         margs = (workspace.part_o, workspace.part_lse, np.int32(splits), np.int32(rows),
                  np.int32(hkv), np.int32(group), sv, mv, out)
         if version >= 7 and MERGE_V7 and splits <= MERGE7_MAX_SPLITS:

@@ -232,56 +232,6 @@ def test_v7_merge_many_splits(codebook):
         _check(case, run_case(case, num_splits=splits, version=8))
 
 
-@pytest.mark.parametrize("dim", [64, 128])
-def test_v7_merge_inside_the_kernel(dim):
-    """v7 merges the split-K partials in the decode kernel (the last CTA of a row): the same
-    result as the merge kernel (within the budget) and the reference, at 2 to 256 splits and
-    with empty splits, mean_v on; every counter is back at zero after each launch, and
-    repeated launches and a replayed CUDA graph on one workspace give identical outputs. Past
-    256 splits the merge kernel runs."""
-    import importlib
-    import cupy as cp
-    from cupy_kernels.cases import build_case, run_case, to_device
-    ad = importlib.import_module("cupy_kernels.ada_decode")   # the package exports a function
-    case = build_case(2, 2, 4, dim, [3100, 300, 41, 1200], WIDE_LADDER, [2, 3, 4, 5], seed=61,
-                      centred=True, codebook="uniform")
-    dev = to_device(case)
-    batch, hq, _ = case.q.shape
-    rows, group = batch * case.num_kv_heads, hq // case.num_kv_heads
-    for splits in (2, 7, 64, 256, 300):
-        ws = ad.make_workspace(rows, group, dim, splits)
-        outs = []
-        for _ in range(3):
-            out = run_case(case, dev, num_splits=splits, workspace=ws, version=7, validate=False)
-            assert not cp.any(ws.sem), "a row counter was left non-zero"
-            outs.append(out.get())
-        assert all(np.array_equal(outs[0], o) for o in outs[1:])
-        _check(case, outs[0])
-        saved = ad.FUSE_V7
-        ad.FUSE_V7 = False
-        try:
-            sep = run_case(case, dev, num_splits=splits, version=7).get()
-        finally:
-            ad.FUSE_V7 = saved
-        diff = np.linalg.norm(outs[0].astype(np.float64) - sep, axis=-1)
-        assert float(np.max(diff / case.error_scale())) <= BOUND
-    ws = ad.make_workspace(rows, group, dim, 7)
-    out = cp.empty((batch, hq, dim), cp.float32)
-    run_case(case, dev, num_splits=7, out=out, workspace=ws, version=7, validate=False)
-    first = out.get()
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        run_case(case, dev, num_splits=7, out=out, workspace=ws, version=7, validate=False)
-        graph = stream.end_capture()
-    for _ in range(2):
-        out.fill(np.nan)
-        graph.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(out.get(), first)
-        assert not cp.any(ws.sem)
-
-
 def test_bad_version_rejected():
     from cupy_kernels.cases import build_case, run_case
     case = build_case(1, 1, 4, 64, [20], LADDER, [5], seed=1)

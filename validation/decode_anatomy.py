@@ -1,9 +1,8 @@
 """Where the time of one v7 decode step goes: a diagnostic build of the v7 kernel
 (csrc/ada_decode.cuh, DEC7_TRACE = 1) stamps %globaltimer per CTA at kernel entry, after the
-query prologue, at each warp's end of its pages, after the cross-warp barrier and at exit (after
-the merge, for the CTA that merges its row in the kernel). This script runs that build on the
-benchmark's pools (one GPU), with the split-K merge in the kernel and in its own kernel after
-it, and writes per-case summaries and one repetition's per-CTA stamps; ``--plot`` draws them.
+query prologue, at each warp's end of its pages, after the cross-warp barrier and at exit (the
+partial or the output written). This script runs that build on the benchmark's pools (one GPU)
+and writes per-case summaries and one repetition's per-CTA stamps; ``--plot`` draws them.
 
     PYTHONPATH=. python3 validation/decode_anatomy.py --out anatomy.json          # GPU
     python3 -m validation.decode_anatomy --plot anatomy.json --png anatomy.png    # CPU
@@ -36,10 +35,7 @@ def summarize(tr: np.ndarray, splits: int) -> dict:
     entry, pro, done, exit_ = us[:, 0], us[:, 1], us[:, 2], us[:, 3]
     wend = us[:, 4:8]
     row_ctas = exit_.reshape(-1, splits)
-    epi = (exit_ - done).reshape(-1, splits)
-    last = np.argmax(exit_.reshape(-1, splits), axis=1)
-    merge = epi[np.arange(epi.shape[0]), last]
-    rest = np.sort(epi, axis=1)[:, :-1]   # the row's CTAs but the one that took longest
+    epi = exit_ - done
     return dict(
         span_us=float(exit_.max()), entry_spread_us=float(entry.max()),
         prologue_us_median=float(np.median(pro - entry)), prologue_us_max=float((pro - entry).max()),
@@ -51,9 +47,7 @@ def summarize(tr: np.ndarray, splits: int) -> dict:
         warp_spread_us_median=float(np.median(wend.max(axis=1) - wend.min(axis=1))),
         warp_spread_us_max=float((wend.max(axis=1) - wend.min(axis=1)).max()),
         barrier_us_median=float(np.median(done - wend.max(axis=1))),
-        epilogue_us_median=float(np.median(rest)) if rest.size else 0.0,
-        last_cta_epilogue_us_median=float(np.median(merge)),
-        last_cta_epilogue_us_max=float(merge.max()),
+        epilogue_us_median=float(np.median(epi)), epilogue_us_max=float(epi.max()),
         exit_us_p50=float(np.median(exit_)), exit_us_p90=float(np.percentile(exit_, 90)),
         row_end_spread_us_median=float(np.median(row_ctas.max(axis=1) - row_ctas.min(axis=1))),
         sms=int(len(np.unique(tr[:, 8]))))
@@ -89,42 +83,39 @@ def measure(args) -> dict:
             continue
         call = (q, state["pages"], state["page_tier"], state["page_count"], state["indptr"],
                 state["indices"], tables, state["sigma_k"], state["sigma_v"])
-        for fused in (True, False):
-            ws = make_workspace(rows, HQ // HKV, D, splits)
-            out = cp.empty((batch, HQ, D), cp.float32)
-            saved = ad.FUSE_V7
-            ad.kernel, ad.FUSE_V7 = getter, fused
-            try:
-                ad.ada_decode(*call, num_kv_heads=HKV, out=out, workspace=ws, version=7)
-                reps = []
-                for _ in range(args.reps):
-                    trace.fill(0)
-                    flush.fill(0)
-                    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                    e0.record()
-                    ad.ada_decode(*call, num_kv_heads=HKV, out=out, workspace=ws, version=7,
-                                  validate=False)
-                    e1.record()
-                    e1.synchronize()
-                    tr = cp.asnumpy(trace[:rows * splits])
-                    reps.append((cp.cuda.get_elapsed_time(e0, e1) * 1e3, tr))
-            finally:
-                ad.kernel, ad.FUSE_V7 = built, saved
-            if not bool(cp.all(cp.isfinite(out))):
-                raise SystemExit(f"{case}: non-finite output")
-            sums = [dict(event_us=ev, **summarize(tr, splits)) for ev, tr in reps]
-            med = {k: float(np.median([s[k] for s in sums])) for k in sums[0]}
-            mid = int(np.argsort([s["event_us"] for s in sums])[len(sums) // 2])
-            r = dict(batch=batch, context=context, tiers=tiers, splits=splits, fused_merge=fused,
-                     reps=args.reps, cache_bytes=int(state["layout"].cache_bytes),
-                     **{k: round(v, 2) for k, v in med.items()})
-            out_rows.append(r)
-            tr = reps[mid][1]
-            raw[f"{case}:{'fused' if fused else 'separate'}"] = dict(
-                splits=splits, event_us=reps[mid][0],
-                stamps_ns=(tr[:, :8].astype(np.int64) - int(tr[:, 0].min())).tolist(),
-                sm=tr[:, 8].astype(int).tolist())
-            print(json.dumps(r), flush=True)
+        ws = make_workspace(rows, HQ // HKV, D, splits)
+        out = cp.empty((batch, HQ, D), cp.float32)
+        ad.kernel = getter
+        try:
+            ad.ada_decode(*call, num_kv_heads=HKV, out=out, workspace=ws, version=7)
+            reps = []
+            for _ in range(args.reps):
+                trace.fill(0)
+                flush.fill(0)
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record()
+                ad.ada_decode(*call, num_kv_heads=HKV, out=out, workspace=ws, version=7,
+                              validate=False)
+                e1.record()
+                e1.synchronize()
+                reps.append((cp.cuda.get_elapsed_time(e0, e1) * 1e3,
+                             cp.asnumpy(trace[:rows * splits])))
+        finally:
+            ad.kernel = built
+        if not bool(cp.all(cp.isfinite(out))):
+            raise SystemExit(f"{case}: non-finite output")
+        sums = [dict(event_us=ev, **summarize(tr, splits)) for ev, tr in reps]
+        med = {k: float(np.median([s[k] for s in sums])) for k in sums[0]}
+        mid = int(np.argsort([s["event_us"] for s in sums])[len(sums) // 2])
+        r = dict(batch=batch, context=context, tiers=tiers, splits=splits, reps=args.reps,
+                 cache_bytes=int(state["layout"].cache_bytes),
+                 **{k: round(v, 2) for k, v in med.items()})
+        out_rows.append(r)
+        tr = reps[mid][1]
+        raw[case] = dict(splits=splits, event_us=reps[mid][0],
+                         stamps_ns=(tr[:, :8].astype(np.int64) - int(tr[:, 0].min())).tolist(),
+                         sm=tr[:, 8].astype(int).tolist())
+        print(json.dumps(r), flush=True)
         del state
         cp.get_default_memory_pool().free_all_blocks()
     return dict(rows=out_rows, raw=raw)

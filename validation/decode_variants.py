@@ -25,7 +25,7 @@ from decode_bench import D, HKV, HQ, LADDER, Timer, ada_step, build_ada, copy_ba
 # name: (NVRTC defines or None for the module as built, launcher overrides)
 VARIANTS = {
     "v7_waves2": (None, dict(WAVES_V7=2)),
-    "v7_oldmerge": (None, dict(MERGE_V7=False, FUSE_V7=False)),
+    "v7_oldmerge": (None, dict(MERGE_V7=False)),
     "v7_lsplit0": (dict(DEC7_LSPLIT=0), {}),
     "v7_stages3": (dict(DEC7_STAGES=3), dict(STAGES_V7=3)),
     "v7_conv1": (dict(DEC7_CONV=1), {}),
@@ -40,17 +40,7 @@ VARIANTS = {
     "v7_fast816_only": (dict(DEC7_INTERLEAVE=0), {}),
     # v7 as before DEC7_EARLY: the query prologue first (block-wide rotation, fragments, the
     # staging area shared with the page buffers), then the first header block and page copy
-    "v7_late": (dict(DEC7_EARLY=0), dict(FUSE_V7=False)),
-    # v7 with the split-K merge in its own kernel after the decode (as before the fused merge;
-    # without the in-kernel merge's counters no pages are claimed either)
-    "v7_sepmerge": (None, dict(FUSE_V7=False)),
-    # the merge in the kernel, every page split statically (no claimed chunks)
-    "v7_nosteal": (dict(DEC7_STEAL=0), {}),
-    # the share of a row's pages split statically, and the pages per claim
-    "v7_steal50": (dict(DEC7_STEAL_PCT=50), {}),
-    "v7_steal90": (dict(DEC7_STEAL_PCT=90), {}),
-    "v7_chunk4": (dict(DEC7_STEAL_CHUNK=4), {}),
-    "v7_chunk16": (dict(DEC7_STEAL_CHUNK=16), {}),
+    "v7_late": (dict(DEC7_EARLY=0), {}),
     # two pages per warp in flight at entry instead of one (measured slower as the default)
     "v7_early2": (dict(DEC7_EARLY=2), {}),
 }

@@ -96,7 +96,6 @@ struct DecodeSmem7F2 : DecodeSmem7<D> {
   uint2 qfrag2[D / 16][32];                  // [chunk][lane], see decode_cta
   __align__(16) float k12b[2][DEC_HEADS][2];   // K1, K2 per head of the 2/2 [0] and 3/3 [1] tiers
   int pstride;   // pages between two of a warp's pages (interleaved splits: 4 S; decode_pages7)
-  __align__(16) int steal[DEC_WARPS][4];   // DEC7_STEAL: each warp's claimed chunk {first, count, k at its start}
   uint2 qfrag8[D / 16][32];                  // 8/8 pages (page_f8): [chunk][lane], see decode_cta
   __align__(16) float k12c[2][DEC_HEADS][2];   // K1, K2 per head of the 8/8 [0] and 16/16 [1] tiers
 };
@@ -1662,58 +1661,6 @@ __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int 
   }
 }
 
-// DEC7_STEAL (interleaved splits with the in-kernel merge): the pages before steal_end(n, S)
-// are split as above, every warp of the row taking the same number; the rest of the row's
-// pages are claimed by its warps in chunks of DEC7_STEAL_CHUNK (a counter per row), so a warp
-// on a faster SM takes more of them and the row's CTAs finish together.
-#ifndef DEC7_STEAL
-#define DEC7_STEAL 1
-#endif
-#ifndef DEC7_STEAL_PCT
-#define DEC7_STEAL_PCT 75      // share of a row's pages split statically
-#endif
-#ifndef DEC7_STEAL_CHUNK
-#define DEC7_STEAL_CHUNK 8     // pages per claim (<= 32: one header block)
-#endif
-static_assert(DEC7_STEAL_CHUNK >= 1 && DEC7_STEAL_CHUNK <= 32, "DEC7_STEAL_CHUNK: 1..32");
-__device__ __forceinline__ int steal_end(int n, int num_splits) {
-  const int w = DEC_WARPS * num_splits;
-  return (int)((long long)n * DEC7_STEAL_PCT / 100 / w) * w;
-}
-// DEC7_STEAL: after its static pages, a warp claims chunks of the row's remaining pages
-// (sem[rows + row] counts the claims; chunk c = pages steal_end + c CHUNK, ...) until a claim
-// comes back empty (decode_pages7). A chunk's headers go to one of two header blocks (the
-// warp's P' tile holds both: hsh, hsh + 256), alternating, so the next chunk is claimed and
-// its first page staged while the current chunk's last page is decoded. steal_claim claims
-// the row's next chunk into the block at blk and records {first page, count, k of its first
-// page, block} in the warp's slot (registers held across a page would spill); returns count.
-template <bool F2>
-__device__ __forceinline__ int steal_claim(u32 blk, u32 slot, int k0, int par, unsigned* sem,
-                                           const int* __restrict__ indptr, u32 prange,
-                                           const int* __restrict__ indices,
-                                           const int* __restrict__ page_tier,
-                                           const int* __restrict__ page_count,
-                                           const int* __restrict__ geom, int lane, bool f44ok) {
-  const int row = ctaid_y(), rb = lds_s32(prange);
-  int c = 0;
-  if (lane == 0) c = static_cast<int>(atomicAdd(sem + gridDim.y + row, 1u));
-  c = __shfl_sync(0xffffffffu, c, 0);
-  const int n = indptr[row + 1] - rb;
-  const int first = steal_end(n, gridDim.x) + c * DEC7_STEAL_CHUNK;
-  const int cnt = max(0, min(DEC7_STEAL_CHUNK, n - first));
-  header_refill<F2>(blk, first, lane, RangeRegs{rb, first + cnt}, indices, page_tier, page_count,
-                    geom, f44ok, 1);
-  if (lane == 0)
-    asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};" :: "r"(slot), "r"(first), "r"(cnt),
-                 "r"(k0), "r"(par));
-  __syncwarp();
-  return cnt;
-}
-template <bool ILV, bool EARLY>
-__host__ __device__ constexpr bool steal_build() {   // decode_cta and decode_pages7 agree
-  return ILV && EARLY && DEC7_STEAL && DEC7_EARLY == 1 && DEC7_STAGES == 2;
-}
-
 // v7 page loop of one warp: pages pi0, pi0 + 4, ... of the CTA's range (end re-read from
 // shared memory at `prange` + 4, start of the row's list at `prange`, as on v6). Page headers
 // come in blocks of 32 (header_refill: one dependent chain of global loads per 32 pages instead
@@ -1739,8 +1686,7 @@ __device__ __forceinline__ void decode_pages7(
     const int* __restrict__ page_count, const int* __restrict__ indices,
     const int* __restrict__ geom, int pi0, u32 prange, u32* bufs, SM& sm, const QF& qsrc,
     const Luts& lut, __half* pt, int lane, float (&acc)[D / 16][4], float& m0, float& m1,
-    float& l0, float& l1, float& ps0, float& ps1, u32 cur_c, u32 mid_c,
-    const int* __restrict__ indptr, unsigned* __restrict__ sem) {
+    float& l0, float& l1, float& ps0, float& ps1, u32 cur_c, u32 mid_c) {
   const int g = lane >> 2, t = lane & 3;
   const bool f44ok = F44 && page_words == F44_WORDS;
   const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
@@ -1757,7 +1703,6 @@ __device__ __forceinline__ void decode_pages7(
   };
   constexpr int NST = DEC7_STAGES;   // page buffers; pages pi + 4, ..., pi + 4 (NST - 1) in flight
   static_assert(NST == 2 || NST == 3, "DEC7_STAGES: 2 or 3");
-  constexpr bool STEAL = steal_build<ILV, STARTED>();   // the row's last pages claimed in chunks
   bool d44 = false, d2 = false;   // domain of the accumulators (f7_move): generic at first
   // cur_c, mid_c: headers of pages pi and (NST = 3) pi + 4
   static_assert(AHEAD == NST - 1 || (STARTED && NST == 2 && AHEAD == 2), "decode_pages7: AHEAD");
@@ -1766,10 +1711,22 @@ __device__ __forceinline__ void decode_pages7(
                      RangeSmem{prange}, stride(), bufs_sh, hsh, lane, f44ok, cur_c, mid_c);
   // One page: pi in buffer buf; page pi + stride (NST - 1) is staged now into buffer nbuf, at
   // place jb of its header block.
-  // Decodes page pi (packed header c) from buffer buf, or in place if it is partial.
-  auto decode = [&](int pi, u32 c, int buf) {
+  auto step = [&](int pi, int jb, int buf, int nbuf, bool staged) {
+    u32 nxt_c = 0;
+    if (staged) {   // AHEAD > NST - 1, first step: staged by pages7_start, no group committed
+      nxt_c = mid_c;
+    } else {
+      const int npi = pi + stride() * (NST - 1);
+      if (npi < lds_s32(prange + 4)) {
+        if (jb == 0) refill(npi);
+        stage(jb, nxt_c, nbuf);
+      }
+      cp_async_commit();
+    }
+    if constexpr (NST == 2) cp_async_wait1(); else cp_async_wait2();   // this lane's copies of
+    __syncwarp();       // the current page are done, ... and every other lane's
     const u32 bsh = bufs_sh + 4u * buf * page_words;
-    const int cur_kind = static_cast<int>(c >> 28);
+    const int cur_kind = static_cast<int>(cur_c >> 28);
     f7_move<D>(acc, d44, d2, F44 && (cur_kind == 2 || cur_kind == 5), F2 && (cur_kind == 3 || cur_kind == 4));
     if (F2 && cur_kind >= 5) {
       if constexpr (F2) {
@@ -1801,25 +1758,9 @@ __device__ __forceinline__ void decode_pages7(
                lds_f32(sm.hstep + level_row(4), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
       }
     } else {
-      decode_generic<D, PATH, NSUB>(pages, page_words, indices, geom, prange, pi, c, bsh, sm,
+      decode_generic<D, PATH, NSUB>(pages, page_words, indices, geom, prange, pi, cur_c, bsh, sm,
                                     qsrc, lut, pt, g, t, acc, m0, m1, l0, l1, ps0, ps1);
     }
-  };
-  auto step = [&](int pi, int jb, int buf, int nbuf, bool staged) {
-    u32 nxt_c = 0;
-    if (staged) {   // AHEAD > NST - 1, first step: staged by pages7_start, no group committed
-      nxt_c = mid_c;
-    } else {
-      const int npi = pi + stride() * (NST - 1);
-      if (npi < lds_s32(prange + 4)) {
-        if (jb == 0) refill(npi);
-        stage(jb, nxt_c, nbuf);
-      }
-      cp_async_commit();
-    }
-    if constexpr (NST == 2) cp_async_wait1(); else cp_async_wait2();   // this lane's copies of
-    __syncwarp();       // the current page are done, ... and every other lane's
-    decode(pi, cur_c, buf);
     __syncwarp();   // every lane is done with this buffer before it is refilled
     if constexpr (NST == 2) {
       cur_c = nxt_c;
@@ -1828,61 +1769,7 @@ __device__ __forceinline__ void decode_pages7(
       mid_c = nxt_c;
     }
   };
-  if constexpr (STEAL) {
-    // k: the warp's pages so far: its static pages pi0 + k stride for k < kst (stride 4 S, the
-    // CTA's range ends at steal_end), then the chunks it claims (steal_claim). One decode per
-    // step, whichever the source.
-    // the warp's slot, re-derived where it is used (held across the loop it would spill)
-    auto slot = [&]() {   // an offset from prange (a constant) rather than a generic address
-      return prange + static_cast<u32>(reinterpret_cast<const char*>(&sm.steal[0][0]) -
-                                        reinterpret_cast<const char*>(&sm.prange[0])) +
-             16u * static_cast<u32>(tid_x() >> 5);
-    };
-    auto claim = [&](int k0, int par) {
-      return steal_claim<F2>(hsh + (par ? 256u : 0u), slot(), k0, par, sem, indptr, prange,
-                             indices, page_tier, page_count, geom, lane, f44ok);
-    };
-    auto kst_of = [&]() {   // the warp's static pages
-      const int p0 = DEC_WARPS * ctaid_x() + (tid_x() >> 5), pend = lds_s32(prange + 4);
-      return pend > p0 ? (pend - p0 - 1) / stride() + 1 : 0;
-    };
-    if (sem != nullptr && kst_of() == 0) {   // no static page: the stream starts with a chunk
-      if (claim(0, 1) > 0) cur_c = stage_from_block<F2>(pages, page_words, hsh + 256u, 0, bufs_sh, lane);
-      cp_async_commit();
-    }
-    for (int k = 0;; ++k) {
-      const int kst = kst_of();
-      int pi;
-      if (k < kst) {
-        pi = DEC_WARPS * ctaid_x() + (tid_x() >> 5) + k * stride();
-      } else {
-        if (sem == nullptr || lds_s32(slot() + 4) == 0) break;
-        pi = lds_s32(slot()) + (k - lds_s32(slot() + 8));
-      }
-      u32 nxt_c = 0;
-      const int nk = k + 1;
-      if (nk < kst) {   // a static page next: as step
-        const int jb = nk & 31;
-        if (jb == 0) refill(DEC_WARPS * ctaid_x() + (tid_x() >> 5) + nk * stride());
-        stage(jb, nxt_c, nk & 1);
-      } else if (sem != nullptr) {   // a claimed page next: in this chunk, or the next chunk's first
-        const bool dyn = k >= kst;
-        const int j = dyn ? nk - lds_s32(slot() + 8) : 0, par = dyn ? lds_s32(slot() + 12) : 0;
-        const u32 nbuf = bufs_sh + 4u * (nk & 1) * page_words;
-        if (dyn && j < lds_s32(slot() + 4)) {
-          nxt_c = stage_from_block<F2>(pages, page_words, hsh + (par ? 256u : 0u), j, nbuf, lane);
-        } else if (claim(nk, par ^ 1) > 0) {
-          nxt_c = stage_from_block<F2>(pages, page_words, hsh + (par ? 0u : 256u), 0, nbuf, lane);
-        }
-      }
-      cp_async_commit();
-      cp_async_wait1();   // this lane's copies of page k are done, ...
-      __syncwarp();       // ... and every other lane's
-      decode(pi, cur_c, k & 1);
-      __syncwarp();       // every lane is done with this buffer before it is refilled
-      cur_c = nxt_c;
-    }
-  } else if constexpr (STARTED) {
+  if constexpr (STARTED) {
     // k: the warp's pages so far. Page pi = pi0 + k stride sits in buffer k % NST, page
     // pi + stride (NST - 1) goes to place (k + NST - 1) & 31 of its header block. One counter
     // instead of a page index, a buffer and a block place (ILV: pi0 = 4 s + w re-read from the
@@ -1999,11 +1886,11 @@ __device__ __forceinline__ void decode_pages8(
       const float* __restrict__ sigma_k, const float* __restrict__ sigma_v,                     \
       const float* __restrict__ mean_k, const float* __restrict__ mean_v, int num_kv_heads,     \
       int G, float scale_log2, int num_splits, float* __restrict__ out,                         \
-      float* __restrict__ part_o, float* __restrict__ part_lse, unsigned* __restrict__ sem
+      float* __restrict__ part_o, float* __restrict__ part_lse
 #define SKV_DECODE_ARGS                                                                      \
   q, q_sb, q_sh, pages, page_words, page_tier, page_count, indptr, indices, geom, levels,       \
       sigma_k, sigma_v, mean_k, mean_v, num_kv_heads, G, scale_log2, num_splits, out, part_o,   \
-      part_lse, sem
+      part_lse
 
 // Which of the row's pages the CTA takes: the row's list starts at indices[rbeg]; v4-v6, v8
 // and v7 at D = 64: a contiguous range [pbeg, pend) of ceil(n / S) pages, warp w its pages
@@ -2014,11 +1901,10 @@ __device__ __forceinline__ void decode_pages8(
 struct CtaPages { int rbeg, pbeg, pend; };
 template <bool ILV>
 __device__ __forceinline__ CtaPages cta_pages(const int* __restrict__ indptr, int row, int split,
-                                              int num_splits, bool steal = false) {
+                                              int num_splits) {
   const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
   const int per = (n + num_splits - 1) / num_splits;
-  const int pbeg = ILV ? split * DEC_WARPS : split * per;
-  const int pend = ILV ? (steal ? steal_end(n, num_splits) : n) : min(n, pbeg + per);
+  const int pbeg = ILV ? split * DEC_WARPS : split * per, pend = ILV ? n : min(n, pbeg + per);
   return {rbeg, pbeg, pend};
 }
 
@@ -2053,7 +1939,25 @@ __device__ __forceinline__ void warp_query_rotate(float (&yq)[DEC_WHEADS][D / 32
   for (int k = 0; k < DEC_WHEADS; ++k) {
     const int gg = warp + DEC_WARPS * k;
     float (&y)[V] = yq[k];
-    warp_fwht<D>(y, lane);
+#pragma unroll
+    for (int h = 1; h < V; h <<= 1) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        if (v & h) continue;
+        const float a = y[v], b = y[v + h];
+        y[v] = a + b;
+        y[v + h] = a - b;
+      }
+    }
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {   // coordinate bit V h = lane bit h
+      const bool upper = lane & h;
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const float o = __shfl_xor_sync(0xffffffffu, y[v], h);
+        y[v] = upper ? o - y[v] : y[v] + o;
+      }
+    }
     float mx = 0.0f;
 #pragma unroll
     for (int v = 0; v < V; ++v) {
@@ -2066,100 +1970,10 @@ __device__ __forceinline__ void warp_query_rotate(float (&yq)[DEC_WHEADS][D / 32
   }
 }
 
-// Split-K merge inside the decode kernel (v7 with DEC7_EARLY, when the launcher passes `sem`:
-// one zeroed counter per row, left zeroed again by every launch). Each CTA writes its partial
-// (O, lse), makes it visible device-wide and counts itself in its row's counter; the CTA that
-// counts last merges the row and resets the counter. No merge kernel, no launch gap.
-constexpr int MERGE7_MAX_SPLITS = 256;   // the fused merge and ada_merge_v7_kernel (launcher checks)
-// sem[row] counts the row's finished CTAs, sem[rows + row] its page claims (DEC7_STEAL): the
-// last CTA resets both (every claim of the row was made before its CTA counted itself).
-__device__ __forceinline__ bool last_of_row(unsigned* sem, int row, int rows, int num_splits) {
-  __shared__ int is_last;
-  __threadfence();      // this thread's partial stores before the count (release)
-  __syncthreads();      // every thread's
-  if (threadIdx.x == 0) {
-    const unsigned prev = atomicAdd(sem + row, 1u);
-    const bool last = prev == (unsigned)(num_splits - 1);
-    if (last) sem[row] = sem[rows + row] = 0u;   // no other CTA of this launch touches them
-    __threadfence();       // (acquire) the other CTAs' partials before this CTA reads them
-    is_last = last;
-  }
-  __syncthreads();
-  return is_last;
-}
-
-// One warp: the weights w_s = 2^(lse_s - M), M = max_s lse_s, of a head's num_splits partials
-// (lse_s at lse[s * stride], read from L2) into wsh[s]; returns sum_s w_s (all lanes). Every
-// split empty (M = -inf): all weights 0.
-__device__ __forceinline__ float split_weights(const float* lse, size_t stride, int num_splits,
-                                               float* wsh, int lane) {
-  float M = -SKV_INF;
-  for (int s = lane; s < num_splits; s += 32) {
-    const float v = __ldcg(lse + s * stride);
-    wsh[s] = v;
-    M = fmaxf(M, v);
-  }
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, m));
-  float W = 0.0f;
-  for (int s = lane; s < num_splits; s += 32) {
-    const float w = M == -SKV_INF ? 0.0f : exp2f(wsh[s] - M);
-    wsh[s] = w;
-    W += w;
-  }
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) W += __shfl_xor_sync(0xffffffffu, W, m);
-  return W;
-}
-
-// The row's G heads from num_splits partials: warp w takes heads w, w + 4, lane l coordinates
-// V l, ..., V l + V - 1 (one V-float load per split, from L2: the partials were written by
-// other SMs), weights 2^(lse_s - M) staged in the warp's wsh[MERGE7_MAX_SPLITS]; then the
-// inverse rotation in registers (warp_fwht, the sums block_fwht forms), sigma_V / D and mu_V,
-// as finish_heads. hstride: rows * G heads per split; base: row * G.
-template <int D>
-__device__ __forceinline__ void merge_row(const float* part_o, const float* part_lse,
-                                          int num_splits, size_t hstride, size_t base, int G,
-                                          const float* sigma_v, const float* mean_v, float* out,
-                                          float* wsh, int warp, int lane) {
-  constexpr int V = D / 32;
-  static_assert(V == 2 || V == 4, "merge_row: D = 64 or 128");
-  for (int gg = warp; gg < G; gg += DEC_WARPS) {
-    const float W = split_weights(part_lse + base + gg, hstride, num_splits, wsh, lane);
-    __syncwarp();
-    float o[V];
-#pragma unroll
-    for (int v = 0; v < V; ++v) o[v] = 0.0f;
-    const float* src = part_o + (base + gg) * D + V * lane;
-#pragma unroll 8
-    for (int s = 0; s < num_splits; ++s) {
-      const float w = wsh[s];
-      const float* p = src + (size_t)s * hstride * D;
-      if constexpr (V == 4) {
-        const float4 x = __ldcg(reinterpret_cast<const float4*>(p));
-        o[0] += w * x.x; o[1] += w * x.y; o[2] += w * x.z; o[3] += w * x.w;
-      } else {
-        const float2 x = __ldcg(reinterpret_cast<const float2*>(p));
-        o[0] += w * x.x; o[1] += w * x.y;
-      }
-    }
-    __syncwarp();   // wsh is refilled for the warp's next head
-#pragma unroll
-    for (int v = 0; v < V; ++v) o[v] = W > 0.0f ? o[v] / W : 0.0f;
-    warp_fwht<D>(o, lane);
-#pragma unroll
-    for (int v = 0; v < V; ++v) {
-      const int j = V * lane + v;
-      float r = o[v] * sigma_v[j] * (1.0f / (float)D);
-      if (mean_v) r += mean_v[j];
-      out[gg * D + j] = r;
-    }
-  }
-}
-
 // DEC7_TRACE (diagnostic builds only, validation/decode_anatomy.py): thread 0 of each CTA
-// stamps %globaltimer at points of the v7 kernel into skv_trace[cta][point]; point 8 holds
-// the SM id. Off (the default), DEC_TRACE compiles to nothing.
+// stamps %globaltimer at points of the decode kernel into skv_trace[cta][point] (0 entry, 1
+// prologue done, 2 pages done (after the barrier), 3 exit; lane 0 of warp w: 4 + w at the end of
+// its pages; 8: the SM id). Off (the default), DEC_TRACE compiles to nothing.
 #ifndef DEC7_TRACE
 #define DEC7_TRACE 0
 #endif
@@ -2169,12 +1983,12 @@ constexpr int SKV_TRACE_CTAS = 4096, SKV_TRACE_POINTS = 10;
 __device__ unsigned long long skv_trace[skv::SKV_TRACE_CTAS * skv::SKV_TRACE_POINTS];   // unmangled
 namespace skv {
 __device__ __forceinline__ void dec_trace(int point) {
-  if (threadIdx.x != 0) return;
+  if (point < 4 ? threadIdx.x != 0 : (threadIdx.x & 31) != 0) return;
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   const int cta = blockIdx.y * gridDim.x + blockIdx.x;
   if (cta >= SKV_TRACE_CTAS) return;
-  skv_trace[cta * SKV_TRACE_POINTS + point] = t;
+  skv_trace[cta * SKV_TRACE_POINTS + point + (point < 4 ? 0 : (threadIdx.x >> 5))] = t;
   if (point == 0) {
     unsigned smid;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
@@ -2202,7 +2016,6 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   // EARLY (v7): the page stream starts at kernel entry, the query is staged past the page buffers
   constexpr bool EARLY = V7 && !V8 && DEC7_EARLY;
   constexpr int AHEAD7 = (EARLY && DEC7_EARLY == 2) ? 2 : DEC7_STAGES - 1;   // pages7_start
-  constexpr bool STEAL = steal_build<ILV, EARLY>();   // decode_pages7 (needs sem)
   __shared__ typename SmemOf<D, V7, V8>::type sm;
   extern __shared__ __align__(16) unsigned char dyn[];
   float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
@@ -2222,7 +2035,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     warp_query_load<D>(qv, qrow, q_sh, sk, G, warp, lane);
     // nothing in shared memory is needed before the first barrier: the range in registers,
     // the header block in the warp's own P' tile, the copies into its own buffers
-    const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits, STEAL && sem != nullptr);
+    const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
     pages7_start<F2, AHEAD7>(pages, page_words, page_tier, page_count, indices, geom, cp.pbeg + warp,
                      RangeRegs{cp.rbeg, cp.pend}, ILV ? DEC_WARPS * num_splits : DEC_WARPS,
                      static_cast<u32>(__cvta_generic_to_shared(bufs)),
@@ -2407,7 +2220,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   qsh.a = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane]));
   const auto& qsrc = QSource<V6>::of(qsh, qr);
   const int h0 = 2 * t, h1 = 2 * t + 1;
-  const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits, STEAL && sem != nullptr);
+  const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
   const int rbeg = cp.rbeg, pbeg = cp.pbeg, pend = cp.pend;
   // v6 re-reads the CTA's page range from shared memory at each page: held in registers
   // across the page loop, ptxas spills it to local memory at the 128-register cap.
@@ -2433,7 +2246,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   } else if constexpr (V7) {
     decode_pages7<D, PATH, NSUB, F44, F2, ILV, EARLY, AHEAD7>(pages, page_words, page_tier, page_count,
                                       indices, geom, pbeg + warp, prange, bufs, sm, qsrc, lut, pt,
-                                      lane, acc, m0, m1, l0, l1, ps0, ps1, cur_c, mid_c, indptr, sem);
+                                      lane, acc, m0, m1, l0, l1, ps0, ps1, cur_c, mid_c);
   } else {
   // Page header of the warp's first page; a full page starts streaming at once.
   int pi = pbeg + warp;
@@ -2491,15 +2304,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
   cp_async_wait0();
   }
-#if DEC7_TRACE
-  if ((threadIdx.x & 31) == 0) {   // each warp's end of its pages: points 4 + warp
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    const int cta = blockIdx.y * gridDim.x + blockIdx.x;
-    if (cta < SKV_TRACE_CTAS && threadIdx.x < 128)
-      skv_trace[cta * SKV_TRACE_POINTS + 4 + (threadIdx.x >> 5)] = t;
-  }
-#endif
+  DEC_TRACE(4);   // this warp's pages are done
 
   // ---- merge the warps: l over the 8 lanes sharing t; then (m, l, O) through shared memory
 #pragma unroll
@@ -2575,14 +2380,6 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
       const int idx = tid_x() + k * DEC_WARPS * 32;
       if (idx < G * D) part_o[base * D + idx] = val[k];
       if (idx < G * D && idx % D == 0) part_lse[base + idx / D] = sm.lse[idx / D];
-    }
-    if (sem != nullptr) {   // the split-K merge in this kernel: the row's last CTA does it
-      const int row_o = ctaid_y();
-      if (last_of_row(sem, row_o, gridDim.y, num_splits))
-        merge_row<D>(part_o, part_lse, num_splits, (size_t)gridDim.y * G, (size_t)row_o * G, G,
-                     sigma_v + (size_t)(row_o % num_kv_heads) * D,
-                     mean_v ? mean_v + (size_t)row_o * D : nullptr, out + (long long)row_o * G * D,
-                     region + (size_t)(tid_x() >> 5) * MERGE7_MAX_SPLITS, tid_x() >> 5, tid_x() & 31);
     }
     DEC_TRACE(3);
     return;
@@ -2704,6 +2501,7 @@ ada_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ par
 // loads, coalesced over the D coordinates), then Pi_V^T and mu_V of the one head. The v4-v6 merge
 // (one CTA per row, D threads, splits in sequence) is latency-bound when there are many splits
 // per row (1 x 128K: 66-132). num_splits <= MERGE7_MAX_SPLITS (the launcher checks).
+constexpr int MERGE7_MAX_SPLITS = 256;
 template <int D>
 __global__ void __launch_bounds__(4 * D)
 ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
@@ -2718,7 +2516,22 @@ ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ 
   const int tid = threadIdx.x, j = tid % D, part = tid / D;
   const size_t hstride = (size_t)rows * G, base = (size_t)row * G + gg;   // in heads
   if (tid < 32) {
-    const float W = split_weights(part_lse + base, hstride, num_splits, wsh, tid);
+    float M = -SKV_INF;
+    for (int s = tid; s < num_splits; s += 32) {
+      const float v = part_lse[s * hstride + base];
+      wsh[s] = v;
+      M = fmaxf(M, v);
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, m));
+    float W = 0.0f;
+    for (int s = tid; s < num_splits; s += 32) {
+      const float w = M == -SKV_INF ? 0.0f : exp2f(wsh[s] - M);
+      wsh[s] = w;
+      W += w;
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) W += __shfl_xor_sync(0xffffffffu, W, m);
     if (tid == 0) wsum = W;
   }
   __syncthreads();

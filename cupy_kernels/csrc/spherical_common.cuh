@@ -443,18 +443,15 @@ __device__ __forceinline__ void block_fwht(float* buf, int rows) {
 // ----------------------------------------------------------------- warp encoder ----
 // One warp holds one vector: lane l owns coordinates l*V .. l*V+V-1 (V = D/32).
 
-// Unnormalised Walsh–Hadamard transform of the warp's vector (float or double): the butterflies
-// below V in registers, the rest through shuffles, each forming the sum and difference block_fwht
-// forms (the lower coordinate's value first), so a float vector's result is bit-identical to it.
-template <int D, class T>
-__device__ __forceinline__ void warp_fwht(T (&y)[D / 32], int lane) {
+template <int D>
+__device__ __forceinline__ void warp_fwht(double (&y)[D / 32], int lane) {
   constexpr int V = D / 32;
 #pragma unroll
   for (int h = 1; h < V; h <<= 1) {
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       if ((i & h) == 0) {
-        T a = y[i], b = y[i + h];
+        double a = y[i], b = y[i + h];
         y[i] = a + b;
         y[i + h] = a - b;
       }
@@ -466,7 +463,7 @@ __device__ __forceinline__ void warp_fwht(T (&y)[D / 32], int lane) {
     bool upper = (lane & m) != 0;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      T other = __shfl_xor_sync(0xffffffffu, y[i], m);
+      double other = __shfl_xor_sync(0xffffffffu, y[i], m);
       y[i] = upper ? other - y[i] : y[i] + other;
     }
   }
