@@ -22,8 +22,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_bench import D, HKV, HQ, LADDER, build_ada  # noqa: E402
 
-POINTS = 10   # csrc SKV_TRACE_POINTS: 0 entry, 1 prologue done, 2 pages done (barrier), 3 exit,
-# 4..7 each warp's end of its pages, 8 SM id
+POINTS = 12   # csrc SKV_TRACE_POINTS: 0 entry, 1 prologue done, 2 pages done (barrier), 3 exit,
+# 4..7 each warp's end of its pages, 8 SM id, 9 warp 0's first header block read and first copy
+# issued, 10 warp 0's query rotated
 CASES = "8x32768:4/4,1x131072:4/4,32x8192:4/4,2x131072:4/4,8x32768:rdr-mix"
 
 
@@ -39,6 +40,8 @@ def summarize(tr: np.ndarray, splits: int) -> dict:
     return dict(
         span_us=float(exit_.max()), entry_spread_us=float(entry.max()),
         prologue_us_median=float(np.median(pro - entry)), prologue_us_max=float((pro - entry).max()),
+        first_copy_issued_us_median=float(np.median((tr[:, 9].astype(np.float64) - t0) / 1e3 - entry)),
+        query_rotated_us_median=float(np.median((tr[:, 10].astype(np.float64) - t0) / 1e3 - entry)),
         pages_start_us_median=float(np.median(pro)),
         pages_us_median=float(np.median(wend.max(axis=1) - pro)),
         pages_end_us_p10=float(np.percentile(wend.max(axis=1), 10)),
@@ -122,29 +125,32 @@ def measure(args) -> dict:
 
 
 def plot(data: dict, png: str) -> None:
-    """One panel per case and merge mode: each CTA a line from entry to exit, coloured by
-    phase (prologue, pages, epilogue / merge), CTAs ordered by SM."""
+    """One panel per case: how many CTAs are in their prologue, streaming pages, in the
+    epilogue (after their last warp's pages) or done, over the step; the step ends when the
+    last CTA exits."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     keys = list(data["raw"])
-    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 2.6 * len(keys)), squeeze=False)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.3 * len(keys)), squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
         r = data["raw"][key]
         st = np.asarray(r["stamps_ns"], dtype=np.float64) / 1e3
-        order = np.lexsort((st[:, 0], np.asarray(r["sm"])))
-        st = st[order]
-        y = np.arange(st.shape[0])
+        entry, pro, exit_ = st[:, 0], st[:, 1], st[:, 3]
         wend = st[:, 4:8].max(axis=1)
-        ax.hlines(y, st[:, 0], st[:, 1], color="tab:orange", lw=0.6, label="prologue")
-        ax.hlines(y, st[:, 1], wend, color="tab:blue", lw=0.6, label="pages")
-        ax.hlines(y, wend, st[:, 3], color="tab:red", lw=0.6, label="epilogue / merge")
-        ax.axvline(r["event_us"], color="k", ls="--", lw=0.8, label="event time of the step")
-        ax.set_title(f"{key}: {st.shape[0]} CTAs, {r['splits']} splits per row", fontsize=9)
-        ax.set_ylabel("CTA (by SM)")
-        ax.set_xlim(0, max(r["event_us"], st[:, 3].max()) * 1.02)
-    axes[-1, 0].set_xlabel("microseconds since the first CTA's entry")
-    axes[0, 0].legend(loc="lower right", fontsize=7)
+        t = np.linspace(0.0, exit_.max() * 1.03, 600)[:, None]
+        phases = [((t >= entry) & (t < pro)).sum(1), ((t >= pro) & (t < wend)).sum(1),
+                  ((t >= wend) & (t < exit_)).sum(1), (t >= exit_).sum(1)]
+        ax.stackplot(t[:, 0], *phases, colors=["tab:orange", "tab:blue", "tab:red", "0.85"],
+                     labels=["prologue", "streaming pages", "epilogue", "done"])
+        ax.axvline(exit_.max(), color="k", lw=0.8)
+        ax.set_title(f"{key}: {st.shape[0]} CTAs ({r['splits']} per row); last exit "
+                     f"{exit_.max():.1f} us, median end of pages {np.median(wend):.1f} us", fontsize=9)
+        ax.set_ylabel("CTAs")
+        ax.set_xlim(0, t[-1, 0])
+        ax.set_ylim(0, st.shape[0])
+    axes[-1, 0].set_xlabel("microseconds since the first CTA's entry (traced build, one launch)")
+    axes[0, 0].legend(loc="center left", fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 

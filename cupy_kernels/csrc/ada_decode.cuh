@@ -1973,22 +1973,23 @@ __device__ __forceinline__ void warp_query_rotate(float (&yq)[DEC_WHEADS][D / 32
 // DEC7_TRACE (diagnostic builds only, validation/decode_anatomy.py): thread 0 of each CTA
 // stamps %globaltimer at points of the decode kernel into skv_trace[cta][point] (0 entry, 1
 // prologue done, 2 pages done (after the barrier), 3 exit; lane 0 of warp w: 4 + w at the end of
-// its pages; 8: the SM id). Off (the default), DEC_TRACE compiles to nothing.
+// its pages; 8: the SM id; v7 with DEC7_EARLY: 9 warp 0's first header block read and first
+// copy issued, 10 its query rotated). Off (the default), DEC_TRACE compiles to nothing.
 #ifndef DEC7_TRACE
 #define DEC7_TRACE 0
 #endif
 #if DEC7_TRACE
-constexpr int SKV_TRACE_CTAS = 4096, SKV_TRACE_POINTS = 10;
+constexpr int SKV_TRACE_CTAS = 4096, SKV_TRACE_POINTS = 12;
 }  // namespace skv: the buffer at global scope, found by name (RawModule.get_global)
 __device__ unsigned long long skv_trace[skv::SKV_TRACE_CTAS * skv::SKV_TRACE_POINTS];   // unmangled
 namespace skv {
 __device__ __forceinline__ void dec_trace(int point) {
-  if (point < 4 ? threadIdx.x != 0 : (threadIdx.x & 31) != 0) return;
+  if (point != 4 ? threadIdx.x != 0 : (threadIdx.x & 31) != 0) return;
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   const int cta = blockIdx.y * gridDim.x + blockIdx.x;
   if (cta >= SKV_TRACE_CTAS) return;
-  skv_trace[cta * SKV_TRACE_POINTS + point + (point < 4 ? 0 : (threadIdx.x >> 5))] = t;
+  skv_trace[cta * SKV_TRACE_POINTS + point + (point != 4 ? 0 : (threadIdx.x >> 5))] = t;
   if (point == 0) {
     unsigned smid;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
@@ -2041,6 +2042,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
                      static_cast<u32>(__cvta_generic_to_shared(bufs)),
                      static_cast<u32>(__cvta_generic_to_shared(pt)), lane,
                      F44 && page_words == F44_WORDS, cur_c, mid_c);
+    DEC_TRACE(9);
   }
 
   Luts lut = {};
@@ -2057,6 +2059,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   float* qs = EARLY ? region + DEC_WARPS * DEC7_STAGES * page_words : region;
   if constexpr (EARLY) {
     warp_query_rotate<D>(qv, qs, warp, lane, scale_log2, sm.qfac, sm.kfac);
+    DEC_TRACE(10);
   } else {
   for (int idx = threadIdx.x; idx < DEC_HEADS * D; idx += blockDim.x) {
     int gg = idx / D, j = idx % D;
