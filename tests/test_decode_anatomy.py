@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from validation.decode_anatomy import POINTS, plot, summarize
+from validation.decode_anatomy import POINTS, PROGRESS_SLOTS, plot, progress_rates, summarize
 from validation.plot_decode import RESULTS
 
 
@@ -53,3 +53,21 @@ def test_anatomy_plot_draws_the_committed_run(tmp_path):
     png = tmp_path / "anatomy.png"
     plot(data, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_rates_tell_a_slow_sm_from_a_slowing_warp():
+    """Progress stamps every 4 pages: on SM 0 a warp at 1 page/us throughout; on SM 1 a warp
+    at 1 page/us that halves its rate in the second half; the other warps have no stamps."""
+    tr = _stamps(entry=[0, 0], prologue=[1000, 1000], warp_ends=[[30_000] * 4] * 2,
+                 exits=[31_000, 31_000], sm=[0, 1])
+    prog = np.zeros((2, 4, PROGRESS_SLOTS), np.uint64)
+    t0 = 5_000_000_000
+    prog[0, 0, :5] = t0 + 1000 * np.array([4, 8, 12, 16, 20])     # gaps 4, 4, 4, 4 us
+    prog[1, 0, :5] = t0 + 1000 * np.array([4, 8, 12, 20, 28])     # gaps 4, 4, 8, 8 us
+    r = progress_rates(tr, prog)
+    assert r["late_over_early_rate_median"] == pytest.approx((1.0 + 0.5) / 2)
+    assert r["sm_rate_min_over_max"] == pytest.approx((16 / 24) / 1.0)
+    assert r["warp_pages_per_us_median"] == pytest.approx((1.0 + 16 / 24) / 2)
+    s = summarize(tr, splits=1, prog=prog)
+    assert s["sm_rate_min_over_max"] == pytest.approx(16 / 24)
+    assert progress_rates(tr, np.zeros_like(prog)) == {}

@@ -1,8 +1,10 @@
 """Where the time of one v7 decode step goes: a diagnostic build of the v7 kernel
 (csrc/ada_decode.cuh, DEC7_TRACE = 1) stamps %globaltimer per CTA at kernel entry, after the
 query prologue, at each warp's end of its pages, after the cross-warp barrier and at exit (the
-partial or the output written). This script runs that build on the benchmark's pools (one GPU)
-and writes per-case summaries and one repetition's per-CTA stamps; ``--plot`` draws them.
+partial or the output written), and each warp after every 4th of its pages (its streaming rate
+over the step: a slow SM against a slow end). This script runs that build on the benchmark's
+pools (one GPU) and writes per-case summaries and one repetition's per-CTA stamps; ``--plot``
+draws them.
 
     PYTHONPATH=. python3 validation/decode_anatomy.py --out anatomy.json          # GPU
     python3 -m validation.decode_anatomy --plot anatomy.json --png anatomy.png    # CPU
@@ -22,14 +24,45 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_bench import D, HKV, HQ, LADDER, build_ada  # noqa: E402
 
+PROGRESS_SLOTS, EVERY = 32, 4   # csrc SKV_PROGRESS_SLOTS, DEC7_TRACE_EVERY: each warp's stamps
+# after its 4th, 8th, ... page
 POINTS = 12   # csrc SKV_TRACE_POINTS: 0 entry, 1 prologue done, 2 pages done (barrier), 3 exit,
 # 4..7 each warp's end of its pages, 8 SM id, 9 warp 0's first header block read and first copy
 # issued, 10 warp 0's query rotated
 CASES = "8x32768:4/4,1x131072:4/4,32x8192:4/4,2x131072:4/4,8x32768:rdr-mix"
 
 
-def summarize(tr: np.ndarray, splits: int) -> dict:
-    """Per-step figures (microseconds) from the stamps tr[cta, point] of one launch."""
+def progress_rates(tr: np.ndarray, prog: np.ndarray, every: int = EVERY) -> dict:
+    """Streaming rates (pages per microsecond) from the progress stamps prog[cta, warp, slot]
+    (ns; 0 = none): per warp over its whole stream and over the first and second half of its
+    intervals; per SM the mean of its warps. Says whether a late warp is slow throughout (a
+    slow SM) or slows down at the end."""
+    sm = tr[:, 8].astype(int)
+    whole, ratio, sm_rates = [], [], {}
+    for c in range(prog.shape[0]):
+        for w in range(prog.shape[1]):
+            st = prog[c, w][prog[c, w] > 0].astype(np.float64) / 1e3
+            if st.size < 3:
+                continue
+            gaps = np.diff(st)
+            half = gaps.size // 2
+            rate = every * gaps.size / (st[-1] - st[0])
+            whole.append(rate)
+            if half:
+                ratio.append(gaps[:half].mean() / gaps[half:].mean())   # late rate / early rate
+            sm_rates.setdefault(int(sm[c]), []).append(rate)
+    if not whole:
+        return {}
+    per_sm = np.array([np.mean(v) for v in sm_rates.values()])
+    return dict(warp_pages_per_us_median=float(np.median(whole)),
+                warp_rate_p10_over_p90=float(np.percentile(whole, 10) / np.percentile(whole, 90)),
+                sm_rate_min_over_max=float(per_sm.min() / per_sm.max()),
+                late_over_early_rate_median=float(np.median(ratio)) if ratio else float("nan"))
+
+
+def summarize(tr: np.ndarray, splits: int, prog: np.ndarray | None = None) -> dict:
+    """Per-step figures (microseconds) from the stamps tr[cta, point] of one launch (and, with
+    prog, the streaming rates of progress_rates)."""
     t = tr[:, :8].astype(np.float64)
     t0 = t[:, 0].min()
     us = (t - t0) / 1e3
@@ -53,7 +86,8 @@ def summarize(tr: np.ndarray, splits: int) -> dict:
         epilogue_us_median=float(np.median(epi)), epilogue_us_max=float(epi.max()),
         exit_us_p50=float(np.median(exit_)), exit_us_p90=float(np.percentile(exit_, 90)),
         row_end_spread_us_median=float(np.median(row_ctas.max(axis=1) - row_ctas.min(axis=1))),
-        sms=int(len(np.unique(tr[:, 8]))))
+        sms=int(len(np.unique(tr[:, 8]))),
+        **(progress_rates(tr, prog) if prog is not None else {}))
 
 
 def measure(args) -> dict:
@@ -70,6 +104,8 @@ def measure(args) -> dict:
         raise SystemExit(f"cannot read the trace buffer: {e}")
     ctas_max = 4096
     trace = cp.ndarray((ctas_max, POINTS), cp.uint64, memptr=ptr)
+    progress = cp.ndarray((ctas_max, 4, PROGRESS_SLOTS), cp.uint64,
+                          memptr=mod.get_global("skv_progress"))
     flush = cp.empty(256 << 20, cp.uint8)
     tables = kernel_tables(LADDER, D, codebook="uniform")
     built = ad.kernel
@@ -94,6 +130,7 @@ def measure(args) -> dict:
             reps = []
             for _ in range(args.reps):
                 trace.fill(0)
+                progress.fill(0)
                 flush.fill(0)
                 e0, e1 = cp.cuda.Event(), cp.cuda.Event()
                 e0.record()
@@ -102,22 +139,25 @@ def measure(args) -> dict:
                 e1.record()
                 e1.synchronize()
                 reps.append((cp.cuda.get_elapsed_time(e0, e1) * 1e3,
-                             cp.asnumpy(trace[:rows * splits])))
+                             cp.asnumpy(trace[:rows * splits]),
+                             cp.asnumpy(progress[:rows * splits])))
         finally:
             ad.kernel = built
         if not bool(cp.all(cp.isfinite(out))):
             raise SystemExit(f"{case}: non-finite output")
-        sums = [dict(event_us=ev, **summarize(tr, splits)) for ev, tr in reps]
+        sums = [dict(event_us=ev, **summarize(tr, splits, pg)) for ev, tr, pg in reps]
         med = {k: float(np.median([s[k] for s in sums])) for k in sums[0]}
-        mid = int(np.argsort([s["event_us"] for s in sums])[len(sums) // 2])
+        mid = int(np.argsort([s["span_us"] for s in sums])[len(sums) // 2])
         r = dict(batch=batch, context=context, tiers=tiers, splits=splits, reps=args.reps,
                  cache_bytes=int(state["layout"].cache_bytes),
                  **{k: round(v, 2) for k, v in med.items()})
         out_rows.append(r)
-        tr = reps[mid][1]
+        tr, pg = reps[mid][1], reps[mid][2]
+        t0 = int(tr[:, 0].min())
         raw[case] = dict(splits=splits, event_us=reps[mid][0],
-                         stamps_ns=(tr[:, :8].astype(np.int64) - int(tr[:, 0].min())).tolist(),
-                         sm=tr[:, 8].astype(int).tolist())
+                         stamps_ns=(tr[:, :8].astype(np.int64) - t0).tolist(),
+                         sm=tr[:, 8].astype(int).tolist(),
+                         progress_ns=[[int(v) - t0 for v in w if v] for c in pg for w in c])
         print(json.dumps(r), flush=True)
         del state
         cp.get_default_memory_pool().free_all_blocks()

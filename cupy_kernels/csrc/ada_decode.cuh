@@ -1661,6 +1661,58 @@ __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int 
   }
 }
 
+// DEC7_TRACE (diagnostic builds only, validation/decode_anatomy.py): thread 0 of each CTA
+// stamps %globaltimer at points of the decode kernel into skv_trace[cta][point] (0 entry, 1
+// prologue done, 2 pages done (after the barrier), 3 exit; lane 0 of warp w: 4 + w at the end of
+// its pages; 8: the SM id; v7 with DEC7_EARLY: 9 warp 0's first header block read and first
+// copy issued, 10 its query rotated). Off (the default), DEC_TRACE compiles to nothing.
+#ifndef DEC7_TRACE
+#define DEC7_TRACE 0
+#endif
+#if DEC7_TRACE
+constexpr int SKV_TRACE_CTAS = 4096, SKV_TRACE_POINTS = 12;
+}  // namespace skv: the buffer at global scope, found by name (RawModule.get_global)
+__device__ unsigned long long skv_trace[skv::SKV_TRACE_CTAS * skv::SKV_TRACE_POINTS];   // unmangled
+namespace skv {
+__device__ __forceinline__ void dec_trace(int point) {
+  if (point != 4 ? threadIdx.x != 0 : (threadIdx.x & 31) != 0) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  const int cta = blockIdx.y * gridDim.x + blockIdx.x;
+  if (cta >= SKV_TRACE_CTAS) return;
+  skv_trace[cta * SKV_TRACE_POINTS + point + (point != 4 ? 0 : (threadIdx.x >> 5))] = t;
+  if (point == 0) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    skv_trace[cta * SKV_TRACE_POINTS + 8] = smid;
+  }
+}
+// Progress stamps: lane 0 of each warp after every DEC7_TRACE_EVERY-th of its pages (v7's
+// page loop with DEC7_EARLY), into skv_progress[cta][warp][slot] (SKV_PROGRESS_SLOTS slots):
+// the warp's rate over the step, to tell a slow SM from a slow end.
+#ifndef DEC7_TRACE_EVERY
+#define DEC7_TRACE_EVERY 4
+#endif
+constexpr int SKV_PROGRESS_SLOTS = 32;
+}  // namespace skv
+__device__ unsigned long long skv_progress[skv::SKV_TRACE_CTAS * 4 * skv::SKV_PROGRESS_SLOTS];
+namespace skv {
+__device__ __forceinline__ void dec_progress(int k) {   // after the warp's page k (from 0)
+  if ((threadIdx.x & 31) != 0 || (k + 1) % DEC7_TRACE_EVERY != 0) return;
+  const int slot = (k + 1) / DEC7_TRACE_EVERY - 1;
+  const int cta = blockIdx.y * gridDim.x + blockIdx.x;
+  if (slot >= SKV_PROGRESS_SLOTS || cta >= SKV_TRACE_CTAS) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  skv_progress[(cta * 4 + (threadIdx.x >> 5)) * SKV_PROGRESS_SLOTS + slot] = t;
+}
+#define DEC_TRACE(p) dec_trace(p)
+#define DEC_PROGRESS(k) dec_progress(k)
+#else
+#define DEC_TRACE(p) ((void)0)
+#define DEC_PROGRESS(k) ((void)0)
+#endif
+
 // v7 page loop of one warp: pages pi0, pi0 + 4, ... of the CTA's range (end re-read from
 // shared memory at `prange` + 4, start of the row's list at `prange`, as on v6). Page headers
 // come in blocks of 32 (header_refill: one dependent chain of global loads per 32 pages instead
@@ -1778,6 +1830,7 @@ __device__ __forceinline__ void decode_pages7(
       const int pi = (ILV ? DEC_WARPS * ctaid_x() + (tid_x() >> 5) : pi0) + k * stride();
       if (pi >= lds_s32(prange + 4)) break;
       step(pi, (k + NST - 1) & 31, k % NST, (k + NST - 1) % NST, AHEAD > NST - 1 && k == 0);
+      DEC_PROGRESS(k);
     }
   } else {   // as before DEC7_EARLY (with one counter, this build spills it)
     int jb = NST - 2, buf = 0;   // jb: place in its header block of the last page staged
@@ -1969,37 +2022,6 @@ __device__ __forceinline__ void warp_query_rotate(float (&yq)[DEC_WHEADS][D / 32
     if (lane == 0) { qfac[gg] = mx / (float)D; kfac[gg] = mx / (float)D * scale_log2; }
   }
 }
-
-// DEC7_TRACE (diagnostic builds only, validation/decode_anatomy.py): thread 0 of each CTA
-// stamps %globaltimer at points of the decode kernel into skv_trace[cta][point] (0 entry, 1
-// prologue done, 2 pages done (after the barrier), 3 exit; lane 0 of warp w: 4 + w at the end of
-// its pages; 8: the SM id; v7 with DEC7_EARLY: 9 warp 0's first header block read and first
-// copy issued, 10 its query rotated). Off (the default), DEC_TRACE compiles to nothing.
-#ifndef DEC7_TRACE
-#define DEC7_TRACE 0
-#endif
-#if DEC7_TRACE
-constexpr int SKV_TRACE_CTAS = 4096, SKV_TRACE_POINTS = 12;
-}  // namespace skv: the buffer at global scope, found by name (RawModule.get_global)
-__device__ unsigned long long skv_trace[skv::SKV_TRACE_CTAS * skv::SKV_TRACE_POINTS];   // unmangled
-namespace skv {
-__device__ __forceinline__ void dec_trace(int point) {
-  if (point != 4 ? threadIdx.x != 0 : (threadIdx.x & 31) != 0) return;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  const int cta = blockIdx.y * gridDim.x + blockIdx.x;
-  if (cta >= SKV_TRACE_CTAS) return;
-  skv_trace[cta * SKV_TRACE_POINTS + point + (point != 4 ? 0 : (threadIdx.x >> 5))] = t;
-  if (point == 0) {
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    skv_trace[cta * SKV_TRACE_POINTS + 8] = smid;
-  }
-}
-#define DEC_TRACE(p) dec_trace(p)
-#else
-#define DEC_TRACE(p) ((void)0)
-#endif
 
 // The body of the decode kernels. PATH_TABLE: any codebook (`levels` is the (5, 256) float32
 // level table). PATH_AFFINE(_V4): uniform codebook (`levels` holds the 5 half steps hs_b of
