@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_bench import D, HKV, HQ, LADDER, build_ada  # noqa: E402
 
+TRACE_CTAS, WARPS = 4096, 4   # csrc SKV_TRACE_CTAS, DEC_WARPS
 PROGRESS_SLOTS, EVERY = 32, 4   # csrc SKV_PROGRESS_SLOTS, DEC7_TRACE_EVERY: each warp's stamps
 # after its 4th, 8th, ... page
 POINTS = 12   # csrc SKV_TRACE_POINTS: 0 entry, 1 prologue done, 2 pages done (barrier), 3 exit,
@@ -63,9 +64,8 @@ def progress_rates(tr: np.ndarray, prog: np.ndarray, every: int = EVERY) -> dict
 def summarize(tr: np.ndarray, splits: int, prog: np.ndarray | None = None) -> dict:
     """Per-step figures (microseconds) from the stamps tr[cta, point] of one launch (and, with
     prog, the streaming rates of progress_rates)."""
-    t = tr[:, :8].astype(np.float64)
-    t0 = t[:, 0].min()
-    us = (t - t0) / 1e3
+    t = tr.astype(np.float64)
+    us = (t - t[:, 0].min()) / 1e3   # every point but 8 (the SM id) is a time
     entry, pro, done, exit_ = us[:, 0], us[:, 1], us[:, 2], us[:, 3]
     wend = us[:, 4:8]
     row_ctas = exit_.reshape(-1, splits)
@@ -73,8 +73,8 @@ def summarize(tr: np.ndarray, splits: int, prog: np.ndarray | None = None) -> di
     return dict(
         span_us=float(exit_.max()), entry_spread_us=float(entry.max()),
         prologue_us_median=float(np.median(pro - entry)), prologue_us_max=float((pro - entry).max()),
-        first_copy_issued_us_median=float(np.median((tr[:, 9].astype(np.float64) - t0) / 1e3 - entry)),
-        query_rotated_us_median=float(np.median((tr[:, 10].astype(np.float64) - t0) / 1e3 - entry)),
+        first_copy_issued_us_median=float(np.median(us[:, 9] - entry)),
+        query_rotated_us_median=float(np.median(us[:, 10] - entry)),
         pages_start_us_median=float(np.median(pro)),
         pages_us_median=float(np.median(wend.max(axis=1) - pro)),
         pages_end_us_p10=float(np.percentile(wend.max(axis=1), 10)),
@@ -99,13 +99,11 @@ def measure(args) -> dict:
     ad = importlib.import_module("cupy_kernels.ada_decode")
     mod, getter = variant_module(dict(DEC7_TRACE=1))
     try:
-        ptr = mod.get_global("skv_trace")
+        trace = cp.ndarray((TRACE_CTAS, POINTS), cp.uint64, memptr=mod.get_global("skv_trace"))
+        progress = cp.ndarray((TRACE_CTAS, WARPS, PROGRESS_SLOTS), cp.uint64,
+                              memptr=mod.get_global("skv_progress"))
     except Exception as e:   # the module exposes no such symbol: nothing to read
-        raise SystemExit(f"cannot read the trace buffer: {e}")
-    ctas_max = 4096
-    trace = cp.ndarray((ctas_max, POINTS), cp.uint64, memptr=ptr)
-    progress = cp.ndarray((ctas_max, 4, PROGRESS_SLOTS), cp.uint64,
-                          memptr=mod.get_global("skv_progress"))
+        raise SystemExit(f"cannot read the trace buffers: {e}")
     flush = cp.empty(256 << 20, cp.uint8)
     tables = kernel_tables(LADDER, D, codebook="uniform")
     built = ad.kernel
@@ -117,7 +115,7 @@ def measure(args) -> dict:
         q = cp.random.standard_normal((batch, HQ, D), dtype=cp.float32)
         rows = batch * HKV
         splits = splits_for(tables, 7, rows, int(state["indices"].size))
-        if rows * splits > ctas_max:
+        if rows * splits > TRACE_CTAS:
             print(f"{case}: {rows * splits} CTAs, more than the trace holds; skipped", flush=True)
             continue
         call = (q, state["pages"], state["page_tier"], state["page_count"], state["indptr"],

@@ -55,7 +55,7 @@ for stage in "$@"; do
         --reps ${VARIANTS_REPS:-20} --cases ${VARIANTS_CASES:-all} --variants ${VARIANTS_NAMES:-all} 2>&1 | tee "$OUT/variants.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
     anatomy)
-      # per-CTA timeline of the v7 step (DEC7_TRACE build): prologue, pages, epilogue, merge
+      # per-CTA timeline of the v7 step (DEC7_TRACE build): prologue, pages, epilogue, tail
       timeout ${ANATOMY_LIMIT:-240} python3 validation/decode_anatomy.py --out "$OUT/decode_anatomy.json" \
         --reps ${ANATOMY_REPS:-7} ${ANATOMY_CASES:+--cases $ANATOMY_CASES} 2>&1 | tee "$OUT/anatomy.log" | tail -n 20
       rc=${PIPESTATUS[0]};;

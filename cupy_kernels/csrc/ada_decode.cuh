@@ -1670,15 +1670,28 @@ __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int 
 #define DEC7_TRACE 0
 #endif
 #if DEC7_TRACE
-constexpr int SKV_TRACE_CTAS = 4096, SKV_TRACE_POINTS = 12;
-}  // namespace skv: the buffer at global scope, found by name (RawModule.get_global)
+// Progress stamps: lane 0 of each warp after every DEC7_TRACE_EVERY-th of its pages (v7's
+// page loop with DEC7_EARLY), into skv_progress[cta][warp][slot] (SKV_PROGRESS_SLOTS slots):
+// the warp's rate over the step, to tell a slow SM from a slow end.
+#ifndef DEC7_TRACE_EVERY
+#define DEC7_TRACE_EVERY 4
+#endif
+constexpr int SKV_TRACE_CTAS = 4096, SKV_TRACE_POINTS = 12, SKV_PROGRESS_SLOTS = 32;
+}  // namespace skv: the buffers at global scope, found by name (RawModule.get_global)
 __device__ unsigned long long skv_trace[skv::SKV_TRACE_CTAS * skv::SKV_TRACE_POINTS];   // unmangled
+__device__ unsigned long long skv_progress[skv::SKV_TRACE_CTAS * skv::DEC_WARPS *
+                                           skv::SKV_PROGRESS_SLOTS];
 namespace skv {
-__device__ __forceinline__ void dec_trace(int point) {
-  if (point != 4 ? threadIdx.x != 0 : (threadIdx.x & 31) != 0) return;
+__device__ __forceinline__ unsigned long long trace_clock() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  const int cta = blockIdx.y * gridDim.x + blockIdx.x;
+  return t;
+}
+__device__ __forceinline__ int trace_cta() { return blockIdx.y * gridDim.x + blockIdx.x; }
+__device__ __forceinline__ void dec_trace(int point) {
+  if (point != 4 ? threadIdx.x != 0 : (threadIdx.x & 31) != 0) return;
+  const unsigned long long t = trace_clock();
+  const int cta = trace_cta();
   if (cta >= SKV_TRACE_CTAS) return;
   skv_trace[cta * SKV_TRACE_POINTS + point + (point != 4 ? 0 : (threadIdx.x >> 5))] = t;
   if (point == 0) {
@@ -1687,24 +1700,12 @@ __device__ __forceinline__ void dec_trace(int point) {
     skv_trace[cta * SKV_TRACE_POINTS + 8] = smid;
   }
 }
-// Progress stamps: lane 0 of each warp after every DEC7_TRACE_EVERY-th of its pages (v7's
-// page loop with DEC7_EARLY), into skv_progress[cta][warp][slot] (SKV_PROGRESS_SLOTS slots):
-// the warp's rate over the step, to tell a slow SM from a slow end.
-#ifndef DEC7_TRACE_EVERY
-#define DEC7_TRACE_EVERY 4
-#endif
-constexpr int SKV_PROGRESS_SLOTS = 32;
-}  // namespace skv
-__device__ unsigned long long skv_progress[skv::SKV_TRACE_CTAS * 4 * skv::SKV_PROGRESS_SLOTS];
-namespace skv {
 __device__ __forceinline__ void dec_progress(int k) {   // after the warp's page k (from 0)
   if ((threadIdx.x & 31) != 0 || (k + 1) % DEC7_TRACE_EVERY != 0) return;
   const int slot = (k + 1) / DEC7_TRACE_EVERY - 1;
-  const int cta = blockIdx.y * gridDim.x + blockIdx.x;
+  const int cta = trace_cta();
   if (slot >= SKV_PROGRESS_SLOTS || cta >= SKV_TRACE_CTAS) return;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  skv_progress[(cta * 4 + (threadIdx.x >> 5)) * SKV_PROGRESS_SLOTS + slot] = t;
+  skv_progress[(cta * DEC_WARPS + (threadIdx.x >> 5)) * SKV_PROGRESS_SLOTS + slot] = trace_clock();
 }
 #define DEC_TRACE(p) dec_trace(p)
 #define DEC_PROGRESS(k) dec_progress(k)
