@@ -50,13 +50,22 @@ def source() -> str:
     return "\n".join(lines)
 
 
+def instance_names() -> list:
+    """Every kernel instance the run-time module holds (its NVRTC name expressions)."""
+    return [template_name(k, d) for k in KERNELS for d in DIMS]
+
+
+def build_options() -> tuple:
+    """The NVRTC options of the run-time module (the headers found through CSRC)."""
+    return OPTIONS + (f"-I{CSRC}",)
+
+
 @functools.lru_cache(maxsize=None)
 def _module(device_id: int):
     cp = cupy()
-    names = [template_name(k, d) for k in KERNELS for d in DIMS]
     with cp.cuda.Device(device_id):
-        mod = cp.RawModule(code=source(), options=OPTIONS + (f"-I{CSRC}",),
-                           name_expressions=names)
+        mod = cp.RawModule(code=source(), options=build_options(),
+                           name_expressions=instance_names())
         mod.compile()
     return mod
 

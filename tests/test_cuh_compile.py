@@ -132,10 +132,10 @@ def test_runtime_build_without_spills():
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), _module.source().encode(), b"skv.cu",
                                   0, None, None) == 0
-    names = [_module.template_name(k, d) for k in KERNELS for d in DIMS]
+    names = _module.instance_names()
     for n in names:
         assert lib.nvrtcAddNameExpression(prog, n.encode()) == 0
-    opts = list(_module.OPTIONS) + [f"-I{CSRC}", f"-I{inc}", "-arch=sm_90", "--ptxas-options=-v"]
+    opts = list(_module.build_options()) + [f"-I{inc}", "-arch=sm_90", "--ptxas-options=-v"]
     arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
     size = ctypes.c_size_t()

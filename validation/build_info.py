@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import cupy as cp
     from cupy_kernels import _module
-    names = [_module.template_name(k, d) for k in _module.KERNELS for d in _module.DIMS]
+    names = _module.instance_names()
     info = dict(nvrtc_version=".".join(map(str, cp.cuda.nvrtc.getVersion())),
                 cupy=cp.__version__, runtime=cp.cuda.runtime.runtimeGetVersion(),
                 driver=cp.cuda.runtime.driverGetVersion())

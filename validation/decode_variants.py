@@ -57,7 +57,7 @@ def variant_module(defines: dict):
     `defines` (only the affine v7 and v8 decode and the merges are instantiated)."""
     import cupy as cp
     from cupy_kernels import _module
-    opts = _module.OPTIONS + (f"-I{_module.CSRC}",) + tuple(f"-D{k}={v}" for k, v in defines.items())
+    opts = _module.build_options() + tuple(f"-D{k}={v}" for k, v in defines.items())
     names = [_module.template_name(k, D) for k in ("ada_decode_uniform_v7_kernel",
                                                     "ada_decode_uniform_v8_kernel",
                                                     "ada_merge_kernel", "ada_merge_v7_kernel")]
