@@ -36,6 +36,7 @@ WAVES_V7 = 1
 MERGE_V7 = True
 MERGE7_MAX_SPLITS = 256   # csrc MERGE7_MAX_SPLITS
 STAGES_V7 = 2   # page buffers per warp of the v7 affine kernel (csrc DEC7_STAGES)
+SPLIT_MAJOR_V7 = False   # grid (rows, splits) for a v7 module built with DEC7_BAL = 1 (experiment)
 STAGES_V8 = 3   # v8: page i + 1 in flight, page i (logits) and page i - 1 (values) staged
 # (csrc DEC8_STAGES)
 # Each path defaults to its fastest generation measured on one H200 (docs/PERF_NOTES.md): the
@@ -305,7 +306,8 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
         raise ValueError(f"page_bytes={tables.page_bytes} needs {smem} bytes of shared memory "
                          "per block; use pages of at most 24 KiB")
     _allow_smem(kern, smem)
-    kern((splits, rows), (THREADS,),
+    grid = (rows, splits) if (SPLIT_MAJOR_V7 and uniform and version == 7) else (splits, rows)
+    kern(grid, (THREADS,),
          (qa, np.int64(qa.strides[0] // 4), np.int64(qa.strides[1] // 4),
           pg, np.int32(tables.page_words), pt, pc, ip, ix, dev["geom"], levels,
           sk, sv, mk, mv, np.int32(hkv), np.int32(group),

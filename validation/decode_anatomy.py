@@ -15,6 +15,7 @@ kernel is slightly slower than the built one; read the split of the time, not it
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import sys
@@ -29,7 +30,8 @@ PROGRESS_SLOTS, EVERY = 32, 4   # csrc SKV_PROGRESS_SLOTS, DEC7_TRACE_EVERY: eac
 # after its 4th, 8th, ... page
 POINTS = 12   # csrc SKV_TRACE_POINTS: 0 entry, 1 prologue done, 2 pages done (barrier), 3 exit,
 # 4..7 each warp's end of its pages, 8 SM id, 9 warp 0's first header block read and first copy
-# issued, 10 warp 0's query rotated
+# issued, 10 warp 0's query rotated, 11 the prologue's first barrier passed (every warp's first
+# header block read and query rotated)
 CASES = "8x32768:4/4,1x131072:4/4,32x8192:4/4,2x131072:4/4,8x32768:rdr-mix"
 
 
@@ -75,6 +77,8 @@ def summarize(tr: np.ndarray, splits: int, prog: np.ndarray | None = None) -> di
         prologue_us_median=float(np.median(pro - entry)), prologue_us_max=float((pro - entry).max()),
         first_copy_issued_us_median=float(np.median(us[:, 9] - entry)),
         query_rotated_us_median=float(np.median(us[:, 10] - entry)),
+        first_barrier_us_median=float(np.median(us[:, 11] - entry)),
+        first_barrier_us_max=float((us[:, 11] - entry).max()),
         pages_start_us_median=float(np.median(pro)),
         pages_us_median=float(np.median(wend.max(axis=1) - pro)),
         pages_end_us_p10=float(np.percentile(wend.max(axis=1), 10)),
@@ -97,7 +101,7 @@ def measure(args) -> dict:
     from cupy_kernels.ada_decode import splits_for
     from decode_variants import variant_module
     ad = importlib.import_module("cupy_kernels.ada_decode")
-    mod, getter = variant_module(dict(DEC7_TRACE=1))
+    mod, getter = variant_module(dict(DEC7_TRACE=1, **args.define))
     try:
         trace = cp.ndarray((TRACE_CTAS, POINTS), cp.uint64, memptr=mod.get_global("skv_trace"))
         progress = cp.ndarray((TRACE_CTAS, WARPS, PROGRESS_SLOTS), cp.uint64,
@@ -123,6 +127,9 @@ def measure(args) -> dict:
         ws = make_workspace(rows, HQ // HKV, D, splits)
         out = cp.empty((batch, HQ, D), cp.float32)
         ad.kernel = getter
+        saved = {k: getattr(ad, k) for k in args.set}
+        for k, v in args.set.items():
+            setattr(ad, k, v)
         try:
             ad.ada_decode(*call, num_kv_heads=HKV, out=out, workspace=ws, version=7)
             reps = []
@@ -141,6 +148,8 @@ def measure(args) -> dict:
                              cp.asnumpy(progress[:rows * splits])))
         finally:
             ad.kernel = built
+            for k, v in saved.items():
+                setattr(ad, k, v)
         if not bool(cp.all(cp.isfinite(out))):
             raise SystemExit(f"{case}: non-finite output")
         sums = [dict(event_us=ev, **summarize(tr, splits, pg)) for ev, tr, pg in reps]
@@ -154,6 +163,7 @@ def measure(args) -> dict:
         t0 = int(tr[:, 0].min())
         raw[case] = dict(splits=splits, event_us=reps[mid][0],
                          stamps_ns=(tr[:, :8].astype(np.int64) - t0).tolist(),
+                         late_points_ns=(tr[:, 9:POINTS].astype(np.int64) - t0).tolist(),   # 9, 10, 11
                          sm=tr[:, 8].astype(int).tolist(),
                          progress_ns=[[int(v) - t0 for v in w if v] for c in pg for w in c])
         print(json.dumps(r), flush=True)
@@ -200,7 +210,14 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--plot", help="draw a saved JSON instead of measuring (no GPU needed)")
     ap.add_argument("--png", default=None)
+    ap.add_argument("--define", action="append", default=[],
+                    help="NAME=VALUE, a further define of the traced build (repeatable)")
+    ap.add_argument("--set", action="append", default=[],
+                    help="NAME=VALUE, a launcher constant of cupy_kernels.ada_decode set while "
+                         "measuring (a Python literal; repeatable), e.g. SPLIT_MAJOR_V7=True")
     args = ap.parse_args(argv)
+    args.define = dict(d.split("=", 1) for d in args.define)
+    args.set = {k: ast.literal_eval(v) for k, v in (d.split("=", 1) for d in args.set)}
     if args.plot:
         with open(args.plot) as f:
             data = json.load(f)

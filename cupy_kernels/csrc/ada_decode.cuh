@@ -1665,7 +1665,8 @@ __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int 
 // stamps %globaltimer at points of the decode kernel into skv_trace[cta][point] (0 entry, 1
 // prologue done, 2 pages done (after the barrier), 3 exit; lane 0 of warp w: 4 + w at the end of
 // its pages; 8: the SM id; v7 with DEC7_EARLY: 9 warp 0's first header block read and first
-// copy issued, 10 its query rotated). Off (the default), DEC_TRACE compiles to nothing.
+// copy issued, 10 its query rotated; 11 the prologue's first barrier passed). Off (the default),
+// DEC_TRACE compiles to nothing.
 #ifndef DEC7_TRACE
 #define DEC7_TRACE 0
 #endif
@@ -1952,11 +1953,39 @@ __device__ __forceinline__ void decode_pages8(
 // 4 s + w + 4 S k, so every split holds about 1/S of each tier's pages (a row's pages come
 // ordered by tier, and a contiguous range would give the slow tiers to a few splits, which
 // then set the kernel's time).
+// BAL (v7 built with DEC7_BAL = 1, contiguous ranges only; an experiment): the grid is (rows,
+// splits), so the hardware starts the CTAs split-major and each row has CTAs in every round of
+// the SMs' CTA slots; split s takes a contiguous share of its row in proportion to
+// w_s = 1 + beta (1/2 - x_s), x_s = (s R + row) / C its place in the launch order (C CTAs):
+// a CTA started earlier on its SM has its warps issued first and streams faster (the step's
+// anatomy), so it gets more pages. Integer weights (1/1024), so every CTA of a row cuts the
+// row at the same places.
+#ifndef DEC7_BAL
+#define DEC7_BAL 0
+#endif
+#ifndef DEC7_CPREG
+#define DEC7_CPREG 0         // v7 (EARLY): the prologue keeps the CTA's page range from entry
+#endif
+#ifndef DEC7_BAL_BETA
+#define DEC7_BAL_BETA 0.2f
+#endif
 struct CtaPages { int rbeg, pbeg, pend; };
-template <bool ILV>
+template <bool ILV, bool BAL = false>
 __device__ __forceinline__ CtaPages cta_pages(const int* __restrict__ indptr, int row, int split,
                                               int num_splits) {
   const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
+  if constexpr (BAL) {
+    const int R = static_cast<int>(gridDim.x), C = R * num_splits;
+    const int B = static_cast<int>(DEC7_BAL_BETA * 1024.0f + 0.5f);
+    long long w0 = 0, w1 = 0, tot = 0;   // W(split), W(split + 1), W(S)
+    for (int s = 0; s < num_splits; ++s) {
+      const long long x2 = static_cast<long long>(C) - 2LL * (s * R + row);   // C (1 - 2 x_s)
+      tot += 1024 + (B * x2) / (2LL * C);
+      if (s == split) w0 = tot - (1024 + (B * x2) / (2LL * C));
+      if (s == split) w1 = tot;
+    }
+    return {rbeg, static_cast<int>(n * w0 / tot), static_cast<int>(n * w1 / tot)};
+  }
   const int per = (n + num_splits - 1) / num_splits;
   const int pbeg = ILV ? split * DEC_WARPS : split * per, pend = ILV ? n : min(n, pbeg + per);
   return {rbeg, pbeg, pend};
@@ -2037,6 +2066,8 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   constexpr bool F44 = V7 && D == 128;   // the 4/4 fast path exists for D = 128
   constexpr bool F2 = F44 && !V8;        // the 3/3 and 2/2 fast paths: v7 only
   constexpr bool ILV = F2 && DEC7_INTERLEAVE;
+  constexpr bool BAL = V7 && !V8 && DEC7_BAL;   // grid (rows, splits): see cta_pages
+  static_assert(!(BAL && ILV), "DEC7_BAL needs DEC7_INTERLEAVE = 0");
   // EARLY (v7): the page stream starts at kernel entry, the query is staged past the page buffers
   constexpr bool EARLY = V7 && !V8 && DEC7_EARLY;
   constexpr int AHEAD7 = (EARLY && DEC7_EARLY == 2) ? 2 : DEC7_STAGES - 1;   // pages7_start
@@ -2044,7 +2075,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   extern __shared__ __align__(16) unsigned char dyn[];
   float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
   DEC_TRACE(0);
-  const int split = blockIdx.x, row = blockIdx.y;
+  const int split = BAL ? blockIdx.y : blockIdx.x, row = BAL ? blockIdx.x : blockIdx.y;
   const int b = row / num_kv_heads, kvh = row % num_kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -2055,11 +2086,13 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   const float* sk = sigma_k + (size_t)kvh * D;
   u32 cur_c = 0, mid_c = 0;   // EARLY: headers of the warp's first pages (pages7_start)
   float qv[DEC_WHEADS][D / 32];   // EARLY: sigma_K * q of the warp's heads (warp_query_load)
+  CtaPages cp0 = {0, 0, 0};       // EARLY: the CTA's pages (kept for the prologue with DEC7_CPREG)
   if constexpr (EARLY) {
     warp_query_load<D>(qv, qrow, q_sh, sk, G, warp, lane);
     // nothing in shared memory is needed before the first barrier: the range in registers,
     // the header block in the warp's own P' tile, the copies into its own buffers
-    const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
+    const CtaPages cp = cta_pages<ILV, BAL>(indptr, row, split, num_splits);
+    cp0 = cp;
     pages7_start<F2, AHEAD7>(pages, page_words, page_tier, page_count, indices, geom, cp.pbeg + warp,
                      RangeRegs{cp.rbeg, cp.pend}, ILV ? DEC_WARPS * num_splits : DEC_WARPS,
                      static_cast<u32>(__cvta_generic_to_shared(bufs)),
@@ -2108,6 +2141,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
   }
   __syncthreads();
+  DEC_TRACE(11);
   // Q fragment: lane (g, t) holds head g of group 8*(t+4i); k16 chunk (i, h) takes the
   // group's pairs 2h and 2h+1, i.e. coordinates 4h + (0, 1 | 2, 3) on the table path and
   // 2h + (0, 4 | 1, 5) on the affine path (UGroup pairs coordinates p and p + 4). v6 on keeps
@@ -2246,7 +2280,9 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   qsh.a = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane]));
   const auto& qsrc = QSource<V6>::of(qsh, qr);
   const int h0 = 2 * t, h1 = 2 * t + 1;
-  const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
+  // DEC7_CPREG (EARLY): the range read at entry, held in registers through the prologue,
+  // instead of a second read of indptr here, which waits behind the page copies in flight
+  const CtaPages cp = (EARLY && DEC7_CPREG) ? cp0 : cta_pages<ILV, BAL>(indptr, row, split, num_splits);
   const int rbeg = cp.rbeg, pbeg = cp.pbeg, pend = cp.pend;
   // v6 re-reads the CTA's page range from shared memory at each page: held in registers
   // across the page loop, ptxas spills it to local memory at the 128-register cap.
@@ -2400,7 +2436,8 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   if (EARLY && num_splits > 1) {
     // the partials straight from registers: no round trip through obuf, two barriers fewer
     // (the same values and layout as below; split and row re-read, as tid below)
-    const size_t base = ((size_t)ctaid_x() * gridDim.y + ctaid_y()) * G;
+    const size_t base = BAL ? ((size_t)ctaid_y() * gridDim.x + ctaid_x()) * G
+                            : ((size_t)ctaid_x() * gridDim.y + ctaid_y()) * G;
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
       const int idx = tid_x() + k * DEC_WARPS * 32;
@@ -2417,11 +2454,11 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   if (num_splits == 1) {
     // v7: the kv-head re-derived from the block index (held across the page loop, ptxas
     // keeps it in local memory at 128 registers)
-    const int kvh_o = (V7 && !V8) ? ctaid_y() % num_kv_heads : kvh;
+    const int kvh_o = (V7 && !V8) ? (BAL ? ctaid_x() : ctaid_y()) % num_kv_heads : kvh;
     finish_heads<D>(obuf, G, sigma_v + (size_t)kvh_o * D, mean_v ? mean_v + (size_t)row * D : nullptr,
                     out + (long long)row * G * D, D);
   } else {
-    const size_t base = ((size_t)split * gridDim.y + row) * G;
+    const size_t base = ((size_t)split * (BAL ? gridDim.x : gridDim.y) + row) * G;
     for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) part_o[base * D + idx] = obuf[idx];
     const int tid = tid_x();   // re-read: held across the page loop it would cost a register
     if (tid < G) part_lse[base + tid] = sm.lse[tid];
