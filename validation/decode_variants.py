@@ -35,6 +35,13 @@ VARIANTS = {
     # the prologue keeps the CTA's page range from kernel entry instead of re-reading indptr
     # behind the first page copies (DEC7_CPREG)
     "v7_cpreg": (dict(DEC7_CPREG=1), {}),
+    # one wave of splits over the first ~80 % of each row, S_B = ratio x S_A tail splits over the
+    # rest, started as the wave's CTAs exit (DEC7_TAIL; tail share DEC7_TAIL_Q / 128)
+    "v7_tail20x1": (dict(DEC7_TAIL=1, DEC7_TAIL_Q=26), dict(TAIL_RATIO_V7=1.0)),
+    "v7_tail20x2": (dict(DEC7_TAIL=1, DEC7_TAIL_Q=26), dict(TAIL_RATIO_V7=2.0)),
+    "v7_tail12x1": (dict(DEC7_TAIL=1, DEC7_TAIL_Q=15), dict(TAIL_RATIO_V7=1.0)),
+    "v7_tail30x2": (dict(DEC7_TAIL=1, DEC7_TAIL_Q=38), dict(TAIL_RATIO_V7=2.0)),
+    "v7_tail20x1_cpreg": (dict(DEC7_TAIL=1, DEC7_TAIL_Q=26, DEC7_CPREG=1), dict(TAIL_RATIO_V7=1.0)),
     "v7_bal10": (dict(DEC7_INTERLEAVE=0, DEC7_BAL=1, DEC7_BAL_BETA="0.1f"), dict(SPLIT_MAJOR_V7=True)),
     "v7_bal20": (dict(DEC7_INTERLEAVE=0, DEC7_BAL=1, DEC7_BAL_BETA="0.2f"), dict(SPLIT_MAJOR_V7=True)),
     "v7_bal30": (dict(DEC7_INTERLEAVE=0, DEC7_BAL=1, DEC7_BAL_BETA="0.3f"), dict(SPLIT_MAJOR_V7=True)),

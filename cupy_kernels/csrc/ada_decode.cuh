@@ -1023,6 +1023,12 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
 #ifndef DEC7_INTERLEAVE
 #define DEC7_INTERLEAVE 1    // v7 (D = 128): splits take a row's pages interleaved (decode_cta)
 #endif
+#ifndef DEC7_TAIL
+#define DEC7_TAIL 0          // v7 (D = 128): one wave of splits and S_B tail splits (cta_pages)
+#endif
+#ifndef DEC7_TAIL_Q
+#define DEC7_TAIL_Q 26       // DEC7_TAIL: the tail splits' share of a row's pages, in 1/128
+#endif
 #ifndef DEC7_FAST3
 #define DEC7_FAST3 1         // v7: full 3/3 pages on page_f2 (0: v6's generic code, as before)
 #endif
@@ -1829,7 +1835,7 @@ __device__ __forceinline__ void decode_pages7(
     // instead of a page index, a buffer and a block place (ILV: pi0 = 4 s + w re-read from the
     // special registers): with the prologue's values of DEC7_EARLY those spill at 128 registers.
     for (int k = 0;; ++k) {
-      const int pi = (ILV ? DEC_WARPS * ctaid_x() + (tid_x() >> 5) : pi0) + k * stride();
+      const int pi = (ILV ? DEC_WARPS * (DEC7_TAIL ? ctaid_y() : ctaid_x()) + (tid_x() >> 5) : pi0) + k * stride();
       if (pi >= lds_s32(prange + 4)) break;
       step(pi, (k + NST - 1) & 31, k % NST, (k + NST - 1) % NST, AHEAD > NST - 1 && k == 0);
       DEC_PROGRESS(k);
@@ -1958,8 +1964,8 @@ __device__ __forceinline__ void decode_pages8(
 // the SMs' CTA slots; split s takes a contiguous share of its row in proportion to
 // w_s = 1 + beta (1/2 - x_s), x_s = (s R + row) / C its place in the launch order (C CTAs):
 // a CTA started earlier on its SM has its warps issued first and streams faster (the step's
-// anatomy), so it gets more pages. Integer weights (1/1024), so every CTA of a row cuts the
-// row at the same places.
+// anatomy), so it gets more pages. W(s) = sum of the first s weights in closed form, in float
+// with rounded intrinsics (no contraction), so every CTA of a row cuts it at the same places.
 #ifndef DEC7_BAL
 #define DEC7_BAL 0
 #endif
@@ -1969,26 +1975,40 @@ __device__ __forceinline__ void decode_pages8(
 #ifndef DEC7_BAL_BETA
 #define DEC7_BAL_BETA 0.2f
 #endif
-struct CtaPages { int rbeg, pbeg, pend; };
-template <bool ILV, bool BAL = false>
+// TAIL (v7 at D = 128 built with DEC7_TAIL = 1; an experiment): the grid is (rows, S_A + S_B)
+// and num_splits = S_A | S_B << 16. The first S_A splits of every row (one wave, started
+// first: the hardware starts CTAs split-major) take the row's first n - n_B pages interleaved
+// as ILV; the S_B tail splits, started as the wave's CTAs exit, take the last
+// n_B = DEC7_TAIL_Q / 128 of the pages, interleaved among them. Expressed for the unchanged
+// page loop (page pi = 4 s + w + stride k of the range [rbeg, rbeg + pend)): a tail split's
+// range starts 4 S_A pages before its window.
+struct CtaPages { int rbeg, pbeg, pend, stride; };
+template <bool ILV, bool BAL = false, bool TAIL = false>
 __device__ __forceinline__ CtaPages cta_pages(const int* __restrict__ indptr, int row, int split,
                                               int num_splits) {
   const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
+  if constexpr (TAIL) {
+    const int sa = num_splits & 0xffff, sb = num_splits >> 16;
+    const int nb = (n * DEC7_TAIL_Q + 64) >> 7, na = n - nb;
+    if (split < sa) return {rbeg, DEC_WARPS * split, na, DEC_WARPS * sa};
+    return {rbeg + na - DEC_WARPS * sa, DEC_WARPS * split, nb + DEC_WARPS * sa, DEC_WARPS * sb};
+  }
   if constexpr (BAL) {
-    const int R = static_cast<int>(gridDim.x), C = R * num_splits;
-    const int B = static_cast<int>(DEC7_BAL_BETA * 1024.0f + 0.5f);
-    long long w0 = 0, w1 = 0, tot = 0;   // W(split), W(split + 1), W(S)
-    for (int s = 0; s < num_splits; ++s) {
-      const long long x2 = static_cast<long long>(C) - 2LL * (s * R + row);   // C (1 - 2 x_s)
-      tot += 1024 + (B * x2) / (2LL * C);
-      if (s == split) w0 = tot - (1024 + (B * x2) / (2LL * C));
-      if (s == split) w1 = tot;
-    }
-    return {rbeg, static_cast<int>(n * w0 / tot), static_cast<int>(n * w1 / tot)};
+    const float R = static_cast<float>(gridDim.x), C = R * static_cast<float>(num_splits);
+    // w_s = a - b s with a = 1 + beta (1/2 - row / C), b = beta R / C; W(s) = s a - b s (s - 1) / 2
+    const float a = __fadd_rn(1.0f, __fmul_rn(DEC7_BAL_BETA, __fadd_rn(0.5f, -__fdiv_rn(static_cast<float>(row), C))));
+    const float bh = __fmul_rn(0.5f, __fdiv_rn(__fmul_rn(DEC7_BAL_BETA, R), C));
+    auto W = [&](int s) {
+      const float f = static_cast<float>(s);
+      return __fadd_rn(__fmul_rn(f, a), -__fmul_rn(bh, __fmul_rn(f, static_cast<float>(s - 1))));
+    };
+    const float tot = W(num_splits);
+    auto cut = [&](int s) { return s >= num_splits ? n : __float2int_rd(__fmul_rn(static_cast<float>(n), __fdiv_rn(W(s), tot))); };
+    return {rbeg, cut(split), cut(split + 1), DEC_WARPS};
   }
   const int per = (n + num_splits - 1) / num_splits;
   const int pbeg = ILV ? split * DEC_WARPS : split * per, pend = ILV ? n : min(n, pbeg + per);
-  return {rbeg, pbeg, pend};
+  return {rbeg, pbeg, pend, ILV ? DEC_WARPS * num_splits : DEC_WARPS};
 }
 
 // Rotated query of the warp's heads warp, warp + 4 (DEC7_EARLY): q' = H(sigma_K * q), lane l
@@ -2068,6 +2088,9 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   constexpr bool ILV = F2 && DEC7_INTERLEAVE;
   constexpr bool BAL = V7 && !V8 && DEC7_BAL;   // grid (rows, splits): see cta_pages
   static_assert(!(BAL && ILV), "DEC7_BAL needs DEC7_INTERLEAVE = 0");
+  constexpr bool TAIL = ILV && DEC7_TAIL;        // grid (rows, S_A + S_B): see cta_pages
+  static_assert(!(BAL && TAIL), "DEC7_BAL or DEC7_TAIL");
+  constexpr bool SPLIT_MAJOR = BAL || TAIL;
   // EARLY (v7): the page stream starts at kernel entry, the query is staged past the page buffers
   constexpr bool EARLY = V7 && !V8 && DEC7_EARLY;
   constexpr int AHEAD7 = (EARLY && DEC7_EARLY == 2) ? 2 : DEC7_STAGES - 1;   // pages7_start
@@ -2075,7 +2098,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   extern __shared__ __align__(16) unsigned char dyn[];
   float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
   DEC_TRACE(0);
-  const int split = BAL ? blockIdx.y : blockIdx.x, row = BAL ? blockIdx.x : blockIdx.y;
+  const int split = SPLIT_MAJOR ? blockIdx.y : blockIdx.x, row = SPLIT_MAJOR ? blockIdx.x : blockIdx.y;
   const int b = row / num_kv_heads, kvh = row % num_kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -2086,15 +2109,15 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   const float* sk = sigma_k + (size_t)kvh * D;
   u32 cur_c = 0, mid_c = 0;   // EARLY: headers of the warp's first pages (pages7_start)
   float qv[DEC_WHEADS][D / 32];   // EARLY: sigma_K * q of the warp's heads (warp_query_load)
-  CtaPages cp0 = {0, 0, 0};       // EARLY: the CTA's pages (kept for the prologue with DEC7_CPREG)
+  CtaPages cp0 = {0, 0, 0, 0};       // EARLY: the CTA's pages (kept for the prologue with DEC7_CPREG)
   if constexpr (EARLY) {
     warp_query_load<D>(qv, qrow, q_sh, sk, G, warp, lane);
     // nothing in shared memory is needed before the first barrier: the range in registers,
     // the header block in the warp's own P' tile, the copies into its own buffers
-    const CtaPages cp = cta_pages<ILV, BAL>(indptr, row, split, num_splits);
+    const CtaPages cp = cta_pages<ILV, BAL, TAIL>(indptr, row, split, num_splits);
     cp0 = cp;
     pages7_start<F2, AHEAD7>(pages, page_words, page_tier, page_count, indices, geom, cp.pbeg + warp,
-                     RangeRegs{cp.rbeg, cp.pend}, ILV ? DEC_WARPS * num_splits : DEC_WARPS,
+                     RangeRegs{cp.rbeg, cp.pend}, TAIL ? cp.stride : ILV ? DEC_WARPS * num_splits : DEC_WARPS,
                      static_cast<u32>(__cvta_generic_to_shared(bufs)),
                      static_cast<u32>(__cvta_generic_to_shared(pt)), lane,
                      F44 && page_words == F44_WORDS, cur_c, mid_c);
@@ -2282,13 +2305,13 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   const int h0 = 2 * t, h1 = 2 * t + 1;
   // DEC7_CPREG (EARLY): the range read at entry, held in registers through the prologue,
   // instead of a second read of indptr here, which waits behind the page copies in flight
-  const CtaPages cp = (EARLY && DEC7_CPREG) ? cp0 : cta_pages<ILV, BAL>(indptr, row, split, num_splits);
+  const CtaPages cp = (EARLY && DEC7_CPREG) ? cp0 : cta_pages<ILV, BAL, TAIL>(indptr, row, split, num_splits);
   const int rbeg = cp.rbeg, pbeg = cp.pbeg, pend = cp.pend;
   // v6 re-reads the CTA's page range from shared memory at each page: held in registers
   // across the page loop, ptxas spills it to local memory at the 128-register cap.
   if (V6 && threadIdx.x == 0) { sm.prange[0] = rbeg; sm.prange[1] = pend; }
   if constexpr (ILV) {
-    if (threadIdx.x == 0) sm.pstride = DEC_WARPS * num_splits;
+    if (threadIdx.x == 0) sm.pstride = TAIL ? cp.stride : DEC_WARPS * num_splits;
   }
   const u32 prange = static_cast<u32>(__cvta_generic_to_shared(&sm.prange[0]));
   // the query fragments and the page range are written (and, without EARLY, the query staging
@@ -2436,7 +2459,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   if (EARLY && num_splits > 1) {
     // the partials straight from registers: no round trip through obuf, two barriers fewer
     // (the same values and layout as below; split and row re-read, as tid below)
-    const size_t base = BAL ? ((size_t)ctaid_y() * gridDim.x + ctaid_x()) * G
+    const size_t base = SPLIT_MAJOR ? ((size_t)ctaid_y() * gridDim.x + ctaid_x()) * G
                             : ((size_t)ctaid_x() * gridDim.y + ctaid_y()) * G;
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
@@ -2454,11 +2477,11 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   if (num_splits == 1) {
     // v7: the kv-head re-derived from the block index (held across the page loop, ptxas
     // keeps it in local memory at 128 registers)
-    const int kvh_o = (V7 && !V8) ? (BAL ? ctaid_x() : ctaid_y()) % num_kv_heads : kvh;
+    const int kvh_o = (V7 && !V8) ? (SPLIT_MAJOR ? ctaid_x() : ctaid_y()) % num_kv_heads : kvh;
     finish_heads<D>(obuf, G, sigma_v + (size_t)kvh_o * D, mean_v ? mean_v + (size_t)row * D : nullptr,
                     out + (long long)row * G * D, D);
   } else {
-    const size_t base = ((size_t)split * (BAL ? gridDim.x : gridDim.y) + row) * G;
+    const size_t base = ((size_t)split * (SPLIT_MAJOR ? gridDim.x : gridDim.y) + row) * G;
     for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) part_o[base * D + idx] = obuf[idx];
     const int tid = tid_x();   // re-read: held across the page loop it would cost a register
     if (tid < G) part_lse[base + tid] = sm.lse[tid];
