@@ -36,10 +36,6 @@ WAVES_V7 = 1
 MERGE_V7 = True
 MERGE7_MAX_SPLITS = 256   # csrc MERGE7_MAX_SPLITS
 STAGES_V7 = 2   # page buffers per warp of the v7 affine kernel (csrc DEC7_STAGES)
-SPLIT_MAJOR_V7 = False   # grid (rows, splits) for a v7 module built with DEC7_BAL = 1 (experiment)
-# For a v7 module built with DEC7_TAIL = 1 (experiment, d = 128): S_B = round(TAIL_RATIO_V7 S_A)
-# tail splits per row after the wave's S_A (csrc cta_pages); 0: off
-TAIL_RATIO_V7 = 0.0
 STAGES_V8 = 3   # v8: page i + 1 in flight, page i (logits) and page i - 1 (values) staged
 # (csrc DEC8_STAGES)
 # Each path defaults to its fastest generation measured on one H200 (docs/PERF_NOTES.md): the
@@ -78,9 +74,8 @@ def splits_for(tables: KernelTables, version: int | None, rows: int, total_pages
     """The split count ``ada_decode`` uses when none is given (shapes only, no device read)."""
     version = default_version(tables) if version is None else version
     if uses_affine_path(tables) and version >= 7:
-        sa = choose_splits(rows, total_pages, ctas_per_sm=ctas_per_sm(tables, version),
-                           waves=WAVES_V7, fit=True)
-        return sa + _tail_splits(sa) if _tail_mode(tables, version) else sa
+        return choose_splits(rows, total_pages, ctas_per_sm=ctas_per_sm(tables, version),
+                             waves=WAVES_V7, fit=True)
     return choose_splits(rows, total_pages, ctas_per_sm=ctas_per_sm(tables, version))
 
 
@@ -132,22 +127,6 @@ def _allow_smem(fn, nbytes: int) -> None:
     fn.max_dynamic_shared_size_bytes = int(nbytes)
     if key is not None:
         _SMEM_SET[key] = int(nbytes)
-
-
-def _tail_mode(tables: KernelTables, version: int) -> bool:
-    return TAIL_RATIO_V7 > 0 and version == 7 and tables.dim == 128 and uses_affine_path(tables)
-
-
-def _tail_splits(sa: int) -> int:
-    return max(1, round(TAIL_RATIO_V7 * sa))
-
-
-def _tail_parts(total: int) -> tuple[int, int]:
-    """(S_A, S_B) of a DEC7_TAIL split count total = S_A + S_B."""
-    for sa in range(total - 1, 0, -1):
-        if sa + _tail_splits(sa) == total:
-            return sa, total - sa
-    raise ValueError(f"{total} splits are not a DEC7_TAIL split count")
 
 
 def choose_splits(rows: int, total_pages: int, min_pages_per_split: int = 8,
@@ -326,16 +305,11 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
         raise ValueError(f"page_bytes={tables.page_bytes} needs {smem} bytes of shared memory "
                          "per block; use pages of at most 24 KiB")
     _allow_smem(kern, smem)
-    grid = (rows, splits) if (SPLIT_MAJOR_V7 and uniform and version == 7) else (splits, rows)
-    ksplits = splits
-    if _tail_mode(tables, version) and splits > 1:
-        sa, sb = _tail_parts(splits)
-        grid, ksplits = (rows, splits), sa | (sb << 16)
-    kern(grid, (THREADS,),
+    kern((splits, rows), (THREADS,),
          (qa, np.int64(qa.strides[0] // 4), np.int64(qa.strides[1] // 4),
           pg, np.int32(tables.page_words), pt, pc, ip, ix, dev["geom"], levels,
           sk, sv, mk, mv, np.int32(hkv), np.int32(group),
-          np.float32(scale * math.log2(math.e)), np.int32(ksplits), out, po, pl),
+          np.float32(scale * math.log2(math.e)), np.int32(splits), out, po, pl),
          shared_mem=smem)
     if splits > 1:
         margs = (workspace.part_o, workspace.part_lse, np.int32(splits), np.int32(rows),

@@ -28,10 +28,10 @@ from decode_bench import D, HKV, HQ, LADDER, build_ada  # noqa: E402
 TRACE_CTAS, WARPS = 4096, 4   # csrc SKV_TRACE_CTAS, DEC_WARPS
 PROGRESS_SLOTS, EVERY = 32, 4   # csrc SKV_PROGRESS_SLOTS, DEC7_TRACE_EVERY: each warp's stamps
 # after its 4th, 8th, ... page
-POINTS = 12   # csrc SKV_TRACE_POINTS: 0 entry, 1 prologue done, 2 pages done (barrier), 3 exit,
+POINTS = 16   # csrc SKV_TRACE_POINTS: 0 entry, 1 prologue done, 2 pages done (barrier), 3 exit,
 # 4..7 each warp's end of its pages, 8 SM id, 9 warp 0's first header block read and first copy
 # issued, 10 warp 0's query rotated, 11 the prologue's first barrier passed (every warp's first
-# header block read and query rotated)
+# header block read and query rotated), 12..15 each warp before the prologue's last barrier
 CASES = "8x32768:4/4,1x131072:4/4,32x8192:4/4,2x131072:4/4,8x32768:rdr-mix"
 
 
@@ -79,6 +79,8 @@ def summarize(tr: np.ndarray, splits: int, prog: np.ndarray | None = None) -> di
         query_rotated_us_median=float(np.median(us[:, 10] - entry)),
         first_barrier_us_median=float(np.median(us[:, 11] - entry)),
         first_barrier_us_max=float((us[:, 11] - entry).max()),
+        **{f"warp{w}_at_last_barrier_us_median": float(np.median(us[:, 12 + w] - entry))
+           for w in range(WARPS)},
         pages_start_us_median=float(np.median(pro)),
         pages_us_median=float(np.median(wend.max(axis=1) - pro)),
         pages_end_us_p10=float(np.percentile(wend.max(axis=1), 10)),
@@ -163,7 +165,7 @@ def measure(args) -> dict:
         t0 = int(tr[:, 0].min())
         raw[case] = dict(splits=splits, event_us=reps[mid][0],
                          stamps_ns=(tr[:, :8].astype(np.int64) - t0).tolist(),
-                         late_points_ns=(tr[:, 9:POINTS].astype(np.int64) - t0).tolist(),   # 9, 10, 11
+                         late_points_ns=(tr[:, 9:POINTS].astype(np.int64) - t0).tolist(),   # 9 .. 15
                          sm=tr[:, 8].astype(int).tolist(),
                          progress_ns=[[int(v) - t0 for v in w if v] for c in pg for w in c])
         print(json.dumps(r), flush=True)
@@ -214,7 +216,7 @@ def main(argv=None):
                     help="NAME=VALUE, a further define of the traced build (repeatable)")
     ap.add_argument("--set", action="append", default=[],
                     help="NAME=VALUE, a launcher constant of cupy_kernels.ada_decode set while "
-                         "measuring (a Python literal; repeatable), e.g. SPLIT_MAJOR_V7=True")
+                         "measuring (a Python literal; repeatable), e.g. WAVES_V7=2")
     args = ap.parse_args(argv)
     args.define = dict(d.split("=", 1) for d in args.define)
     args.set = {k: ast.literal_eval(v) for k, v in (d.split("=", 1) for d in args.set)}

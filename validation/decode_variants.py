@@ -26,25 +26,9 @@ from decode_bench import D, HKV, HQ, LADDER, Timer, ada_step, build_ada, copy_ba
 VARIANTS = {
     "v7_waves2": (None, dict(WAVES_V7=2)),
     # three and four waves of smaller CTAs: the hardware's CTA scheduler balances the SMs (the
-    # tail), each CTA pays the prologue
+    # tail), each CTA pays the prologue (measured slower, docs/PERF_NOTES.md)
     "v7_waves3": (None, dict(WAVES_V7=3)),
     "v7_waves4": (None, dict(WAVES_V7=4)),
-    # contiguous ranges (as v7_contig's 4/4 path), and those ranges weighted by the CTA's place
-    # in the launch order, the grid split-major (DEC7_BAL, cta_pages), beta 0.1 / 0.2 / 0.3
-    "v7_contig_ilv0": (dict(DEC7_INTERLEAVE=0), {}),
-    # the prologue keeps the CTA's page range from kernel entry instead of re-reading indptr
-    # behind the first page copies (DEC7_CPREG)
-    "v7_cpreg": (dict(DEC7_CPREG=1), {}),
-    # one wave of splits over the first ~80 % of each row, S_B = ratio x S_A tail splits over the
-    # rest, started as the wave's CTAs exit (DEC7_TAIL; tail share DEC7_TAIL_Q / 128)
-    "v7_tail20x1": (dict(DEC7_TAIL=1, DEC7_TAIL_Q=26), dict(TAIL_RATIO_V7=1.0)),
-    "v7_tail20x2": (dict(DEC7_TAIL=1, DEC7_TAIL_Q=26), dict(TAIL_RATIO_V7=2.0)),
-    "v7_tail12x1": (dict(DEC7_TAIL=1, DEC7_TAIL_Q=15), dict(TAIL_RATIO_V7=1.0)),
-    "v7_tail30x2": (dict(DEC7_TAIL=1, DEC7_TAIL_Q=38), dict(TAIL_RATIO_V7=2.0)),
-    "v7_tail20x1_cpreg": (dict(DEC7_TAIL=1, DEC7_TAIL_Q=26, DEC7_CPREG=1), dict(TAIL_RATIO_V7=1.0)),
-    "v7_bal10": (dict(DEC7_INTERLEAVE=0, DEC7_BAL=1, DEC7_BAL_BETA="0.1f"), dict(SPLIT_MAJOR_V7=True)),
-    "v7_bal20": (dict(DEC7_INTERLEAVE=0, DEC7_BAL=1, DEC7_BAL_BETA="0.2f"), dict(SPLIT_MAJOR_V7=True)),
-    "v7_bal30": (dict(DEC7_INTERLEAVE=0, DEC7_BAL=1, DEC7_BAL_BETA="0.3f"), dict(SPLIT_MAJOR_V7=True)),
     "v7_oldmerge": (None, dict(MERGE_V7=False)),
     "v7_lsplit0": (dict(DEC7_LSPLIT=0), {}),
     "v7_stages3": (dict(DEC7_STAGES=3), dict(STAGES_V7=3)),

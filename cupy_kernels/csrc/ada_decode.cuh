@@ -1023,12 +1023,6 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
 #ifndef DEC7_INTERLEAVE
 #define DEC7_INTERLEAVE 1    // v7 (D = 128): splits take a row's pages interleaved (decode_cta)
 #endif
-#ifndef DEC7_TAIL
-#define DEC7_TAIL 0          // v7 (D = 128): one wave of splits and S_B tail splits (cta_pages)
-#endif
-#ifndef DEC7_TAIL_Q
-#define DEC7_TAIL_Q 26       // DEC7_TAIL: the tail splits' share of a row's pages, in 1/128
-#endif
 #ifndef DEC7_FAST3
 #define DEC7_FAST3 1         // v7: full 3/3 pages on page_f2 (0: v6's generic code, as before)
 #endif
@@ -1671,8 +1665,8 @@ __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int 
 // stamps %globaltimer at points of the decode kernel into skv_trace[cta][point] (0 entry, 1
 // prologue done, 2 pages done (after the barrier), 3 exit; lane 0 of warp w: 4 + w at the end of
 // its pages; 8: the SM id; v7 with DEC7_EARLY: 9 warp 0's first header block read and first
-// copy issued, 10 its query rotated; 11 the prologue's first barrier passed). Off (the default),
-// DEC_TRACE compiles to nothing.
+// copy issued, 10 its query rotated; 11 the prologue's first barrier passed; lane 0 of warp w:
+// 12 + w before the prologue's last barrier). Off (the default), DEC_TRACE compiles to nothing.
 #ifndef DEC7_TRACE
 #define DEC7_TRACE 0
 #endif
@@ -1683,7 +1677,7 @@ __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int 
 #ifndef DEC7_TRACE_EVERY
 #define DEC7_TRACE_EVERY 4
 #endif
-constexpr int SKV_TRACE_CTAS = 4096, SKV_TRACE_POINTS = 12, SKV_PROGRESS_SLOTS = 32;
+constexpr int SKV_TRACE_CTAS = 4096, SKV_TRACE_POINTS = 16, SKV_PROGRESS_SLOTS = 32;
 }  // namespace skv: the buffers at global scope, found by name (RawModule.get_global)
 __device__ unsigned long long skv_trace[skv::SKV_TRACE_CTAS * skv::SKV_TRACE_POINTS];   // unmangled
 __device__ unsigned long long skv_progress[skv::SKV_TRACE_CTAS * skv::DEC_WARPS *
@@ -1696,11 +1690,12 @@ __device__ __forceinline__ unsigned long long trace_clock() {
 }
 __device__ __forceinline__ int trace_cta() { return blockIdx.y * gridDim.x + blockIdx.x; }
 __device__ __forceinline__ void dec_trace(int point) {
-  if (point != 4 ? threadIdx.x != 0 : (threadIdx.x & 31) != 0) return;
+  const bool per_warp = point == 4 || point == 12;   // lane 0 of each warp: point + warp
+  if (per_warp ? (threadIdx.x & 31) != 0 : threadIdx.x != 0) return;
   const unsigned long long t = trace_clock();
   const int cta = trace_cta();
   if (cta >= SKV_TRACE_CTAS) return;
-  skv_trace[cta * SKV_TRACE_POINTS + point + (point != 4 ? 0 : (threadIdx.x >> 5))] = t;
+  skv_trace[cta * SKV_TRACE_POINTS + point + (per_warp ? (threadIdx.x >> 5) : 0)] = t;
   if (point == 0) {
     unsigned smid;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
@@ -1835,7 +1830,7 @@ __device__ __forceinline__ void decode_pages7(
     // instead of a page index, a buffer and a block place (ILV: pi0 = 4 s + w re-read from the
     // special registers): with the prologue's values of DEC7_EARLY those spill at 128 registers.
     for (int k = 0;; ++k) {
-      const int pi = (ILV ? DEC_WARPS * (DEC7_TAIL ? ctaid_y() : ctaid_x()) + (tid_x() >> 5) : pi0) + k * stride();
+      const int pi = (ILV ? DEC_WARPS * ctaid_x() + (tid_x() >> 5) : pi0) + k * stride();
       if (pi >= lds_s32(prange + 4)) break;
       step(pi, (k + NST - 1) & 31, k % NST, (k + NST - 1) % NST, AHEAD > NST - 1 && k == 0);
       DEC_PROGRESS(k);
@@ -1959,56 +1954,14 @@ __device__ __forceinline__ void decode_pages8(
 // 4 s + w + 4 S k, so every split holds about 1/S of each tier's pages (a row's pages come
 // ordered by tier, and a contiguous range would give the slow tiers to a few splits, which
 // then set the kernel's time).
-// BAL (v7 built with DEC7_BAL = 1, contiguous ranges only; an experiment): the grid is (rows,
-// splits), so the hardware starts the CTAs split-major and each row has CTAs in every round of
-// the SMs' CTA slots; split s takes a contiguous share of its row in proportion to
-// w_s = 1 + beta (1/2 - x_s), x_s = (s R + row) / C its place in the launch order (C CTAs):
-// a CTA started earlier on its SM has its warps issued first and streams faster (the step's
-// anatomy), so it gets more pages. W(s) = sum of the first s weights in closed form, in float
-// with rounded intrinsics (no contraction), so every CTA of a row cuts it at the same places.
-#ifndef DEC7_BAL
-#define DEC7_BAL 0
-#endif
-#ifndef DEC7_CPREG
-#define DEC7_CPREG 0         // v7 (EARLY): the prologue keeps the CTA's page range from entry
-#endif
-#ifndef DEC7_BAL_BETA
-#define DEC7_BAL_BETA 0.2f
-#endif
-// TAIL (v7 at D = 128 built with DEC7_TAIL = 1; an experiment): the grid is (rows, S_A + S_B)
-// and num_splits = S_A | S_B << 16. The first S_A splits of every row (one wave, started
-// first: the hardware starts CTAs split-major) take the row's first n - n_B pages interleaved
-// as ILV; the S_B tail splits, started as the wave's CTAs exit, take the last
-// n_B = DEC7_TAIL_Q / 128 of the pages, interleaved among them. Expressed for the unchanged
-// page loop (page pi = 4 s + w + stride k of the range [rbeg, rbeg + pend)): a tail split's
-// range starts 4 S_A pages before its window.
-struct CtaPages { int rbeg, pbeg, pend, stride; };
-template <bool ILV, bool BAL = false, bool TAIL = false>
+struct CtaPages { int rbeg, pbeg, pend; };
+template <bool ILV>
 __device__ __forceinline__ CtaPages cta_pages(const int* __restrict__ indptr, int row, int split,
                                               int num_splits) {
   const int rbeg = indptr[row], n = indptr[row + 1] - rbeg;
-  if constexpr (TAIL) {
-    const int sa = num_splits & 0xffff, sb = num_splits >> 16;
-    const int nb = (n * DEC7_TAIL_Q + 64) >> 7, na = n - nb;
-    if (split < sa) return {rbeg, DEC_WARPS * split, na, DEC_WARPS * sa};
-    return {rbeg + na - DEC_WARPS * sa, DEC_WARPS * split, nb + DEC_WARPS * sa, DEC_WARPS * sb};
-  }
-  if constexpr (BAL) {
-    const float R = static_cast<float>(gridDim.x), C = R * static_cast<float>(num_splits);
-    // w_s = a - b s with a = 1 + beta (1/2 - row / C), b = beta R / C; W(s) = s a - b s (s - 1) / 2
-    const float a = __fadd_rn(1.0f, __fmul_rn(DEC7_BAL_BETA, __fadd_rn(0.5f, -__fdiv_rn(static_cast<float>(row), C))));
-    const float bh = __fmul_rn(0.5f, __fdiv_rn(__fmul_rn(DEC7_BAL_BETA, R), C));
-    auto W = [&](int s) {
-      const float f = static_cast<float>(s);
-      return __fadd_rn(__fmul_rn(f, a), -__fmul_rn(bh, __fmul_rn(f, static_cast<float>(s - 1))));
-    };
-    const float tot = W(num_splits);
-    auto cut = [&](int s) { return s >= num_splits ? n : __float2int_rd(__fmul_rn(static_cast<float>(n), __fdiv_rn(W(s), tot))); };
-    return {rbeg, cut(split), cut(split + 1), DEC_WARPS};
-  }
   const int per = (n + num_splits - 1) / num_splits;
   const int pbeg = ILV ? split * DEC_WARPS : split * per, pend = ILV ? n : min(n, pbeg + per);
-  return {rbeg, pbeg, pend, ILV ? DEC_WARPS * num_splits : DEC_WARPS};
+  return {rbeg, pbeg, pend};
 }
 
 // Rotated query of the warp's heads warp, warp + 4 (DEC7_EARLY): q' = H(sigma_K * q), lane l
@@ -2086,11 +2039,6 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   constexpr bool F44 = V7 && D == 128;   // the 4/4 fast path exists for D = 128
   constexpr bool F2 = F44 && !V8;        // the 3/3 and 2/2 fast paths: v7 only
   constexpr bool ILV = F2 && DEC7_INTERLEAVE;
-  constexpr bool BAL = V7 && !V8 && DEC7_BAL;   // grid (rows, splits): see cta_pages
-  static_assert(!(BAL && ILV), "DEC7_BAL needs DEC7_INTERLEAVE = 0");
-  constexpr bool TAIL = ILV && DEC7_TAIL;        // grid (rows, S_A + S_B): see cta_pages
-  static_assert(!(BAL && TAIL), "DEC7_BAL or DEC7_TAIL");
-  constexpr bool SPLIT_MAJOR = BAL || TAIL;
   // EARLY (v7): the page stream starts at kernel entry, the query is staged past the page buffers
   constexpr bool EARLY = V7 && !V8 && DEC7_EARLY;
   constexpr int AHEAD7 = (EARLY && DEC7_EARLY == 2) ? 2 : DEC7_STAGES - 1;   // pages7_start
@@ -2098,7 +2046,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   extern __shared__ __align__(16) unsigned char dyn[];
   float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
   DEC_TRACE(0);
-  const int split = SPLIT_MAJOR ? blockIdx.y : blockIdx.x, row = SPLIT_MAJOR ? blockIdx.x : blockIdx.y;
+  const int split = blockIdx.x, row = blockIdx.y;
   const int b = row / num_kv_heads, kvh = row % num_kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -2109,15 +2057,13 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   const float* sk = sigma_k + (size_t)kvh * D;
   u32 cur_c = 0, mid_c = 0;   // EARLY: headers of the warp's first pages (pages7_start)
   float qv[DEC_WHEADS][D / 32];   // EARLY: sigma_K * q of the warp's heads (warp_query_load)
-  CtaPages cp0 = {0, 0, 0, 0};       // EARLY: the CTA's pages (kept for the prologue with DEC7_CPREG)
   if constexpr (EARLY) {
     warp_query_load<D>(qv, qrow, q_sh, sk, G, warp, lane);
     // nothing in shared memory is needed before the first barrier: the range in registers,
     // the header block in the warp's own P' tile, the copies into its own buffers
-    const CtaPages cp = cta_pages<ILV, BAL, TAIL>(indptr, row, split, num_splits);
-    cp0 = cp;
+    const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
     pages7_start<F2, AHEAD7>(pages, page_words, page_tier, page_count, indices, geom, cp.pbeg + warp,
-                     RangeRegs{cp.rbeg, cp.pend}, TAIL ? cp.stride : ILV ? DEC_WARPS * num_splits : DEC_WARPS,
+                     RangeRegs{cp.rbeg, cp.pend}, ILV ? DEC_WARPS * num_splits : DEC_WARPS,
                      static_cast<u32>(__cvta_generic_to_shared(bufs)),
                      static_cast<u32>(__cvta_generic_to_shared(pt)), lane,
                      F44 && page_words == F44_WORDS, cur_c, mid_c);
@@ -2303,19 +2249,18 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   qsh.a = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane]));
   const auto& qsrc = QSource<V6>::of(qsh, qr);
   const int h0 = 2 * t, h1 = 2 * t + 1;
-  // DEC7_CPREG (EARLY): the range read at entry, held in registers through the prologue,
-  // instead of a second read of indptr here, which waits behind the page copies in flight
-  const CtaPages cp = (EARLY && DEC7_CPREG) ? cp0 : cta_pages<ILV, BAL, TAIL>(indptr, row, split, num_splits);
+  const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
   const int rbeg = cp.rbeg, pbeg = cp.pbeg, pend = cp.pend;
   // v6 re-reads the CTA's page range from shared memory at each page: held in registers
   // across the page loop, ptxas spills it to local memory at the 128-register cap.
   if (V6 && threadIdx.x == 0) { sm.prange[0] = rbeg; sm.prange[1] = pend; }
   if constexpr (ILV) {
-    if (threadIdx.x == 0) sm.pstride = TAIL ? cp.stride : DEC_WARPS * num_splits;
+    if (threadIdx.x == 0) sm.pstride = DEC_WARPS * num_splits;
   }
   const u32 prange = static_cast<u32>(__cvta_generic_to_shared(&sm.prange[0]));
   // the query fragments and the page range are written (and, without EARLY, the query staging
   // area becomes page buffers)
+  DEC_TRACE(12);
   __syncthreads();
   DEC_TRACE(1);
 
@@ -2459,8 +2404,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   if (EARLY && num_splits > 1) {
     // the partials straight from registers: no round trip through obuf, two barriers fewer
     // (the same values and layout as below; split and row re-read, as tid below)
-    const size_t base = SPLIT_MAJOR ? ((size_t)ctaid_y() * gridDim.x + ctaid_x()) * G
-                            : ((size_t)ctaid_x() * gridDim.y + ctaid_y()) * G;
+    const size_t base = ((size_t)ctaid_x() * gridDim.y + ctaid_y()) * G;
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
       const int idx = tid_x() + k * DEC_WARPS * 32;
@@ -2477,11 +2421,11 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   if (num_splits == 1) {
     // v7: the kv-head re-derived from the block index (held across the page loop, ptxas
     // keeps it in local memory at 128 registers)
-    const int kvh_o = (V7 && !V8) ? (SPLIT_MAJOR ? ctaid_x() : ctaid_y()) % num_kv_heads : kvh;
+    const int kvh_o = (V7 && !V8) ? ctaid_y() % num_kv_heads : kvh;
     finish_heads<D>(obuf, G, sigma_v + (size_t)kvh_o * D, mean_v ? mean_v + (size_t)row * D : nullptr,
                     out + (long long)row * G * D, D);
   } else {
-    const size_t base = ((size_t)split * (SPLIT_MAJOR ? gridDim.x : gridDim.y) + row) * G;
+    const size_t base = ((size_t)split * gridDim.y + row) * G;
     for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) part_o[base * D + idx] = obuf[idx];
     const int tid = tid_x();   // re-read: held across the page loop it would cost a register
     if (tid < G) part_lse[base + tid] = sm.lse[tid];
