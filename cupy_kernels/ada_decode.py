@@ -88,9 +88,10 @@ def decode_smem_bytes(dim: int, page_bytes: int, uniform: bool = False, stages: 
                       query_apart: bool = False) -> int:
     """Dynamic shared memory of the decode kernel: tables (table path only) + max(``stages``
     page buffers per warp, the merge tiles) (csrc/ada_decode.cuh decode_region_bytes).
-    query_apart (v7 affine kernel, csrc DEC7_EARLY): the rotated query (MAX_GROUP x dim
-    float32) is staged past the page buffers, which fill while it is built."""
-    query = MAX_GROUP * dim * 4 if query_apart else 0
+    query_apart (v7 affine kernel, csrc DEC7_EARLY): the rotated query (MAX_GROUP rows of
+    dim + dim / 32 float32, csrc qs_at) is staged past the page buffers, which fill while it is
+    built."""
+    query = MAX_GROUP * (dim + dim // 32) * 4 if query_apart else 0
     return (0 if uniform else LUT_BYTES) + max(4 * stages * page_bytes + query,
                                                4 * MAX_GROUP * dim * 4)
 

@@ -30,6 +30,9 @@ VARIANTS = {
     "v7_waves3": (None, dict(WAVES_V7=3)),
     "v7_waves4": (None, dict(WAVES_V7=4)),
     "v7_oldmerge": (None, dict(MERGE_V7=False)),
+    # the rotated query in rows of D floats as before (32-way bank conflicts in the fragment
+    # builders of the prologue; DEC7_QPAD, csrc qs_at)
+    "v7_qpad0": (dict(DEC7_QPAD=0), {}),
     "v7_lsplit0": (dict(DEC7_LSPLIT=0), {}),
     "v7_stages3": (dict(DEC7_STAGES=3), dict(STAGES_V7=3)),
     "v7_conv1": (dict(DEC7_CONV=1), {}),

@@ -111,7 +111,8 @@ template <> struct SmemOf<128, true, false> { typedef DecodeSmem7F2<128> type; }
 
 // Dynamic shared memory: [LUT_BYTES tables][region], region = max(2 page buffers per warp,
 // the per-warp output tiles of the final merge, which reuse it). v7 (DEC7_EARLY) stages the
-// query past its page buffers: the launcher adds DEC_HEADS * D floats (decode_smem_bytes).
+// query past its page buffers: the launcher adds DEC_HEADS * (D + D / 32) floats (qs_at,
+// decode_smem_bytes).
 __host__ __device__ constexpr int decode_region_bytes(int D, int page_bytes) {
   return (DEC_WARPS * 2 * page_bytes > DEC_WARPS * DEC_HEADS * D * 4)
              ? DEC_WARPS * 2 * page_bytes : DEC_WARPS * DEC_HEADS * D * 4;
@@ -1964,6 +1965,21 @@ __device__ __forceinline__ CtaPages cta_pages(const int* __restrict__ indptr, in
   return {rbeg, pbeg, pend};
 }
 
+// Where the prologue keeps coordinate j of head h of the rotated query (float index into qs).
+// PAD (v7 with DEC7_EARLY and DEC7_QPAD): rows of D + D/32 floats, one float of padding after
+// every 32 coordinates, so that the fragment builders' loads (lane (g, t): head g, coordinates
+// 32 t + c) fall on 32 distinct banks (4 g + t + c mod 32) instead of one (32-way conflicts,
+// with 12 such warps per SM at once: ~3 us of the prologue); the rotation's stores stay
+// conflict-free. Else rows of D floats, as block_fwht needs them.
+#ifndef DEC7_QPAD
+#define DEC7_QPAD 1
+#endif
+// Coordinate 32 blk + off (off < 32) of head h.
+template <int D, bool PAD>
+__device__ __forceinline__ int qs_at(int h, int blk, int off) {
+  return PAD ? h * (D + D / 32) + 33 * blk + off : h * D + 32 * blk + off;
+}
+
 // Rotated query of the warp's heads warp, warp + 4 (DEC7_EARLY): q' = H(sigma_K * q), lane l
 // holding coordinates V l, ..., V l + V - 1 (V = D / 32) of head warp + 4 k in y[k] (loaded by
 // warp_query_load before the page stream starts, so both chains of global loads are in flight
@@ -1986,7 +2002,7 @@ __device__ __forceinline__ void warp_query_load(float (&y)[DEC_WHEADS][D / 32], 
       y[k][v] = gg < G ? qrow[gg * q_sh + V * lane + v] * sk[V * lane + v] : 0.0f;
   }
 }
-template <int D>
+template <int D, bool PAD>
 __device__ __forceinline__ void warp_query_rotate(float (&yq)[DEC_WHEADS][D / 32], float* qs,
                                                   int warp, int lane, float scale_log2,
                                                   float* qfac, float* kfac) {
@@ -2018,7 +2034,7 @@ __device__ __forceinline__ void warp_query_rotate(float (&yq)[DEC_WHEADS][D / 32
 #pragma unroll
     for (int v = 0; v < V; ++v) {
       mx = fmaxf(mx, fabsf(y[v]));
-      qs[gg * D + V * lane + v] = y[v];
+      qs[qs_at<D, PAD>(gg, (V * lane) >> 5, (V * lane + v) & 31)] = y[v];
     }
 #pragma unroll
     for (int m = 16; m >= 1; m >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
@@ -2042,6 +2058,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   // EARLY (v7): the page stream starts at kernel entry, the query is staged past the page buffers
   constexpr bool EARLY = V7 && !V8 && DEC7_EARLY;
   constexpr int AHEAD7 = (EARLY && DEC7_EARLY == 2) ? 2 : DEC7_STAGES - 1;   // pages7_start
+  constexpr bool QPAD = EARLY && DEC7_QPAD;   // the rotated query's layout (qs_at)
   __shared__ typename SmemOf<D, V7, V8>::type sm;
   extern __shared__ __align__(16) unsigned char dyn[];
   float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
@@ -2083,7 +2100,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   // decode_smem_bytes adds the room)
   float* qs = EARLY ? region + DEC_WARPS * DEC7_STAGES * page_words : region;
   if constexpr (EARLY) {
-    warp_query_rotate<D>(qv, qs, warp, lane, scale_log2, sm.qfac, sm.kfac);
+    warp_query_rotate<D, QPAD>(qv, qs, warp, lane, scale_log2, sm.qfac, sm.kfac);
     DEC_TRACE(10);
   } else {
   for (int idx = threadIdx.x; idx < DEC_HEADS * D; idx += blockDim.x) {
@@ -2126,7 +2143,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     for (int i = 0; i < D / 32; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float* src = qs + g * D + 8 * (t + 4 * i);
+        const float* src = qs + qs_at<D, QPAD>(g, i, 8 * t);
         if constexpr (UNI) {
           src += 2 * h;
           qf[2 * i + h][0] = h2_as_u32(__floats2half2_rn(src[0] * inv, src[4] * inv));
@@ -2167,7 +2184,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
       float asum = 0.0f;   // sum of head g's q' as the mma sees them (times 2^POS)
 #pragma unroll
       for (int c = 0; c < D / 16; ++c) {
-        const float* src = qs + g * D + 8 * (4 * t + (c >> 1)) + 2 * (c & 1);
+        const float* src = qs + qs_at<D, QPAD>(g, t, 8 * (c >> 1) + 2 * (c & 1));
         const __half2 b0 = __floats2half2_rn(src[0] * inv, src[4] * inv);
         const __half2 a1 = __floats2half2_rn(src[1] * inv, src[5] * inv);
         const float2 f1 = __half22float2(a1);
@@ -2195,7 +2212,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
 #pragma unroll
       for (int c = 0; c < D / 16; ++c) {
         const int k = c >> 1;
-        const float* src = qs + g * D + 32 * t + 16 * (k >> 1) + 4 * (k & 1) + 2 * (c & 1);
+        const float* src = qs + qs_at<D, QPAD>(g, t, 16 * (k >> 1) + 4 * (k & 1) + 2 * (c & 1));
         u32 b[2];
 #pragma unroll
         for (int f = 0; f < 2; ++f) {
@@ -2227,7 +2244,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
       float asum = 0.0f;   // sum of head g's q~ as the mma sees them
 #pragma unroll
       for (int c = 0; c < D / 16; ++c) {
-        const float* src = qs + g * D + 32 * t + 4 * c;
+        const float* src = qs + qs_at<D, QPAD>(g, t, 4 * c);
         const __half2 b0 = __floats2half2_rn(src[0] * inv, src[2] * inv);
         const __half2 b1 = __floats2half2_rn(src[1] * inv, src[3] * inv);
         const float2 f0 = __half22float2(b0), f1 = __half22float2(b1);
