@@ -66,6 +66,17 @@ def test_lineup_adds_the_extra_rdr_point_once():
     assert "h2o@20%" not in names
 
 
+def test_lineup_rdr_recent_windows_named_and_applied(runner):
+    """--rdr-recent: one RDR method per window, the first unnamed, each cache protecting the
+    last N tokens (a wider window leaves fewer of the budget's bytes to the older states)."""
+    methods = [m for m in E.lineup(runner.cfg, [0.5], rdr_recent=(4, 16))
+               if m.name.startswith("skv-rdr")]
+    assert [m.name for m in methods] == ["skv-rdr@50%", "skv-rdr@50%+r16"]
+    pre = runner.prefill(np.random.default_rng(1).integers(0, 101, 160))
+    stores = [m.build(pre)[0] for m in methods]
+    assert [s.kv.policy.recent for s in stores] == [4, 16]
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_greedy_read_off_the_dense_path_equals_stepping(runner, bits):
     """The common prefix from one teacher-forced pass along dense's greedy tokens is the

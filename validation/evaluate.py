@@ -104,9 +104,10 @@ def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(),
     return SphericalStore(kv, seq), kv.bytes_in_use(seq)
 
 
-def lineup(cfg, budgets, kivi_residual=32, rdr_extra=()):
+def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,)):
     """Baselines (validation/baselines) + Spherical KV at fixed tiers and with RDR (at
-    ``budgets`` and the extra points ``rdr_extra``)."""
+    ``budgets`` and the extra points ``rdr_extra``; one RDR method per protected recent window
+    in ``rdr_recent``, the first unnamed: ``skv-rdr@20%``, the others ``skv-rdr@20%+r256``)."""
     from validation import baselines as B
     nq = cfg.num_attention_heads
     methods = []
@@ -131,11 +132,14 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=()):
             return store, store.nbytes()
         methods.append(Method(f"skv-fixed-{bits}/{bits}", "skv-fixed", None, build))
     for b in sorted(set(budgets) | set(rdr_extra), reverse=True):
-        def build(pre, b=b, protect=()):
-            H, T, d = pre.keys[0].shape
-            dense = 2 * len(pre.keys) * H * T * d * 2
-            return _spherical_store(pre, cfg, TierLadder(), b * dense, protect=protect)
-        methods.append(Method(f"skv-rdr@{round(b * 100)}%", "skv-rdr", b, build, protects=True))
+        for i, recent in enumerate(rdr_recent):
+            def build(pre, b=b, recent=recent, protect=()):
+                H, T, d = pre.keys[0].shape
+                dense = 2 * len(pre.keys) * H * T * d * 2
+                return _spherical_store(pre, cfg, TierLadder(), b * dense, protect=protect,
+                                        policy=CompressPolicy(sinks=4, recent=recent, window=OBSERVE))
+            name = f"skv-rdr@{round(b * 100)}%" + (f"+r{recent}" if i else "")
+            methods.append(Method(name, "skv-rdr", b, build, protects=True))
     return methods
 
 
@@ -285,7 +289,8 @@ _WORKER = {}
 
 def _methods(cfg, args) -> list:
     """The line-up of a run: ``lineup`` at its budgets, kept to ``--methods`` prefixes."""
-    return [m for m in lineup(cfg, args.budgets, rdr_extra=args.rdr_extra) if not args.methods or
+    return [m for m in lineup(cfg, args.budgets, rdr_extra=args.rdr_extra,
+                              rdr_recent=args.rdr_recent) if not args.methods or
             any(m.name.startswith(p) for p in args.methods)]
 
 
@@ -447,7 +452,9 @@ def write_reports(rows, meta, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "evaluate.json").write_text(json.dumps(rows, indent=1) + "\n")
     (out / "evaluate_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    lines = [f"# Spherical KV vs baselines — {meta['model']}, {meta['corpus'].split(':')[0]} text",
+    corpus = ("Jane Austen's novels" if meta["corpus"].startswith("debian:")
+              else f"fallback text ({meta['corpus']})")
+    lines = [f"# Spherical KV vs baselines — {meta['model']}, {corpus}",
              "", f"Next {meta['continuation']} tokens scored; greedy {meta['generate']} tokens; "
              f"probe of {meta['probe_tokens']} planted tokens; run took {meta['seconds']} s.", ""]
     for T in sorted({r["context"] for r in rows}):
@@ -517,6 +524,9 @@ def parse(argv):
                    help="budgets of every evicting method and of RDR (fractions of bf16 bytes)")
     p.add_argument("--rdr-extra", type=float, nargs="*", default=[0.20],
                    help="extra RDR budgets (default 0.20: the iso-quality claim's point)")
+    p.add_argument("--rdr-recent", type=int, nargs="+", default=[32],
+                   help="protected recent windows of the RDR methods (tokens; the first is the "
+                        "default method, each further one adds skv-rdr@B%%+rN)")
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--continuation", type=int, default=256)
     p.add_argument("--generate", type=int, default=128)
