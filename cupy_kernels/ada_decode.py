@@ -36,6 +36,9 @@ WAVES_V7 = 1
 MERGE_V7 = True
 MERGE7_MAX_SPLITS = 256   # csrc MERGE7_MAX_SPLITS
 STAGES_V7 = 2   # page buffers per warp of the v7 affine kernel (csrc DEC7_STAGES)
+# A v7 module built with DEC7_GEOM_PRE = 1 reads SKV_GEOM_PRE_ROWS geometry rows at entry: the
+# launcher then passes the table padded with zero rows to that many (experiment; 0: as is)
+GEOM_ROWS_V7 = 0
 STAGES_V8 = 3   # v8: page i + 1 in flight, page i (logits) and page i - 1 (values) staged
 # (csrc DEC8_STAGES)
 # Each path defaults to its fastest generation measured on one H200 (docs/PERF_NOTES.md): the
@@ -306,9 +309,16 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
         raise ValueError(f"page_bytes={tables.page_bytes} needs {smem} bytes of shared memory "
                          "per block; use pages of at most 24 KiB")
     _allow_smem(kern, smem)
+    geom = dev["geom"]
+    if GEOM_ROWS_V7 and uniform and version == 7 and geom.shape[0] < GEOM_ROWS_V7:
+        key = ("geom_padded", GEOM_ROWS_V7)
+        if key not in dev:
+            dev[key] = cp.concatenate([geom, cp.zeros((GEOM_ROWS_V7 - geom.shape[0],) + geom.shape[1:],
+                                                      geom.dtype)])
+        geom = dev[key]
     kern((splits, rows), (THREADS,),
          (qa, np.int64(qa.strides[0] // 4), np.int64(qa.strides[1] // 4),
-          pg, np.int32(tables.page_words), pt, pc, ip, ix, dev["geom"], levels,
+          pg, np.int32(tables.page_words), pt, pc, ip, ix, geom, levels,
           sk, sv, mk, mv, np.int32(hkv), np.int32(group),
           np.float32(scale * math.log2(math.e)), np.int32(splits), out, po, pl),
          shared_mem=smem)

@@ -1024,6 +1024,10 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
 #ifndef DEC7_INTERLEAVE
 #define DEC7_INTERLEAVE 1    // v7 (D = 128): splits take a row's pages interleaved (decode_cta)
 #endif
+#ifndef DEC7_GEOM_PRE
+#define DEC7_GEOM_PRE 0      // v7 (EARLY): the geometry table in registers at entry (header_refill)
+#endif
+constexpr int SKV_GEOM_PRE_ROWS = 16;   // DEC7_GEOM_PRE: geometry rows the launcher provides
 #ifndef DEC7_FAST3
 #define DEC7_FAST3 1         // v7: full 3/3 pages on page_f2 (0: v6's generic code, as before)
 #endif
@@ -1586,16 +1590,35 @@ struct RangeRegs {
 // page's header costs one 8-byte load and no registers across the page loop (in shuffle
 // registers ptxas spilled at 128 registers). Warp-uniform; the previous block was read before
 // the __syncwarp at the end of the last step.
-template <bool F2, class RG>
+// PRE (DEC7_GEOM_PRE, the first block at kernel entry): the geometry rows come from gpre, row
+// l in lane l (the launcher pads the table to SKV_GEOM_PRE_ROWS rows), by shuffles: one
+// dependent global load fewer in the chain before the first page copy.
+template <bool F2, class RG, bool PRE = false>
 __device__ __forceinline__ void header_refill(u32 hsh, int first, int lane, const RG& range,
                                               const int* __restrict__ indices,
                                               const int* __restrict__ page_tier,
                                               const int* __restrict__ page_count,
                                               const int* __restrict__ geom, bool f44ok,
-                                              int stride = DEC_WARPS) {
+                                              int stride = DEC_WARPS, int4 gpre = {}) {
   const int idx = first + stride * lane;
   u32 hp = 0, hc = 0;
-  if (idx < range.end()) {
+  if constexpr (PRE) {
+    const bool ok = idx < range.end();
+    int page = 0, tier = 0, count = 0;
+    if (ok) {
+      page = indices[range.beg() + idx];
+      tier = page_tier[page];
+      count = page_count[page];
+    }
+    const int src = tier & (SKV_GEOM_PRE_ROWS - 1);
+    const int4 gq = make_int4(__shfl_sync(0xffffffffu, gpre.x, src), __shfl_sync(0xffffffffu, gpre.y, src),
+                              __shfl_sync(0xffffffffu, gpre.z, src), 0);
+    if (ok) {
+      hp = static_cast<u32>(page);
+      hc = static_cast<u32>(count) | (static_cast<u32>(tier) << 16) |
+           (static_cast<u32>(page_kind<F2>(count, gq, f44ok)) << 28);
+    }
+  } else if (idx < range.end()) {
     const int page = indices[range.beg() + idx];
     const int tier = page_tier[page], count = page_count[page];
     const int4 gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
@@ -1640,17 +1663,19 @@ __device__ __forceinline__ u32 stage_from_block(const u32* __restrict__ pages, i
 // decode_cta at kernel entry, with the range in registers, so the dependent header loads and
 // the first copies overlap the query prologue. cur_c, mid_c: packed headers of pages pi0 and
 // pi0 + stride (0: none).
-template <bool F2, int AHEAD, class RG>
+template <bool F2, int AHEAD, class RG, bool PRE = false>
 __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int page_words,
                                              const int* __restrict__ page_tier,
                                              const int* __restrict__ page_count,
                                              const int* __restrict__ indices,
                                              const int* __restrict__ geom, int pi0,
                                              const RG& range, int stride, u32 bufs_sh, u32 hsh,
-                                             int lane, bool f44ok, u32& cur_c, u32& mid_c) {
+                                             int lane, bool f44ok, u32& cur_c, u32& mid_c,
+                                             int4 gpre = {}) {
   cur_c = mid_c = 0;
   if (pi0 < range.end()) {
-    header_refill<F2>(hsh, pi0, lane, range, indices, page_tier, page_count, geom, f44ok, stride);
+    header_refill<F2, RG, PRE>(hsh, pi0, lane, range, indices, page_tier, page_count, geom, f44ok,
+                               stride, gpre);
     cur_c = stage_from_block<F2>(pages, page_words, hsh, 0, bufs_sh, lane);
   }
   cp_async_commit();
@@ -2078,12 +2103,17 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     warp_query_load<D>(qv, qrow, q_sh, sk, G, warp, lane);
     // nothing in shared memory is needed before the first barrier: the range in registers,
     // the header block in the warp's own P' tile, the copies into its own buffers
+    // DEC7_GEOM_PRE: lane l holds geometry row l (kbits, vbits, P), loaded with indptr
+    const int4 gpre = (DEC7_GEOM_PRE && lane < SKV_GEOM_PRE_ROWS)
+                          ? __ldg(reinterpret_cast<const int4*>(geom + lane * SKV_GEOM_STRIDE))
+                          : make_int4(0, 0, 0, 0);
     const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
-    pages7_start<F2, AHEAD7>(pages, page_words, page_tier, page_count, indices, geom, cp.pbeg + warp,
+    pages7_start<F2, AHEAD7, RangeRegs, DEC7_GEOM_PRE != 0>(pages, page_words, page_tier, page_count,
+                     indices, geom, cp.pbeg + warp,
                      RangeRegs{cp.rbeg, cp.pend}, ILV ? DEC_WARPS * num_splits : DEC_WARPS,
                      static_cast<u32>(__cvta_generic_to_shared(bufs)),
                      static_cast<u32>(__cvta_generic_to_shared(pt)), lane,
-                     F44 && page_words == F44_WORDS, cur_c, mid_c);
+                     F44 && page_words == F44_WORDS, cur_c, mid_c, gpre);
     DEC_TRACE(9);
   }
 
