@@ -101,7 +101,7 @@ def measure(args) -> dict:
     import cupy as cp
     from cupy_kernels import kernel_tables, make_workspace
     from cupy_kernels.ada_decode import splits_for
-    from decode_variants import variant_module
+    from decode_variants import launcher_as, variant_module
     ad = importlib.import_module("cupy_kernels.ada_decode")
     mod, getter = variant_module(dict(DEC7_TRACE=1, **args.define))
     try:
@@ -112,7 +112,6 @@ def measure(args) -> dict:
         raise SystemExit(f"cannot read the trace buffers: {e}")
     flush = cp.empty(256 << 20, cp.uint8)
     tables = kernel_tables(LADDER, D, codebook="uniform")
-    built = ad.kernel
     out_rows, raw = [], {}
     for case in args.cases.split(","):
         shape, tiers = case.split(":")
@@ -128,11 +127,7 @@ def measure(args) -> dict:
                 state["indices"], tables, state["sigma_k"], state["sigma_v"])
         ws = make_workspace(rows, HQ // HKV, D, splits)
         out = cp.empty((batch, HQ, D), cp.float32)
-        ad.kernel = getter
-        saved = {k: getattr(ad, k) for k in args.set}
-        for k, v in args.set.items():
-            setattr(ad, k, v)
-        try:
+        with launcher_as(ad, getter, args.set):
             ad.ada_decode(*call, num_kv_heads=HKV, out=out, workspace=ws, version=7)
             reps = []
             for _ in range(args.reps):
@@ -148,10 +143,6 @@ def measure(args) -> dict:
                 reps.append((cp.cuda.get_elapsed_time(e0, e1) * 1e3,
                              cp.asnumpy(trace[:rows * splits]),
                              cp.asnumpy(progress[:rows * splits])))
-        finally:
-            ad.kernel = built
-            for k, v in saved.items():
-                setattr(ad, k, v)
         if not bool(cp.all(cp.isfinite(out))):
             raise SystemExit(f"{case}: non-finite output")
         sums = [dict(event_us=ev, **summarize(tr, splits, pg)) for ev, tr, pg in reps]

@@ -15,6 +15,7 @@ from v6's on the same pool and queries (a correctness check of each variant).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -81,6 +82,23 @@ def variant_kernels(defines: dict):
     return variant_module(defines)[1]
 
 
+@contextlib.contextmanager
+def launcher_as(ad, getter=None, overrides=None):
+    """cupy_kernels.ada_decode (module ``ad``) launching through ``getter`` (a variant module's
+    kernels; None: as built) with its constants ``overrides`` set, restored on exit."""
+    built, saved = ad.kernel, {k: getattr(ad, k) for k in overrides or {}}
+    if getter is not None:
+        ad.kernel = getter
+    for k, v in (overrides or {}).items():
+        setattr(ad, k, v)
+    try:
+        yield
+    finally:
+        ad.kernel = built
+        for k, v in saved.items():
+            setattr(ad, k, v)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="decode_variants.json")
@@ -102,7 +120,6 @@ def main(argv=None):
     tables = kernel_tables(LADDER, D, codebook="uniform")
     chosen = list(VARIANTS) if args.variants == "all" else [v for v in args.variants.split(",") if v]
     getters = {name: variant_kernels(VARIANTS[name][0]) for name in chosen if VARIANTS[name][0]}
-    built_kernel = ad.kernel
     cases = CASES if args.cases == "all" else [CASES[int(i)] for i in args.cases.split(",")]
     rows = []
     for batch, context, tiers in cases:
@@ -112,22 +129,11 @@ def main(argv=None):
         nbytes = lay.cache_bytes + q.size * 4 + (lay.indptr.size + 3 * lay.indices.size) * 4
         ref = None
         for name in [*[b for b in args.baselines.split(",") if b], *chosen]:
-            saved = {}
-            if name in VARIANTS:
-                defs, over = VARIANTS[name]
-                if defs:
-                    ad.kernel = getters[name]
-                for k, v in over.items():
-                    saved[k] = getattr(ad, k)
-                    setattr(ad, k, v)
-            try:
+            over = VARIANTS[name][1] if name in VARIANTS else {}
+            with launcher_as(ad, getters.get(name), over):
                 ver = 6 if name == "v6" else 8 if name.startswith("v8") else 7
                 run, out, splits = ada_step(state, tables, q, batch, ver)
                 us = timer(run)
-            finally:
-                ad.kernel = built_kernel
-                for k, v in saved.items():
-                    setattr(ad, k, v)
             if ref is None:
                 ref = out.copy()
             rel = float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref))
