@@ -87,6 +87,12 @@ def _dense_store(keys, values, keep, num_q_heads, nbytes):
     return DenseStore(k, v, num_q_heads, nbytes)
 
 
+def _rdr_policy(recent: int = 32) -> CompressPolicy:
+    """The evaluation's RDR protection: 4 sinks, the last ``recent`` tokens, the attention
+    estimate from the last OBSERVE prefill queries."""
+    return CompressPolicy(sinks=4, recent=recent, window=OBSERVE)
+
+
 def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(), centre=True,
                      policy=None, page_bytes=2048, seed=0, extra_tokens=512):
     from spherical_kv_ref.hf import SphericalStore, fill_cache
@@ -97,7 +103,7 @@ def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(),
     pool = (L * H * ((T + extra_tokens) // per_page + len(ladder) + 2) + 16) * page_bytes
     kv = SphericalKVCache(L, H, d, ladder, page_bytes=page_bytes, pool_bytes=pool, seed=seed,
                           num_q_heads=cfg.num_attention_heads, centre=centre,
-                          policy=policy or CompressPolicy(sinks=4, recent=32, window=OBSERVE))
+                          policy=policy or _rdr_policy())
     seq = fill_cache(kv, prefill.keys, prefill.values, prefill.queries, protect)
     if budget_bytes is not None:
         kv.compress(seq, int(budget_bytes))
@@ -137,7 +143,7 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,)):
                 H, T, d = pre.keys[0].shape
                 dense = 2 * len(pre.keys) * H * T * d * 2
                 return _spherical_store(pre, cfg, TierLadder(), b * dense, protect=protect,
-                                        policy=CompressPolicy(sinks=4, recent=recent, window=OBSERVE))
+                                        policy=_rdr_policy(recent))
             name = f"skv-rdr@{round(b * 100)}%" + (f"+r{recent}" if i else "")
             methods.append(Method(name, "skv-rdr", b, build, protects=True))
     return methods
