@@ -36,9 +36,10 @@ WAVES_V7 = 1
 MERGE_V7 = True
 MERGE7_MAX_SPLITS = 256   # csrc MERGE7_MAX_SPLITS
 STAGES_V7 = 2   # page buffers per warp of the v7 affine kernel (csrc DEC7_STAGES)
-# A v7 module built with DEC7_GEOM_PRE = 1 reads SKV_GEOM_PRE_ROWS geometry rows at entry: the
-# launcher then passes the table padded with zero rows to that many (experiment; 0: as is)
-GEOM_ROWS_V7 = 0
+# The v7 module (DEC7_GEOM_PRE = 1, the default) reads SKV_GEOM_PRE_ROWS geometry rows at entry:
+# the launcher passes the table padded with zero rows to that many (0: as is, for a build with
+# DEC7_GEOM_PRE = 0). Measured 0.1-1.3 % faster on six shapes (docs/PERF_NOTES.md).
+GEOM_ROWS_V7 = 16
 STAGES_V8 = 3   # v8: page i + 1 in flight, page i (logits) and page i - 1 (values) staged
 # (csrc DEC8_STAGES)
 # Each path defaults to its fastest generation measured on one H200 (docs/PERF_NOTES.md): the

@@ -185,6 +185,20 @@ def test_v7_fast_88_and_1616_pages(softmax_scale):
             _check_against_v6(c, splits, 7, softmax_scale)
 
 
+def test_v7_ladder_longer_than_the_geometry_lanes():
+    """v7 holds geometry rows 0-15 in lanes at kernel entry (DEC7_GEOM_PRE) and reads the row of
+    a page of a higher tier from the table: the longest ladder (18 tiers, one per state size)
+    with pages of tiers 1, 4, 7 (4/4, fast path), 12 (8/8), 15, 16, 17 and 18 (16/16, fast path)
+    interleaved, at 1, 3 and 40 splits, against the reference and v6."""
+    from cupy_kernels.cases import build_case
+    ladder = [(1, 1), (1, 2), (1, 3), (1, 4), (2, 4), (3, 4), (4, 4), (1, 8), (2, 8), (3, 8),
+              (4, 8), (8, 8), (1, 16), (2, 16), (3, 16), (4, 16), (8, 16), (16, 16)]
+    case = build_case(2, 2, 8, 128, [1300, 2100, 57, 900], ladder, [1, 4, 7, 12, 15, 16, 17, 18],
+                      seed=91, centred=True, codebook="uniform", chunks_per_row=16)
+    for splits in (1, 3, 40):
+        _check_against_v6(case, splits, 7, None)
+
+
 def test_v7_split_partition_covers_every_page_once():
     """v7's splits take a row's pages interleaved (warp w of split s: pages 4s + w + 4Sk): at
     any split count the CTAs together decode every page exactly once. Compared with one split

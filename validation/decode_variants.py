@@ -34,9 +34,9 @@ VARIANTS = {
     # the rotated query in rows of D floats as before (32-way bank conflicts in the fragment
     # builders of the prologue; DEC7_QPAD, csrc qs_at)
     "v7_qpad0": (dict(DEC7_QPAD=0), {}),
-    # the geometry table in registers at entry: one dependent load fewer before the first page
-    # copy (DEC7_GEOM_PRE; not run on the GPU yet)
-    "v7_geompre": (dict(DEC7_GEOM_PRE=1), dict(GEOM_ROWS_V7=16)),
+    # the geometry row of each page read from global memory in the header chain, as before
+    # DEC7_GEOM_PRE (the table in registers at entry, one dependent load fewer)
+    "v7_geompre0": (dict(DEC7_GEOM_PRE=0), dict(GEOM_ROWS_V7=0)),
     "v7_lsplit0": (dict(DEC7_LSPLIT=0), {}),
     "v7_stages3": (dict(DEC7_STAGES=3), dict(STAGES_V7=3)),
     "v7_conv1": (dict(DEC7_CONV=1), {}),

@@ -1025,7 +1025,7 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
 #define DEC7_INTERLEAVE 1    // v7 (D = 128): splits take a row's pages interleaved (decode_cta)
 #endif
 #ifndef DEC7_GEOM_PRE
-#define DEC7_GEOM_PRE 0      // v7 (EARLY): the geometry table in registers at entry (header_refill)
+#define DEC7_GEOM_PRE 1      // v7 (EARLY): the geometry table in registers at entry (header_refill)
 #endif
 constexpr int SKV_GEOM_PRE_ROWS = 16;   // DEC7_GEOM_PRE: geometry rows the launcher provides
 #ifndef DEC7_FAST3
@@ -1611,8 +1611,10 @@ __device__ __forceinline__ void header_refill(u32 hsh, int first, int lane, cons
       count = page_count[page];
     }
     const int src = tier & (SKV_GEOM_PRE_ROWS - 1);
-    const int4 gq = make_int4(__shfl_sync(0xffffffffu, gpre.x, src), __shfl_sync(0xffffffffu, gpre.y, src),
-                              __shfl_sync(0xffffffffu, gpre.z, src), 0);
+    int4 gq = make_int4(__shfl_sync(0xffffffffu, gpre.x, src), __shfl_sync(0xffffffffu, gpre.y, src),
+                        __shfl_sync(0xffffffffu, gpre.z, src), 0);
+    if (tier >= SKV_GEOM_PRE_ROWS)   // a ladder of more tiers than lanes hold: from the table
+      gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
     if (ok) {
       hp = static_cast<u32>(page);
       hc = static_cast<u32>(count) | (static_cast<u32>(tier) << 16) |
