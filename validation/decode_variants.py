@@ -37,9 +37,6 @@ VARIANTS = {
     # the geometry row of each page read from global memory in the header chain, as before
     # DEC7_GEOM_PRE (the table in registers at entry, one dependent load fewer)
     "v7_geompre0": (dict(DEC7_GEOM_PRE=0), dict(GEOM_ROWS_V7=0)),
-    # the split-K merge as before MERGE7_FAST: partial values loaded after the weights, the
-    # inverse rotation by block_fwht (seven CTA barriers), sigma_V and mu_V loaded after it
-    "v7_merge7slow": (dict(MERGE7_FAST=0), {}),
     "v7_lsplit0": (dict(DEC7_LSPLIT=0), {}),
     "v7_stages3": (dict(DEC7_STAGES=3), dict(STAGES_V7=3)),
     "v7_conv1": (dict(DEC7_CONV=1), {}),

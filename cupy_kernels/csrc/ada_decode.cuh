@@ -2580,33 +2580,26 @@ ada_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ par
 // loads, coalesced over the D coordinates), then Pi_V^T and mu_V of the one head. The v4-v6 merge
 // (one CTA per row, D threads, splits in sequence) is latency-bound when there are many splits
 // per row (1 x 128K: 66-132). num_splits <= MERGE7_MAX_SPLITS (the launcher checks).
-// MERGE7_FAST (default 1): the kernel is a short chain of dependent steps after the decode's
-// last CTA, so each thread loads its first MERGE7_PRE partial values, and warp 0 the sigma_V and
-// mu_V rows, at entry, in parallel with the weights' loads; the inverse rotation runs in warp 0's
-// registers (D/32 coordinates per lane, in-lane and shuffle butterflies in block_fwht's stage
-// order, so the same sums) instead of block_fwht's seven CTA barriers. Same operations and order
-// as MERGE7_FAST = 0 (bit-identical outputs).
-#ifndef MERGE7_FAST
-#define MERGE7_FAST 1
-#endif
+// The kernel is a short chain of dependent steps after the decode's last CTA, so each thread
+// loads its first MERGE7_PRE partial values, and warp 0 the sigma_V and mu_V rows, at entry, in
+// parallel with the weights' loads; the inverse rotation runs in warp 0's registers (D/32
+// coordinates per lane, in-lane and shuffle butterflies in block_fwht's stage order, so
+// finish_heads' sums, bit for bit) instead of block_fwht's seven CTA barriers
+// (docs/PERF_NOTES.md). Eight thread groups instead of four at 33 and 66 splits: no faster.
 constexpr int MERGE7_MAX_SPLITS = 256;
 constexpr int MERGE7_PRE = 4;   // partial values per thread loaded at entry (splits part + 4 i)
 template <int D>
-__global__ void __launch_bounds__(4 * D, MERGE7_FAST ? 1024 / (4 * D) : 0)   // FAST: <= 64 registers, no spill
+__global__ void __launch_bounds__(4 * D, 1024 / (4 * D))   // <= 64 registers, no spill
 ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                     int num_splits, int rows, int num_kv_heads, int G,
                     const float* __restrict__ sigma_v, const float* __restrict__ mean_v,
                     float* __restrict__ out) {
   __shared__ float wsh[MERGE7_MAX_SPLITS];
   __shared__ float red[4][D];
-#if !MERGE7_FAST
-  __shared__ float buf[D];
-#endif
   __shared__ float wsum;
   const int gg = blockIdx.x, row = blockIdx.y, kvh = row % num_kv_heads;
   const int tid = threadIdx.x, j = tid % D, part = tid / D;
   const size_t hstride = (size_t)rows * G, base = (size_t)row * G + gg;   // in heads
-#if MERGE7_FAST
   constexpr int V = D / 32;   // coordinates per lane of warp 0 in the rotation
   float pre[MERGE7_PRE];
 #pragma unroll
@@ -2622,7 +2615,6 @@ ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ 
       mu[e] = mean_v ? mean_v[(size_t)row * D + V * tid + e] : 0.0f;
     }
   }
-#endif
   if (tid < 32) {
     float M = -SKV_INF;
     for (int s = tid; s < num_splits; s += 32) {
@@ -2644,19 +2636,13 @@ ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ 
   }
   __syncthreads();
   float o = 0.0f;
-#if MERGE7_FAST
 #pragma unroll
   for (int i = 0; i < MERGE7_PRE; ++i)
     if (part + 4 * i < num_splits) o += wsh[part + 4 * i] * pre[i];
 #pragma unroll 4
   for (int s = part + 4 * MERGE7_PRE; s < num_splits; s += 4) o += wsh[s] * part_o[(s * hstride + base) * D + j];
-#else
-#pragma unroll 4
-  for (int s = part; s < num_splits; s += 4) o += wsh[s] * part_o[(s * hstride + base) * D + j];
-#endif
   red[part][j] = o;
   __syncthreads();
-#if MERGE7_FAST
   if (tid < 32) {
     float y[V];
     const float ws = wsum;
@@ -2694,14 +2680,6 @@ ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ 
       dst[e] = v;
     }
   }
-#else
-  if (part == 0) {
-    const float O = (red[0][j] + red[1][j]) + (red[2][j] + red[3][j]);
-    buf[j] = wsum > 0.0f ? O / wsum : 0.0f;
-  }
-  finish_heads<D>(buf, 1, sigma_v + (size_t)kvh * D, mean_v ? mean_v + (size_t)row * D : nullptr,
-                  out + ((long long)row * G + gg) * D, D);
-#endif
 }
 
 }  // namespace skv
