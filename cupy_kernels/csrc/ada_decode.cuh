@@ -1583,6 +1583,15 @@ struct RangeRegs {
   __device__ __forceinline__ int beg() const { return b; }
   __device__ __forceinline__ int end() const { return e; }
 };
+// A page's packed header entry (header_refill): hp = page id, hc = count | tier << 16 |
+// kind << 28 (gq: the tier's geometry row).
+template <bool F2>
+__device__ __forceinline__ void header_pack(int page, int tier, int count, int4 gq, bool f44ok,
+                                            u32& hp, u32& hc) {
+  hp = static_cast<u32>(page);
+  hc = static_cast<u32>(count) | (static_cast<u32>(tier) << 16) |
+       (static_cast<u32>(page_kind<F2>(count, gq, f44ok)) << 28);
+}
 // Loads the header block of the warp's pages first, first + stride, ..., first + 31 stride
 // (lane l: page first + l stride; stride 4, or 4 S on v7's interleaved splits) into the warp's
 // 512-byte P' tile (unused from v6 on) at shared address hsh: lane l's entry
@@ -1615,18 +1624,12 @@ __device__ __forceinline__ void header_refill(u32 hsh, int first, int lane, cons
                         __shfl_sync(0xffffffffu, gpre.z, src), 0);
     if (tier >= SKV_GEOM_PRE_ROWS)   // a ladder of more tiers than lanes hold: from the table
       gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
-    if (ok) {
-      hp = static_cast<u32>(page);
-      hc = static_cast<u32>(count) | (static_cast<u32>(tier) << 16) |
-           (static_cast<u32>(page_kind<F2>(count, gq, f44ok)) << 28);
-    }
+    if (ok) header_pack<F2>(page, tier, count, gq, f44ok, hp, hc);
   } else if (idx < range.end()) {
     const int page = indices[range.beg() + idx];
     const int tier = page_tier[page], count = page_count[page];
     const int4 gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
-    hp = static_cast<u32>(page);
-    hc = static_cast<u32>(count) | (static_cast<u32>(tier) << 16) |
-         (static_cast<u32>(page_kind<F2>(count, gq, f44ok)) << 28);
+    header_pack<F2>(page, tier, count, gq, f44ok, hp, hc);
   }
   asm volatile("st.shared.v2.u32 [%0], {%1, %2};" :: "r"(hsh + 8u * lane), "r"(hp), "r"(hc));
   __syncwarp();
@@ -2652,26 +2655,7 @@ ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ 
       const float O = (red[0][c] + red[1][c]) + (red[2][c] + red[3][c]);
       y[e] = ws > 0.0f ? O / ws : 0.0f;
     }
-#pragma unroll
-    for (int h = 1; h < V; h <<= 1) {   // block_fwht's stages inside the lane
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        if ((e & h) == 0) {
-          const float a = y[e], b = y[e + h];
-          y[e] = a + b;
-          y[e + h] = a - b;
-        }
-      }
-    }
-#pragma unroll
-    for (int h = V; h < D; h <<= 1) {   // across lanes: the lower coordinate takes a + b
-      const bool upper = (tid & (h / V)) != 0;
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const float other = __shfl_xor_sync(0xffffffffu, y[e], h / V);
-        y[e] = upper ? other - y[e] : y[e] + other;
-      }
-    }
+    warp_fwht<D>(y, tid);
     float* dst = out + ((long long)row * G + gg) * D + V * tid;
 #pragma unroll
     for (int e = 0; e < V; ++e) {

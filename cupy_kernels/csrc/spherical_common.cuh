@@ -443,15 +443,18 @@ __device__ __forceinline__ void block_fwht(float* buf, int rows) {
 // ----------------------------------------------------------------- warp encoder ----
 // One warp holds one vector: lane l owns coordinates l*V .. l*V+V-1 (V = D/32).
 
-template <int D>
-__device__ __forceinline__ void warp_fwht(double (&y)[D / 32], int lane) {
+// Unnormalised Walsh–Hadamard transform of the warp's vector in block_fwht's stage order (span
+// 1, 2, ...; pairs (j, j + h) -> (a + b, a - b)): spans below V inside the lane, the rest across
+// lanes. T = double (the encoders' float64 pipeline) or float (the v7 merge's inverse rotation).
+template <int D, class T>
+__device__ __forceinline__ void warp_fwht(T (&y)[D / 32], int lane) {
   constexpr int V = D / 32;
 #pragma unroll
   for (int h = 1; h < V; h <<= 1) {
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       if ((i & h) == 0) {
-        double a = y[i], b = y[i + h];
+        T a = y[i], b = y[i + h];
         y[i] = a + b;
         y[i + h] = a - b;
       }
@@ -463,7 +466,7 @@ __device__ __forceinline__ void warp_fwht(double (&y)[D / 32], int lane) {
     bool upper = (lane & m) != 0;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      double other = __shfl_xor_sync(0xffffffffu, y[i], m);
+      T other = __shfl_xor_sync(0xffffffffu, y[i], m);
       y[i] = upper ? other - y[i] : y[i] + other;
     }
   }
