@@ -357,6 +357,37 @@ def test_encode_v3_pool_equals_v2(codebook):
     np.testing.assert_array_equal(out[3], out[2])
 
 
+@pytest.mark.gpu
+def test_encode_v3_in_a_graph():
+    """v3 with check=False captured in a CUDA graph and replayed on new rows (every tier,
+    so the float64 pipeline runs too): the bytes and status of an eager call on those rows."""
+    import cupy as cp
+    from spherical_kv_ref import SphericalCodec
+    from cupy_kernels import encode_into_pages, kernel_tables, rotation_signs
+    dim, n = 128, 3001
+    tables = kernel_tables(LADDER, dim, codebook="uniform")
+    rng = np.random.default_rng(23)
+    args = (cp.asarray(rng.integers(1, len(LADDER) + 1, n).astype(np.int32)), tables,
+            cp.asarray(rotation_signs([SphericalCodec(dim, 4, seed=3, salt=0)])),
+            cp.zeros(n, cp.int32), cp.arange(n, dtype=cp.int32), cp.zeros(n, cp.int32))
+    x = cp.asarray(rng.normal(0, 1, (n, dim)).astype(np.float32))
+    st = cp.zeros(1, cp.int32)
+    pages = cp.zeros((n, tables.page_bytes), cp.uint8)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        encode_into_pages(x, pages, *args, check=False, status=st)   # compiles, caches tables
+        stream.begin_capture()
+        encode_into_pages(x, pages, *args, check=False, status=st)
+        graph = stream.end_capture()
+        x[...] = cp.asarray(rng.normal(0, 1, (n, dim)).astype(np.float32))
+        graph.launch()
+    stream.synchronize()
+    assert int(st.get()[0]) == 0
+    eager = cp.zeros_like(pages)
+    encode_into_pages(x, eager, *args)
+    np.testing.assert_array_equal(pages.get(), eager.get())
+
+
 def _emulate_v3(x, sigma, tables, bits):
     """NumPy replay of encode v3's float32 path for rows x (n, d) float32 (no centring), one
     float32 rounding per operation (an fma: one rounding of the float64 result, exact except

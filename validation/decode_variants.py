@@ -84,8 +84,9 @@ def variant_kernels(defines: dict):
 
 @contextlib.contextmanager
 def launcher_as(ad, getter=None, overrides=None):
-    """cupy_kernels.ada_decode (module ``ad``) launching through ``getter`` (a variant module's
-    kernels; None: as built) with its constants ``overrides`` set, restored on exit."""
+    """A launcher module ``ad`` (cupy_kernels.ada_decode, or .encode) launching through
+    ``getter`` (a variant module's kernels; None: as built) with its constants ``overrides``
+    set, restored on exit."""
     built, saved = ad.kernel, {k: getattr(ad, k) for k in overrides or {}}
     if getter is not None:
         ad.kernel = getter

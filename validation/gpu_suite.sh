@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
-#   validation/gpu_suite.sh build tests sanitize ncu profile variants anatomy bench-quick bench-encode bench flashinfer
+#   validation/gpu_suite.sh build tests sanitize ncu profile variants anatomy encode-variants bench-quick bench-encode bench flashinfer
 # (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
 set -u
@@ -58,6 +58,11 @@ for stage in "$@"; do
       # per-CTA timeline of the v7 step (DEC7_TRACE build): prologue, pages, epilogue, tail
       timeout ${ANATOMY_LIMIT:-240} python3 validation/decode_anatomy.py --out "$OUT/decode_anatomy.json" \
         --reps ${ANATOMY_REPS:-7} ${ANATOMY_CASES:+--cases $ANATOMY_CASES} 2>&1 | tee "$OUT/anatomy.log" | tail -n 20
+      rc=${PIPESTATUS[0]};;
+    encode-variants)
+      # build-time variants of the v3 encode kernels next to the kernels as built (same inputs)
+      timeout ${ENCODE_VARIANTS_LIMIT:-300} python3 validation/encode_variants.py --out "$OUT/encode_variants.json" \
+        --reps ${ENCODE_REPS:-10} --cases ${ENCODE_VARIANTS_CASES:-all} 2>&1 | tee "$OUT/encode_variants.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
     bench-encode)
       # encode only, v3 and v2 in the same process (ENCODE_VERSIONS) (ENCODE_SHAPES, ENCODE_TIERS, RUN_NOTE)

@@ -593,6 +593,10 @@ __device__ __forceinline__ bool enc3_encode(const float (&z)[D / 8], float kt, f
   return slow;
 }
 
+#ifndef ENC3_DEFER
+#define ENC3_DEFER 1  // 0: a diagnostic build (wrong output) that drops the deferred vectors
+#endif
+
 template <int D, bool UNIFORM>
 __device__ __forceinline__ void encode_v3_body(
     const float* __restrict__ x, long long x_row_stride, int n, const int* __restrict__ head,
@@ -679,7 +683,7 @@ __device__ __forceinline__ void encode_v3_body(
 
     // Float64 pipeline (v1's) for the groups that need it, one vector at a time, the whole
     // warp on it; lane 8q of group q hands over its vector.
-    u32 todo = __ballot_sync(ENC_FULL, slow && g == 0);
+    u32 todo = __ballot_sync(ENC_FULL, slow && g == 0 && ENC3_DEFER);
     while (todo) {
       const int src = __ffs(todo) - 1;
       todo &= todo - 1;

@@ -538,7 +538,6 @@ __device__ int warp_encode(const double (&y)[D / 32], int bits, const double* le
   r2 = warp_sum(r2);
   double r = sqrt(r2);
   int code[V];
-  int nmid = (1 << bits) - 1;
   double c2 = 0.0;
   const double tscale = r > 0.0 ? sqrt((double)D) / r : 0.0;
 #pragma unroll
@@ -547,17 +546,9 @@ __device__ int warp_encode(const double (&y)[D / 32], int bits, const double* le
     if (r > 0.0) {
       // t = sqrt(D) * y / r, within an ulp of the reference's sqrt(d) * (y / r)
       const double t = y[i] * tscale;
-      if (bits <= 4) {  // count the midpoints below t (a tie goes to the lower code)
-#pragma unroll
-        for (int m = 0; m < 15; ++m) c += (m < nmid && t > mid[m]) ? 1 : 0;
-      } else {
-        int lo = 0, hi = nmid;
-        while (lo < hi) {
-          int m = (lo + hi) >> 1;
-          if (t > mid[m]) lo = m + 1; else hi = m;
-        }
-        c = lo;
-      }
+      // the count of midpoints below t (a tie goes to the lower code), in `bits` halving
+      // steps over the 2^bits - 1 sorted midpoints
+      for (int h = 1 << (bits - 1); h > 0; h >>= 1) c += t > mid[c + h - 1] ? h : 0;
     }
     code[i] = c;
     c2 += lev[c] * lev[c];
