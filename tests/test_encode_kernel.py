@@ -357,6 +357,66 @@ def test_encode_v3_pool_equals_v2(codebook):
     np.testing.assert_array_equal(out[3], out[2])
 
 
+def _rows_with_scales_near_fp16_midpoints(codec, n, rng):
+    """n float32 rows whose reference scale r / ||C[c] / sqrt(d)|| lies within a relative
+    1e-8 .. 2e-6 (either side) of a midpoint between two fp16 values: inside v3's float32 guard,
+    outside its float64 tolerance, so v3 settles each by its float64 scale decision."""
+    from spherical_kv_ref import codebooks
+    d = codec.dim
+    rows = []
+    while len(rows) < n:
+        x = rng.normal(0, 1, d) * 10.0 ** rng.uniform(-2, 2)
+        for _ in range(3):   # scaling moves the float32 rounding of x a little: settle it
+            x32 = x.astype(np.float32).astype(np.float64)
+            y = codec.rotation.apply(x32[None])[0]
+            r = np.sqrt(np.sum(y * y))
+            c = codebooks.quantize(np.sqrt(d) * y / r, codec.levels)
+            sc = r / np.sqrt(np.sum(codec.levels[c] ** 2) / d)
+            h = np.float16(sc)
+            mids = [(float(h) + float(np.nextafter(h, np.float16(s)))) / 2 for s in (-np.inf, np.inf)]
+            m = min(mids, key=lambda v: abs(v - sc))
+            x = x32 * (m / sc) * (1.0 + rng.choice([-1, 1]) * 10.0 ** rng.uniform(-8, np.log10(2e-6)))
+        rows.append(x)
+    return np.asarray(rows, np.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_encode_v3_scales_near_fp16_midpoints(dim, codebook):
+    """Every quantised tier with scales a hair above or below an fp16 rounding midpoint (v3's
+    float64 scale decision, and the float64 pipeline where that is too close), centred and
+    not, next to a few 16-bit rows: the reference's bytes."""
+    import cupy as cp
+    from spherical_kv_ref import SphericalCodec
+    from cupy_kernels import encode_into_pages, kernel_tables, rotation_signs
+    tables = kernel_tables(LADDER, dim, codebook=codebook)
+    rng = np.random.default_rng(29 + dim)
+    chunks, tiers = [], []
+    for t in range(1, len(LADDER) + 1):
+        bits = LADDER[t - 1][0]
+        if bits < 16:
+            codec = SphericalCodec(dim, bits, seed=4, salt=0, codebook=codebook)
+            chunks.append(_rows_with_scales_near_fp16_midpoints(codec, 40, rng))
+        else:                # no scale: a few plain rows (the helper below reads every tier)
+            chunks.append(rng.normal(0, 1, (5, dim)).astype(np.float32))
+        tiers += [t] * len(chunks[-1])
+    x, tiers = np.concatenate(chunks), np.asarray(tiers)
+    n = len(x)
+    sig = cp.asarray(rotation_signs([SphericalCodec(dim, 4, seed=4, salt=0)]))
+    page_ids = np.arange(n, dtype=np.int32)
+    slots = np.zeros(n, np.int32)
+    for mean in (None, np.zeros((1, dim), np.float32)):
+        pages = cp.zeros((n, tables.page_bytes), cp.uint8)
+        kw = {} if mean is None else dict(mean=cp.asarray(mean), mean_index=cp.zeros(n, cp.int32))
+        for part in ("key", "value"):
+            encode_into_pages(cp.asarray(x), pages, cp.asarray(tiers.astype(np.int32)), tables,
+                              sig, cp.zeros(n, cp.int32), cp.asarray(page_ids), cp.asarray(slots),
+                              part=part, version=3, **kw)
+        _assert_pages_are_reference(tables, pages.get(), tiers, page_ids, slots, x, dim, 4,
+                                    codebook, mean=None if mean is None else mean[0])
+
+
 @pytest.mark.gpu
 def test_encode_v3_in_a_graph():
     """v3 with check=False captured in a CUDA graph and replayed on new rows (every tier,

@@ -1,10 +1,11 @@
 """Build-time variants of the encode kernels, timed on the same inputs as the kernels as
 built (one GPU, one process). A variant is a set of NVRTC defines of csrc/*.cuh and launcher
-settings of cupy_kernels/encode.py. ENC3_DEFER = 0 is a diagnostic build that defers nothing
-(wrong output: the time of v3's float32 path alone, so the difference is what the float64
-pipeline costs). Every row says
-whether its pool bytes equal those of the kernels as built (the correctness check of a
-variant; the diagnostic is expected to differ).
+settings of cupy_kernels/encode.py. ENC3_SCALE64 = 0 sends a vector whose fp16 scale alone is
+in doubt to the float64 pipeline, as before the float64 scale decision; ENC3_DEFER = 0 is a
+diagnostic build that defers nothing (wrong output: the time of v3's float32 path alone, so the
+difference is what the float64 pipeline costs). Every row says whether its pool bytes equal
+those of the kernels as built (the correctness check of a variant; the diagnostic is expected
+to differ).
 
     PYTHONPATH=. python3 validation/encode_variants.py --out encode_variants.json
 """
@@ -23,6 +24,7 @@ from decode_variants import launcher_as  # noqa: E402
 
 # name: (NVRTC defines, launcher overrides)
 VARIANTS = {
+    "v3_scale0": (dict(ENC3_SCALE64=0), {}),
     "v3_nodefer": (dict(ENC3_DEFER=0), {}),
 }
 CASES = [(32, 8192, "rdr-mix"), (8, 32768, "rdr-mix"), (1, 131072, "rdr-mix"),

@@ -11,7 +11,9 @@
 //   and its x row streams into shared memory (cp.async) while the current one is encoded.
 //   Each lane packs and stores its own codes (no shuffles, except the 1-bit plane of the
 //   1- and 3-bit widths: one exchange with the neighbouring lane). Guards, fallback and
-//   status as in v2: every code and scale equals the float64 reference's.
+//   status as in v2, except a scale alone in doubt: its fp16 rounding is decided in float64
+//   by the whole warp after the loop (enc3_encode, ENC3_SCALE64). Every code and scale equals
+//   the float64 reference's.
 // encode_v2_kernel (kept for comparison; docs/PERF_NOTES.md "Encode v2")
 //   eight lanes per input vector, four vectors per warp (grid-stride over groups of four).
 //   Group lane g holds registers i = 4k + e (k < D/32, e < 4) = coordinate j = 32k + 4g + e,
@@ -153,11 +155,12 @@ struct EncodeTables {
   }
 };
 
-// Sum over the eight lanes of a group (xor 1, 2, 4 never leaves the group).
+// Sum over the eight lanes of a group (xor 1, 2, 4 never leaves the group); `mask`: the
+// lanes taking part (the whole warp, or the group alone inside a group-divergent branch).
 template <typename T>
-__device__ __forceinline__ T group_sum(T v) {
+__device__ __forceinline__ T group_sum(T v, u32 mask = ENC_FULL) {
 #pragma unroll
-  for (int m = 1; m < 8; m <<= 1) v += __shfl_xor_sync(ENC_FULL, v, m);
+  for (int m = 1; m < 8; m <<= 1) v += __shfl_xor_sync(mask, v, m);
   return v;
 }
 
@@ -406,7 +409,7 @@ encode_v2_kernel(const float* __restrict__ x, long long x_row_stride, int n,
 // (Lloyd–Max: the float32 sum of squared levels adds 20 u under a square root) or 24 u
 // (uniform: the sum of squared odd integers is exact) of the exact value, so a scale 64
 // (uniform: 48) float32 ulps or more from an fp16 rounding boundary rounds as the
-// reference's does.
+// reference's does; a closer one is decided in float64 (enc3_encode, ENC3_SCALE64).
 constexpr float ENC3_MAGIC = 12582912.0f;     // 1.5 * 2^23: v + MAGIC rounds v (|v| < 2^22) to an integer
 constexpr int ENC3_MAGIC_BITS = 0x4B400000;   // its bits; (v + MAGIC) - these bits = rint(v) (as int)
 // Table blob (float words, built by cupy_kernels/encode.py `v3_tables`; both sides check
@@ -570,10 +573,22 @@ __device__ __forceinline__ void enc3_store_codes(const int (&c)[D / 8], unsigned
 // B bits and, unless some coordinate or the scale is near a rounding boundary, writes its
 // codes and scale. Returns whether the group needs the float64 pipeline. Called by whole
 // groups (8 lanes) only.
+#ifndef ENC3_SCALE64
+#define ENC3_SCALE64 1   // 0: a scale near an fp16 rounding boundary defers its vector (as before)
+#endif
+// What enc3_encode did with the group's vector.
+enum Enc3Outcome { ENC3_DONE = 0, ENC3_SCALE = 1, ENC3_SLOW = 2 };
+
+// Relative distance of ||x'||^2 D from m^2 c2 below which the float64 scale decision defers the
+// vector (enc3_encode, ENC3_SCALE): on the uniform codebook c2 is within O(2^-52), on any other
+// (v3's float32 sum of the float32 squares of the levels: 16 in-lane additions and 3 across the
+// group, each square rounded once) within 18.5 u = 2^-19.8.
+template <bool UNIFORM> __device__ __forceinline__ double enc3_scale_tol() { return UNIFORM ? 0x1p-40 : 0x1p-18; }
+
 template <int B, bool UNIFORM, int D>
-__device__ __forceinline__ bool enc3_encode(const float (&z)[D / 8], float kt, float rz,
-                                            const float* tab, unsigned char* row, __half* scale,
-                                            int g, u32 gmask) {
+__device__ __forceinline__ int enc3_encode(const float (&z)[D / 8], float kt, float rz,
+                                           const float* tab, unsigned char* row, __half* scale,
+                                           int g, u32 gmask, float& m, float& ssq) {
   int c[D / 8];
   float sumsq;
   bool near = UNIFORM ? enc3_cells_uniform<B, D / 8>(z, kt, tab + level_row(B) * ENC3_PRM, c, sumsq)
@@ -584,13 +599,31 @@ __device__ __forceinline__ bool enc3_encode(const float (&z)[D / 8], float kt, f
   // uniform path, where C[c] = hs (2c + 1 - 2^B) makes sqrt(sum) = hs sqrt(sumsq))
   const float sf = rz * (rsqrtf(sumsq) * tab[level_row(B) * ENC3_PRM + 4]);
   const int guard = __float_as_int(tab[level_row(B) * ENC3_PRM + 5]);   // float32 ulps
-  near |= !(sf >= 0x1p-14f && sf < 65000.0f) || abs((__float_as_int(sf) & 0x1fff) - 0x1000) <= guard;
-  const bool slow = __any_sync(gmask, near);
-  if (!slow) {
+  // sf is the same on the group's lanes: the codes decide `cells`, the scale `close`
+  const bool cells = __any_sync(gmask, near || !(sf >= 0x1p-14f && sf < 65000.0f));
+  const bool close = abs((__float_as_int(sf) & 0x1fff) - 0x1000) <= guard;
+  if (!cells && !close) {
     enc3_store_codes<B, D>(c, row, g, gmask);
     if (g == 0) *scale = __float2half_rn(sf);
+    return ENC3_DONE;
   }
-  return slow;
+#if ENC3_SCALE64
+  if (!cells) {
+    // Only the scale's fp16 rounding is in doubt: sf lies near the midpoint m between two fp16
+    // values (sf's bits with the 13 below fp16 precision set to 0x1000: exact in float32), and
+    // the codes are the reference's: stored now. The reference's s = ||x'|| / sqrt(c2 / D),
+    // c2 = sum C[c]^2, rounds up iff ||x'||^2 D > m^2 c2, which encode_v3_body decides in
+    // float64 with ||x'||^2 read by the whole warp (the rotation keeps the norm), from ssq =
+    // sumsq: on the uniform codebook c2 = hs^2 ssq (ssq the exact sum of the squared odd
+    // integers, hs = C[2^(B-1)]: the reference's levels are fl(hs (2c + 1 - 2^B))), on any
+    // other c2 = ssq, within 2^-19.8 (enc3_scale_tol).
+    ssq = sumsq;
+    enc3_store_codes<B, D>(c, row, g, gmask);
+    m = __int_as_float((__float_as_int(sf) & ~0x1fff) | 0x1000);
+    return ENC3_SCALE;
+  }
+#endif
+  return ENC3_SLOW;
 }
 
 #ifndef ENC3_DEFER
@@ -666,18 +699,54 @@ __device__ __forceinline__ void encode_v3_body(
     if (live && !ok && g == 0) atomicOr(status, tier_ok ? ST_BAD_SLOT : ST_BAD_TIER);
     const int bits = part == 0 ? g0.x : g0.y;
 
-    bool slow = ok;
+    bool slow = ok, scale_due = false;
+    float sm = 0.f, ssq = 0.f;   // ENC3_SCALE: the fp16 midpoint near the scale, and sumsq
     if (ok && r_ok && bits != 16) {   // group-uniform
       // page bytes < 2^31 (a page of 4 KiB by default): byte offsets inside it are ints
       unsigned char* pgb = reinterpret_cast<unsigned char*>(pages + (size_t)pg * page_words);
       unsigned char* row = pgb + 4 * (part == 0 ? sl * g0.w : g1.y + sl * g1.x);
       __half* sc = reinterpret_cast<__half*>(pgb + (part == 0 ? g1.z : g1.w) + 2 * sl);
+      int out;
       switch (bits) {
-        case 1: slow = enc3_encode<1, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask); break;
-        case 2: slow = enc3_encode<2, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask); break;
-        case 3: slow = enc3_encode<3, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask); break;
-        case 4: slow = enc3_encode<4, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask); break;
-        default: slow = enc3_encode<8, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask); break;
+        case 1: out = enc3_encode<1, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask, sm, ssq); break;
+        case 2: out = enc3_encode<2, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask, sm, ssq); break;
+        case 3: out = enc3_encode<3, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask, sm, ssq); break;
+        case 4: out = enc3_encode<4, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask, sm, ssq); break;
+        default: out = enc3_encode<8, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask, sm, ssq); break;
+      }
+      slow = out == ENC3_SLOW;
+      scale_due = out == ENC3_SCALE;
+    }
+
+    // The scales in doubt (ENC3_SCALE), one vector at a time, the whole warp reading its x' in
+    // float64 as the pipeline below does: rounded up iff ||x'||^2 D > m^2 c2, unless the two
+    // are within enc3_scale_tol (then the vector joins the float64 pipeline).
+    u32 due = __ballot_sync(ENC_FULL, scale_due && g == 0);
+    while (due) {
+      const int src = __ffs(due) - 1;
+      due &= due - 1;
+      const int v = __shfl_sync(ENC_FULL, ii, src), vh = __shfl_sync(ENC_FULL, hd, src);
+      const int vm = __shfl_sync(ENC_FULL, mi, src);
+      double y[D / 32];
+      warp_load_centred<D>(y, x + (long long)v * x_row_stride, sigma + (size_t)vh * D,
+                           mean ? mean + (size_t)vm * D : nullptr, lane);
+      double r2 = 0.0;
+#pragma unroll
+      for (int k = 0; k < D / 32; ++k) r2 = fma(y[k], y[k], r2);
+      const EncodeDest dv(pages, page_words, __shfl_sync(ENC_FULL, pg, src),
+                          __shfl_sync(ENC_FULL, sl, src),
+                          geom + __shfl_sync(ENC_FULL, tier, src) * SKV_GEOM_STRIDE, part);
+      const float m = __shfl_sync(ENC_FULL, sm, src);
+      double c2 = __shfl_sync(ENC_FULL, ssq, src);
+      if (UNIFORM) {
+        const double hs = levels[level_row(dv.bits) * 256 + (1 << (dv.bits - 1))];
+        c2 *= hs * hs;
+      }
+      const double lhs = warp_sum(r2) * D, rhs = (double)m * m * c2;
+      if (fabs(lhs - rhs) <= enc3_scale_tol<UNIFORM>() * rhs) {
+        if ((lane >> 3) == (src >> 3)) slow = true;
+      } else if (lane == 0) {
+        *dv.scale = lhs > rhs ? __float2half_ru(m) : __float2half_rz(m);
       }
     }
 
