@@ -568,11 +568,6 @@ __device__ __forceinline__ void enc3_store_codes(const int (&c)[D / 8], unsigned
   }
 }
 
-// Quantises the group's vector (z: unnormalised transform; kt = sqrt(D)/||z||; rz = ||z|| /
-// sqrt(D/2)) at
-// B bits and, unless some coordinate or the scale is near a rounding boundary, writes its
-// codes and scale. Returns whether the group needs the float64 pipeline. Called by whole
-// groups (8 lanes) only.
 #ifndef ENC3_SCALE64
 #define ENC3_SCALE64 1   // 0: a scale near an fp16 rounding boundary defers its vector (as before)
 #endif
@@ -585,10 +580,15 @@ enum Enc3Outcome { ENC3_DONE = 0, ENC3_SCALE = 1, ENC3_SLOW = 2 };
 // group, each square rounded once) within 18.5 u = 2^-19.8.
 template <bool UNIFORM> __device__ __forceinline__ double enc3_scale_tol() { return UNIFORM ? 0x1p-40 : 0x1p-18; }
 
+// Quantises the group's vector (z: unnormalised transform; kt = sqrt(D)/||z||; rz = ||z|| /
+// sqrt(D/2)) at B bits. ENC3_DONE: no coordinate or scale near a rounding boundary, codes and
+// scale written. ENC3_SCALE: only the scale's fp16 rounding is in doubt, codes written, mid16
+// (m) and ssq set for encode_v3_body's float64 decision. ENC3_SLOW: the vector needs the float64
+// pipeline. Called by whole groups (8 lanes) only.
 template <int B, bool UNIFORM, int D>
 __device__ __forceinline__ int enc3_encode(const float (&z)[D / 8], float kt, float rz,
                                            const float* tab, unsigned char* row, __half* scale,
-                                           int g, u32 gmask, float& m, float& ssq) {
+                                           int g, u32 gmask, float& mid16, float& ssq) {
   int c[D / 8];
   float sumsq;
   bool near = UNIFORM ? enc3_cells_uniform<B, D / 8>(z, kt, tab + level_row(B) * ENC3_PRM, c, sumsq)
@@ -619,7 +619,7 @@ __device__ __forceinline__ int enc3_encode(const float (&z)[D / 8], float kt, fl
     // other c2 = ssq, within 2^-19.8 (enc3_scale_tol).
     ssq = sumsq;
     enc3_store_codes<B, D>(c, row, g, gmask);
-    m = __int_as_float((__float_as_int(sf) & ~0x1fff) | 0x1000);
+    mid16 = __int_as_float((__float_as_int(sf) & ~0x1fff) | 0x1000);
     return ENC3_SCALE;
   }
 #endif
