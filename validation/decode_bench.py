@@ -100,6 +100,29 @@ def encode_bytes(lay) -> int:
     return 2 * n * D * 4 + lay.cache_bytes + 3 * n * 4 * 2
 
 
+def encode_inputs(batch, context, tiers_name, tables, seed=0):
+    """(layout, inputs) of an encode of every state of (batch, context, tiers) into a shuffled
+    pool: the page tiers, key and value rotation signs (seeded), heads, destinations and random
+    rows, on the GPU."""
+    import cupy as cp
+    lay = _layout(batch, context, tiers_name, tables, seed)
+    rng = np.random.default_rng(seed)
+    sig = [cp.asarray((1 - 2 * rng.integers(0, 2, (HKV, D))).astype(np.float32)) for _ in "kv"]
+    head, dpg, dsl = (cp.asarray(a) for a in (lay.state_head, lay.dst_page, lay.dst_slot))
+    x = cp.random.standard_normal((lay.dst_page.size, D), dtype=cp.float32)
+    return lay, dict(page_tier=cp.asarray(lay.page_tier), sig=sig, head=head, dst_page=dpg,
+                     dst_slot=dsl, x=x)
+
+
+def encode_keys_values(inp, tables, pages, status, version=None):
+    """Keys then values of ``encode_inputs``' rows into ``pages`` (no sync, status not read)."""
+    from cupy_kernels import encode_into_pages
+    for part, sg in zip(("key", "value"), inp["sig"]):
+        encode_into_pages(inp["x"], pages, inp["page_tier"], tables, sg, inp["head"],
+                          inp["dst_page"], inp["dst_slot"], part=part, check=False,
+                          status=status, version=version)
+
+
 def build_ada(batch, context, tiers_name, tables, seed=0, timer=None):
     """Encodes random keys/values into a shuffled page pool with the encode kernel.
     Returns (state dict, (encode microseconds, encode bytes)): keys then values timed by
@@ -107,32 +130,22 @@ def build_ada(batch, context, tiers_name, tables, seed=0, timer=None):
     without a timer. (A single launch timed right after a synchronize also counts the
     launcher's host-side work, 0.1-0.3 ms: the GPU waits for it.)"""
     import cupy as cp
-    from cupy_kernels import encode_into_pages
-    lay = _layout(batch, context, tiers_name, tables, seed)
-    rng = np.random.default_rng(seed)
-    num_pages = lay.page_tier.size
-    pages = cp.zeros((num_pages, tables.page_bytes), cp.uint8)
-    pt = cp.asarray(lay.page_tier)
-    sig_k = cp.asarray((1 - 2 * rng.integers(0, 2, (HKV, D))).astype(np.float32))
-    sig_v = cp.asarray((1 - 2 * rng.integers(0, 2, (HKV, D))).astype(np.float32))
-    head, dpg, dsl = (cp.asarray(a) for a in (lay.state_head, lay.dst_page, lay.dst_slot))
-    n = lay.dst_page.size
-    x = cp.random.standard_normal((n, D), dtype=cp.float32)
     from cupy_kernels.encode import raise_status
+    lay, inp = encode_inputs(batch, context, tiers_name, tables, seed)
+    pages = cp.zeros((lay.page_tier.size, tables.page_bytes), cp.uint8)
     st = cp.zeros(1, cp.int32)
 
     def encode():
-        for part, sig in (("key", sig_k), ("value", sig_v)):
-            encode_into_pages(x, pages, pt, tables, sig, head, dpg, dsl, part=part, check=False,
-                              status=st)
+        encode_keys_values(inp, tables, pages, st)
     encode()   # the real write
     raise_status(st)
     enc_us = timer(encode) if timer is not None else None
     raise_status(st)
-    del x
-    return dict(layout=lay, pages=pages, page_tier=pt, page_count=cp.asarray(lay.page_count),
-                indptr=cp.asarray(lay.indptr), indices=cp.asarray(lay.indices),
-                sigma_k=sig_k, sigma_v=sig_v), (enc_us, encode_bytes(lay))
+    sig_k, sig_v = inp["sig"]
+    return dict(layout=lay, pages=pages, page_tier=inp["page_tier"],
+                page_count=cp.asarray(lay.page_count), indptr=cp.asarray(lay.indptr),
+                indices=cp.asarray(lay.indices), sigma_k=sig_k, sigma_v=sig_v), \
+        (enc_us, encode_bytes(lay))
 
 
 def encode_rows(shapes, tiers_list, codebooks, versions, timer, copy_gbps, all_tables, note=None):
@@ -140,28 +153,17 @@ def encode_rows(shapes, tiers_list, codebooks, versions, timer, copy_gbps, all_t
     into a shuffled pool, each kernel version in ``versions`` (median of the timer's reps, L2
     flushed), and whether each version's pool bytes equal the first version's."""
     import cupy as cp
-    from cupy_kernels import encode_into_pages
     rows = []
     for (batch, context), tiers_name, cb in [(s, t, c) for s in shapes for t in tiers_list
                                              for c in codebooks]:
         tables = all_tables[cb]
-        lay = _layout(batch, context, tiers_name, tables)
-        rng = np.random.default_rng(0)
-        pt = cp.asarray(lay.page_tier)
-        sig = [cp.asarray((1 - 2 * rng.integers(0, 2, (HKV, D))).astype(np.float32)) for _ in "kv"]
-        head, dpg, dsl = (cp.asarray(a) for a in (lay.state_head, lay.dst_page, lay.dst_slot))
-        x = cp.random.standard_normal((lay.dst_page.size, D), dtype=cp.float32)
+        lay, inp = encode_inputs(batch, context, tiers_name, tables)
         nbytes = encode_bytes(lay)
         first = None
         for ver in versions:
             pages = cp.zeros((lay.page_tier.size, tables.page_bytes), cp.uint8)
             st = cp.zeros(1, cp.int32)
-
-            def run():
-                for part, sg in zip(("key", "value"), sig):
-                    encode_into_pages(x, pages, pt, tables, sg, head, dpg, dsl, part=part,
-                                      check=False, status=st, version=ver)
-            us = timer(run)
+            us = timer(lambda: encode_keys_values(inp, tables, pages, st, ver))
             from cupy_kernels.encode import raise_status
             raise_status(st)
             same = None
@@ -178,7 +180,7 @@ def encode_rows(shapes, tiers_list, codebooks, versions, timer, copy_gbps, all_t
                 r["run"] = note
             rows.append(r)
             print(json.dumps(r), flush=True)
-        del x, pages, first
+        del inp, pages, first
         cp.get_default_memory_pool().free_all_blocks()
     return rows
 
