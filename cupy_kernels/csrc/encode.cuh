@@ -721,21 +721,27 @@ __device__ __forceinline__ void encode_v3_body(
     // The scales in doubt (ENC3_SCALE), one vector at a time, the whole warp reading its x' in
     // float64 as the pipeline below does: rounded up iff ||x'||^2 D > m^2 c2, unless the two
     // are within enc3_scale_tol (then the vector joins the float64 pipeline).
+    // Lane 8q of group q hands its vector to the whole warp: y = x' = (x - mu) sigma in float64
+    // (v1's layout: lane l, coordinates l D/32 ..), whether x' holds NaN/Inf, its destination.
+    auto take = [&](int src, double (&y)[D / 32], bool& bad) {
+      const int v = __shfl_sync(ENC_FULL, ii, src), vh = __shfl_sync(ENC_FULL, hd, src);
+      const int vp = __shfl_sync(ENC_FULL, pg, src), vs = __shfl_sync(ENC_FULL, sl, src);
+      const int vm = __shfl_sync(ENC_FULL, mi, src), vt = __shfl_sync(ENC_FULL, tier, src);
+      bad = warp_load_centred<D>(y, x + (long long)v * x_row_stride, sigma + (size_t)vh * D,
+                                 mean ? mean + (size_t)vm * D : nullptr, lane);
+      return EncodeDest(pages, page_words, vp, vs, geom + vt * SKV_GEOM_STRIDE, part);
+    };
+
     u32 due = __ballot_sync(ENC_FULL, scale_due && g == 0);
     while (due) {
       const int src = __ffs(due) - 1;
       due &= due - 1;
-      const int v = __shfl_sync(ENC_FULL, ii, src), vh = __shfl_sync(ENC_FULL, hd, src);
-      const int vm = __shfl_sync(ENC_FULL, mi, src);
       double y[D / 32];
-      warp_load_centred<D>(y, x + (long long)v * x_row_stride, sigma + (size_t)vh * D,
-                           mean ? mean + (size_t)vm * D : nullptr, lane);
+      bool bad;   // never: the float32 radius was in range
+      const EncodeDest dv = take(src, y, bad);
       double r2 = 0.0;
 #pragma unroll
       for (int k = 0; k < D / 32; ++k) r2 = fma(y[k], y[k], r2);
-      const EncodeDest dv(pages, page_words, __shfl_sync(ENC_FULL, pg, src),
-                          __shfl_sync(ENC_FULL, sl, src),
-                          geom + __shfl_sync(ENC_FULL, tier, src) * SKV_GEOM_STRIDE, part);
       const float m = __shfl_sync(ENC_FULL, sm, src);
       double c2 = __shfl_sync(ENC_FULL, ssq, src);
       if (UNIFORM) {
@@ -751,23 +757,18 @@ __device__ __forceinline__ void encode_v3_body(
     }
 
     // Float64 pipeline (v1's) for the groups that need it, one vector at a time, the whole
-    // warp on it; lane 8q of group q hands over its vector.
+    // warp on it.
     u32 todo = __ballot_sync(ENC_FULL, slow && g == 0 && ENC3_DEFER);
     while (todo) {
       const int src = __ffs(todo) - 1;
       todo &= todo - 1;
-      const int v = __shfl_sync(ENC_FULL, ii, src), vh = __shfl_sync(ENC_FULL, hd, src);
-      const int vp = __shfl_sync(ENC_FULL, pg, src), vs = __shfl_sync(ENC_FULL, sl, src);
-      const int vm = __shfl_sync(ENC_FULL, mi, src), vt = __shfl_sync(ENC_FULL, tier, src);
       double y[D / 32];
-      const bool bad = warp_load_centred<D>(y, x + (long long)v * x_row_stride,
-                                            sigma + (size_t)vh * D,
-                                            mean ? mean + (size_t)vm * D : nullptr, lane);
+      bool bad;
+      const EncodeDest dv = take(src, y, bad);
       if (__any_sync(ENC_FULL, bad)) {
         if (lane == 0) atomicOr(status, ST_NONFINITE);
         continue;
       }
-      const EncodeDest dv(pages, page_words, vp, vs, geom + vt * SKV_GEOM_STRIDE, part);
       const int lr = dv.bits == 16 ? 0 : level_row(dv.bits);
       warp_fwht<D>(y, lane);
       const double inv = 1.0 / sqrt((double)D);
