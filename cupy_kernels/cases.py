@@ -173,9 +173,11 @@ class SyntheticLayout:
 
 
 def synthetic_layout(batch: int, num_kv_heads: int, context: int, tables: KernelTables,
-                     tier_counts, seed: int = 0) -> SyntheticLayout:
-    """tier_counts: {tier: states per row} summing to ``context``. Page ids are shuffled
-    over the pool (pages of a row are scattered, as after a real serving run)."""
+                     tier_counts, seed: int = 0, order: str = "shuffled") -> SyntheticLayout:
+    """tier_counts: {tier: states per row} summing to ``context``. ``order``: where a row's
+    pages lie in the pool: "shuffled" (a seeded permutation of the page ids: a row's pages
+    are scattered, as after a real serving run), "contiguous" (row r's pages form one run of
+    consecutive ids) or "strided" (page k of row r is page k * rows + r)."""
     rng = np.random.default_rng(seed)
     rows = batch * num_kv_heads
     if sum(tier_counts.values()) != context:
@@ -187,7 +189,14 @@ def synthetic_layout(batch: int, num_kv_heads: int, context: int, tables: Kernel
         per_row_pages += [(t, p)] * full + ([(t, rest)] if rest else [])
     npr = len(per_row_pages)
     num_pages = rows * npr
-    ids = rng.permutation(num_pages).astype(np.int32).reshape(rows, npr)
+    if order == "shuffled":
+        ids = rng.permutation(num_pages).astype(np.int32).reshape(rows, npr)
+    elif order == "contiguous":
+        ids = np.arange(num_pages, dtype=np.int32).reshape(rows, npr)
+    elif order == "strided":
+        ids = np.arange(num_pages, dtype=np.int32).reshape(npr, rows).T.copy()
+    else:
+        raise ValueError(f"order must be 'shuffled', 'contiguous' or 'strided', got {order!r}")
     tiers = np.array([t for t, _ in per_row_pages], np.int32)
     counts = np.array([c for _, c in per_row_pages], np.int32)
     page_tier = np.zeros(num_pages, np.int32)

@@ -24,3 +24,39 @@ def test_decode_plot_draws_the_committed_benchmark(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no default ADA rows"):
         plot([r for r in rows if r["method"] != "ada"], tmp_path / "none.png")
+
+
+@pytest.mark.parametrize("order", ["shuffled", "contiguous", "strided"])
+def test_synthetic_layout_orders_place_every_page_once(order):
+    """The benchmark pools' page orders (cupy_kernels.cases.synthetic_layout): each one uses
+    every page id once, keeps each row's pages in order with the states that go to them, and
+    places a row's pages as named: one run of ids (contiguous), every rows-th id (strided), or
+    a seeded permutation (shuffled: the same for a seed, not a run)."""
+    import numpy as np
+    from cupy_kernels.cases import synthetic_layout
+    from cupy_kernels.pages import kernel_tables
+    from validation.decode_bench import LADDER
+    tables = kernel_tables(LADDER, 128, codebook="uniform")
+    counts = {3: 100, 1: 70}   # 4/4 and 2/2 states per row: full and partial pages of both
+    lay = synthetic_layout(2, 3, 170, tables, counts, seed=5, order=order)
+    rows, npr = 6, lay.indptr[1]
+    ids = lay.indices.reshape(rows, npr)
+    assert sorted(lay.indices.tolist()) == list(range(rows * npr))
+    assert np.array_equal(lay.indptr, np.arange(rows + 1) * npr)
+    # every state goes to a page of its own row, in the row's page order
+    state_row = np.repeat(np.arange(rows), 170)
+    pos = {int(p): (r, k) for r in range(rows) for k, p in enumerate(ids[r])}
+    where = np.array([pos[int(p)] for p in lay.dst_page])
+    assert np.array_equal(where[:, 0], state_row)
+    assert np.all(np.diff(where[:, 1].reshape(rows, 170), axis=1) >= 0)
+    assert np.all(lay.page_count[lay.indices] > 0)
+    if order == "contiguous":
+        assert np.array_equal(ids, np.arange(rows * npr).reshape(rows, npr))
+    elif order == "strided":
+        assert np.array_equal(ids, np.arange(rows * npr).reshape(npr, rows).T)
+    else:
+        again = synthetic_layout(2, 3, 170, tables, counts, seed=5, order=order)
+        assert np.array_equal(again.indices, lay.indices)
+        assert not np.array_equal(ids, np.arange(rows * npr).reshape(rows, npr))
+    with pytest.raises(ValueError, match="order must be"):
+        synthetic_layout(2, 3, 170, tables, counts, order="sorted")

@@ -114,9 +114,9 @@ def measure(args) -> dict:
     tables = kernel_tables(LADDER, D, codebook="uniform")
     out_rows, raw = [], {}
     for case in args.cases.split(","):
-        shape, tiers = case.split(":")
+        shape, tiers, *pool = case.split(":")   # an optional third field: the pool's order
         batch, context = (int(v) for v in shape.split("x"))
-        state, _ = build_ada(batch, context, tiers, tables)
+        state, _ = build_ada(batch, context, tiers, tables, order=pool[0] if pool else "shuffled")
         q = cp.random.standard_normal((batch, HQ, D), dtype=cp.float32)
         rows = batch * HKV
         splits = splits_for(tables, 7, rows, int(state["indices"].size))
@@ -199,7 +199,8 @@ def plot(data: dict, png: str) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="decode_anatomy.json")
-    ap.add_argument("--cases", default=CASES, help="BxCONTEXT:tiers, comma-separated")
+    ap.add_argument("--cases", default=CASES, help="BxCONTEXT:tiers[:order], comma-separated (order: synthetic_layout's, "
+                         "shuffled by default)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--plot", help="draw a saved JSON instead of measuring (no GPU needed)")
     ap.add_argument("--png", default=None)

@@ -106,6 +106,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cases", default="all", help="'all' or indices into CASES, e.g. 0,1,6")
     ap.add_argument("--variants", default="all", help="'all' or names of VARIANTS, e.g. v8_lsplit1")
+    ap.add_argument("--pools", default="shuffled:0",
+                    help="page pools each case is timed on, order:seed (synthetic_layout's order: "
+                         "shuffled, contiguous, strided), e.g. shuffled:0,shuffled:1,contiguous:0")
     ap.add_argument("--baselines", default="v6,v7,v8",
                     help="kernels as built, timed before the variants (the first is the reference "
                          "of rel_diff_vs_v6), e.g. v6,v7")
@@ -123,8 +126,10 @@ def main(argv=None):
     getters = {name: variant_kernels(VARIANTS[name][0]) for name in chosen if VARIANTS[name][0]}
     cases = CASES if args.cases == "all" else [CASES[int(i)] for i in args.cases.split(",")]
     rows = []
-    for batch, context, tiers in cases:
-        state, _ = build_ada(batch, context, tiers, tables)
+    pools = [(p.split(":")[0], int(p.split(":")[1]) if ":" in p else 0)
+             for p in args.pools.split(",") if p]
+    for (batch, context, tiers), (order, seed) in [(c, p) for c in cases for p in pools]:
+        state, _ = build_ada(batch, context, tiers, tables, seed=seed, order=order)
         lay = state["layout"]
         q = cp.random.standard_normal((batch, HQ, D), dtype=cp.float32)
         nbytes = lay.cache_bytes + q.size * 4 + (lay.indptr.size + 3 * lay.indices.size) * 4
@@ -139,7 +144,8 @@ def main(argv=None):
                 ref = out.copy()
             rel = float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref))
             finite = bool(cp.all(cp.isfinite(out)))
-            r = dict(variant=name, batch=batch, context=context, tiers=tiers, us=round(us, 2),
+            r = dict(variant=name, batch=batch, context=context, tiers=tiers, pool=f"{order}:{seed}",
+                     us=round(us, 2),
                      splits=splits, gbps=round(nbytes / (us * 1e-6) / 1e9, 1),
                      pct_copy=round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbps, 1),
                      rel_diff_vs_v6=rel, finite=finite)
@@ -150,10 +156,10 @@ def main(argv=None):
         cp.get_default_memory_pool().free_all_blocks()
     with open(args.out, "w") as f:
         json.dump(dict(copy_gbps=copy_gbps, rows=rows), f, indent=1)
-    print(f"\n{'variant':10s} {'B':>3s} {'ctx':>7s} {'tiers':>8s} {'us':>8s} {'%copy':>6s} "
-          f"{'splits':>6s} {'rel vs v6':>9s}")
+    print(f"\n{'variant':10s} {'B':>3s} {'ctx':>7s} {'tiers':>8s} {'pool':>12s} {'us':>8s} "
+          f"{'%copy':>6s} {'splits':>6s} {'rel vs v6':>9s}")
     for r in rows:
-        print(f"{r['variant']:10s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>8s} "
+        print(f"{r['variant']:10s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>8s} {r['pool']:>12s} "
               f"{r['us']:8.1f} {r['pct_copy']:6.1f} {r['splits']:6d} {r['rel_diff_vs_v6']:9.2e}")
     return 0
 

@@ -50,9 +50,11 @@ for stage in "$@"; do
         grep -E "Duration|DRAM Throughput|Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Eligible Warps|Active Warps Per|Executed Instructions  " "$OUT/ncu_profile_v$v.txt" | head -n 16
       done;;
     variants)
-      # build-time variants of the v7/v8 affine kernels next to v6, v7 and v8 as built (same pools)
+      # build-time variants of the v7/v8 affine kernels next to v6, v7 and v8 as built (same pools;
+      # VARIANTS_POOLS: the page orders and seeds each case is timed on)
       timeout ${VARIANTS_LIMIT:-300} python3 validation/decode_variants.py --out "$OUT/decode_variants.json" \
-        --reps ${VARIANTS_REPS:-20} --cases ${VARIANTS_CASES:-all} --variants ${VARIANTS_NAMES:-all} 2>&1 | tee "$OUT/variants.log" | tail -n 40
+        --reps ${VARIANTS_REPS:-20} --cases ${VARIANTS_CASES:-all} --variants ${VARIANTS_NAMES:-all} \
+        --pools ${VARIANTS_POOLS:-shuffled:0} --baselines ${VARIANTS_BASELINES:-v6,v7,v8} 2>&1 | tee "$OUT/variants.log" | tail -n 60
       rc=${PIPESTATUS[0]};;
     anatomy)
       # per-CTA timeline of the v7 step (DEC7_TRACE build): prologue, pages, epilogue, tail
