@@ -237,8 +237,8 @@ def test_retier_rejects_promotion_and_overlap():
 
 # ------------------------------------------------------------------ encode v3 specifics ----
 
-def _rows_at(codec, ts, n, rng):
-    """n float32 rows whose rotated, normalised coordinates t put up to eight coordinates at
+def _rows_at(codec, ts, n, rng, k=8):
+    """n float32 rows whose rotated, normalised coordinates t put up to k (eight) coordinates at
     values drawn from ts (|t| < 0.3 sqrt(d)), the rest Gaussian."""
     d = codec.dim
     ts = np.asarray(ts, np.float64)
@@ -246,8 +246,8 @@ def _rows_at(codec, ts, n, rng):
     rows = []
     for _ in range(n):
         y = rng.normal(0, 1, d)
-        js = rng.choice(d, 8, replace=False)
-        a = rng.choice(ts, 8) / np.sqrt(d)
+        js = rng.choice(d, k, replace=False)
+        a = rng.choice(ts, k) / np.sqrt(d)
         y[js] = 0.0
         y[js] = a * np.linalg.norm(y) / np.sqrt(1.0 - np.sum(a * a))
         rows.append(codec.rotation.inverse(y[None])[0] * 10.0 ** rng.uniform(-3, 3))
@@ -327,6 +327,44 @@ def test_encode_v3_own_boundaries(dim, codebook):
                           mean_index=cp.asarray(head))
     _assert_pages_are_reference(tables, pages.get(), tiers, page_ids, slots, x, dim, 9, codebook,
                                 mean=mean[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_encode_v3_one_coordinate_near_a_midpoint(dim, codebook):
+    """Rows with one rotated coordinate within v3's float32 margin of a midpoint (offsets from
+    ~1e-8 to ~3e-5 in t, both sides; the float32 cell is wrong for some), the rest Gaussian, at
+    every tier in one launch (one cells loop for all widths): the reference's codes and
+    scales."""
+    import cupy as cp
+    from spherical_kv_ref import SphericalCodec
+    from cupy_kernels import encode_into_pages, kernel_tables, rotation_signs
+    tables = kernel_tables(LADDER, dim, codebook=codebook)
+    rng = np.random.default_rng(11 + dim)
+    chunks, tiers = [], []
+    for t in range(1, len(LADDER) + 1):
+        bits = LADDER[t - 1][0] if LADDER[t - 1][0] < 16 else 4
+        probe = SphericalCodec(dim, bits, seed=9, salt=0, codebook=codebook)
+        mids = 0.5 * (probe.levels[1:] + probe.levels[:-1])
+        off = np.concatenate([s * 10.0 ** np.arange(-8, -4.4, 0.5) for s in (-1, 1)])
+        n = 160 if bits == 8 else 40
+        chunks.append(_rows_at(probe, (mids[:, None] + off[None, :]).ravel(), n, rng, k=1))
+        tiers += [t] * n
+    x = np.concatenate(chunks)
+    tiers = np.asarray(tiers)
+    perm = rng.permutation(len(x))
+    x, tiers = x[perm], tiers[perm]
+    n = len(x)
+    pages = cp.asarray(rng.integers(0, 256, (n, tables.page_bytes), dtype=np.uint8))
+    page_ids = np.arange(n, dtype=np.int32)
+    slots = np.zeros(n, np.int32)
+    head = cp.zeros(n, cp.int32)
+    sig = cp.asarray(rotation_signs([SphericalCodec(dim, 4, seed=9, salt=0)]))
+    for part in ("key", "value"):
+        encode_into_pages(cp.asarray(x), pages, cp.asarray(tiers.astype(np.int32)), tables, sig,
+                          head, cp.asarray(page_ids), cp.asarray(slots), part=part, version=3)
+    _assert_pages_are_reference(tables, pages.get(), tiers, page_ids, slots, x, dim, 9, codebook)
 
 
 @pytest.mark.gpu

@@ -64,7 +64,8 @@ for stage in "$@"; do
     encode-variants)
       # build-time variants of the v3 encode kernels next to the kernels as built (same inputs)
       timeout ${ENCODE_VARIANTS_LIMIT:-300} python3 validation/encode_variants.py --out "$OUT/encode_variants.json" \
-        --reps ${ENCODE_REPS:-10} --cases ${ENCODE_VARIANTS_CASES:-all} 2>&1 | tee "$OUT/encode_variants.log" | tail -n 40
+        --reps ${ENCODE_REPS:-10} --cases ${ENCODE_VARIANTS_CASES:-all} --variants ${ENCODE_VARIANTS_NAMES:-all} \
+        2>&1 | tee "$OUT/encode_variants.log" | tail -n 60
       rc=${PIPESTATUS[0]};;
     bench-encode)
       # encode only, v3 and v2 in the same process (ENCODE_VERSIONS) (ENCODE_SHAPES, ENCODE_TIERS, RUN_NOTE)

@@ -46,6 +46,21 @@ def encode_part(dim, tables_by_codebook, ladder):
                               part=part, version=3, mean=mean, mean_index=head[:37])
         retier(pages, tier, tables, dpg, dsl, lpg, lsl)                        # demotion
         retier(pages, tier, tables, lpg[:5], lsl[:5], lpg[:5] + 4, lsl[:5])    # compaction
+        # v3 over full 4/4 and 8/8 pages of Gaussian rows in one launch (both widths through
+        # its one cells loop; ~3 % and ~20-27 % of the vectors take the float64 pipeline)
+        t4, t8 = ladder.index((4, 4)) + 1, ladder.index((8, 8)) + 1
+        p4, p8 = tables.states_per_page(t4), tables.states_per_page(t8)
+        m = 600
+        npg = -(-m // p4) + -(-m // p8)
+        spages = cp.zeros((npg, tables.page_bytes), cp.uint8)
+        stier = cp.asarray([t4] * -(-m // p4) + [t8] * -(-m // p8), cp.int32)
+        xs = cp.random.standard_normal((2 * m, dim), dtype=cp.float32)
+        k = np.arange(m)
+        spg = cp.asarray(np.concatenate([k // p4, -(-m // p4) + k // p8]).astype(np.int32))
+        ssl = cp.asarray(np.concatenate([k % p4, k % p8]).astype(np.int32))
+        for part in ("key", "value"):
+            encode_into_pages(xs, spages, stier, tables, sig, cp.zeros(2 * m, cp.int32), spg, ssl,
+                              part=part, version=3)
 
 
 def main(argv=None):

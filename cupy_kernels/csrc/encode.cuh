@@ -469,12 +469,12 @@ __device__ __forceinline__ void enc3_cp_async_wait() { asm volatile("cp.async.wa
 // decides a code). The kernel forms A_s = sat(A / (2^B - 1)) in one fma.sat (NaN -> 0) and
 // rounds A_s (2^B - 1) + MAGIC in one fma (the product is exact inside it); d = A - rint(A) is
 // exact up to 2^-25. c[i] gets the bits of rint(A) + MAGIC (the packer drops MAGIC's bits);
-// sumsq the sum of the squared odd integers 2c + 1 - 2^B, exact in float32 (< 2^24).
-template <int B, int V>
+// sumsq the sum of the squared odd integers 2c + 1 - 2^B, exact in float32 (< 2^24). The width
+// comes from the row (prm[2] = 2^B - 1): one loop serves every width (enc3_encode).
+template <int V>
 __device__ __forceinline__ bool enc3_cells_uniform(const float (&z)[V], float kt,
                                                    const float* prm, int (&c)[V], float& sumsq) {
-  const float k = kt * prm[0], o = prm[1], thr = prm[3];
-  constexpr float hi = (float)((1 << B) - 1), k0 = 1.0f - (float)(1 << B);
+  const float k = kt * prm[0], o = prm[1], hi = prm[2], thr = prm[3];
   bool near = false;
   float s = 0.f;
 #pragma unroll
@@ -483,7 +483,7 @@ __device__ __forceinline__ bool enc3_cells_uniform(const float (&z)[V], float kt
     const float ar = fmaf(as, hi, ENC3_MAGIC);
     const float r = ar - ENC3_MAGIC;                 // rint(A), exact
     near |= fabsf(fmaf(as, hi, -r)) >= thr;
-    const float odd = fmaf(2.f, r, k0);
+    const float odd = fmaf(2.f, r, -hi);
     s = fmaf(odd, odd, s);
     c[i] = __float_as_int(ar);
   }
@@ -495,26 +495,26 @@ __device__ __forceinline__ bool enc3_cells_uniform(const float (&z)[V], float kt
 // more than the float32 error of t and of the index, holds at most one midpoint m; the cell
 // is (cell below the bucket) + (t > m), and |t - m| <= margin is a near boundary. Rows of
 // 1-4 bits span |t| <= sqrt(D) + 1/2 (|t| <= sqrt(D) (1 + 2^-18) whenever the radius is in
-// range), so their index needs no clamp; the 8-bit row clamps. sumsq: sum of the float32
-// squared levels.
-template <int B, int V>
+// range), so their index needs no clamp; the 8-bit row clamps (CLAMP). sumsq: sum of the
+// float32 squared levels. The row (lr: level_row, off: Enc3Row::OFF) comes at run time: one
+// loop serves 1-4 bits, one more 8 bits (enc3_encode).
+template <bool CLAMP, int V>
 __device__ __forceinline__ bool enc3_cells_table(const float (&z)[V], float kt, const float* tab,
-                                                 int (&c)[V], float& sumsq) {
-  const float* prm = tab + level_row(B) * ENC3_PRM;
+                                                 int lr, int off, int (&c)[V], float& sumsq) {
+  const float* prm = tab + lr * ENC3_PRM;
   const float k = kt * prm[0], o = prm[1], hi = prm[2], margin = prm[3];
   // shared addresses: bucket b's midpoint at bm + 4b (its cell ENC3_NB words further), minus
   // the MAGIC bits so that the rounded float's bits index the table in one multiply-add
   // (the offset -4 MAGIC_BITS comes from the table, prm[6]: a compile-time constant would be
   // folded back into every address, one more add per look-up)
-  const u32 bm = (u32)__cvta_generic_to_shared(tab + ENC3_BM + Enc3Row<B>::OFF) +
-                 (u32)__float_as_int(prm[6]);
-  const u32 l2 = (u32)__cvta_generic_to_shared(tab + ENC3_LEV2 + level_row(B) * 256);
+  const u32 bm = (u32)__cvta_generic_to_shared(tab + ENC3_BM + off) + (u32)__float_as_int(prm[6]);
+  const u32 l2 = (u32)__cvta_generic_to_shared(tab + ENC3_LEV2 + lr * 256);
   bool near = false;
   float s = 0.f;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     float a = fmaf(z[i], k, o);
-    if (B == 8) a = fminf(fmaxf(a, 0.f), hi);
+    if (CLAMP) a = fminf(fmaxf(a, 0.f), hi);
     const u32 addr = 4u * (u32)__float_as_int(a + ENC3_MAGIC) + bm;
     float m, l;
     int c0;
@@ -568,6 +568,25 @@ __device__ __forceinline__ void enc3_store_codes(const int (&c)[D / 8], unsigned
   }
 }
 
+// The bucket row of a width (Enc3Row<B>::OFF) at run time.
+__device__ __forceinline__ int enc3_row_off(int bits) {
+  return bits == 8 ? Enc3Row<8>::OFF : bits == 4 ? Enc3Row<4>::OFF : bits == 3 ? Enc3Row<3>::OFF
+       : bits == 2 ? Enc3Row<2>::OFF : Enc3Row<1>::OFF;
+}
+
+// enc3_store_codes at a width known at run time.
+template <int D>
+__device__ __forceinline__ void enc3_store_codes_at(int bits, const int (&c)[D / 8],
+                                                    unsigned char* row, int g, u32 gmask) {
+  switch (bits) {
+    case 1: enc3_store_codes<1, D>(c, row, g, gmask); break;
+    case 2: enc3_store_codes<2, D>(c, row, g, gmask); break;
+    case 3: enc3_store_codes<3, D>(c, row, g, gmask); break;
+    case 4: enc3_store_codes<4, D>(c, row, g, gmask); break;
+    default: enc3_store_codes<8, D>(c, row, g, gmask); break;
+  }
+}
+
 #ifndef ENC3_SCALE64
 #define ENC3_SCALE64 1   // 0: a scale near an fp16 rounding boundary defers its vector (as before)
 #endif
@@ -581,29 +600,40 @@ enum Enc3Outcome { ENC3_DONE = 0, ENC3_SCALE = 1, ENC3_SLOW = 2 };
 template <bool UNIFORM> __device__ __forceinline__ double enc3_scale_tol() { return UNIFORM ? 0x1p-40 : 0x1p-18; }
 
 // Quantises the group's vector (z: unnormalised transform; kt = sqrt(D)/||z||; rz = ||z|| /
-// sqrt(D/2)) at B bits. ENC3_DONE: no coordinate or scale near a rounding boundary, codes and
+// sqrt(D/2)) at `bits` bits (1, 2, 3, 4 or 8). The width is a run-time value: one cells loop
+// serves every width (the Lloyd–Max kernel: one for 1-4 bits and one for 8), only the packing
+// is per width, so the tiers of an RDR mix run the same code (a loop per width took 12-15 %
+// longer on the Lloyd–Max mix, 2-5 % on the uniform one, and 1-3 % less on one-tier pools:
+// docs/PERF_NOTES.md). ENC3_DONE: no coordinate or scale near a rounding boundary, codes and
 // scale written. ENC3_SCALE: only the scale's fp16 rounding is in doubt, codes written, mid16
 // (m) and ssq set for encode_v3_body's float64 decision. ENC3_SLOW: the vector needs the float64
 // pipeline. Called by whole groups (8 lanes) only.
-template <int B, bool UNIFORM, int D>
+template <bool UNIFORM, int D>
 __device__ __forceinline__ int enc3_encode(const float (&z)[D / 8], float kt, float rz,
-                                           const float* tab, unsigned char* row, __half* scale,
-                                           int g, u32 gmask, float& mid16, float& ssq) {
+                                           const float* tab, int bits, unsigned char* row,
+                                           __half* scale, int g, u32 gmask, float& mid16,
+                                           float& ssq) {
   int c[D / 8];
   float sumsq;
-  bool near = UNIFORM ? enc3_cells_uniform<B, D / 8>(z, kt, tab + level_row(B) * ENC3_PRM, c, sumsq)
-                      : enc3_cells_table<B, D / 8>(z, kt, tab, c, sumsq);
+  const int lr = level_row(bits);
+  bool near;
+  if constexpr (UNIFORM) {
+    near = enc3_cells_uniform<D / 8>(z, kt, tab + lr * ENC3_PRM, c, sumsq);
+  } else {
+    if (bits == 8) near = enc3_cells_table<true, D / 8>(z, kt, tab, lr, Enc3Row<8>::OFF, c, sumsq);
+    else near = enc3_cells_table<false, D / 8>(z, kt, tab, lr, enc3_row_off(bits), c, sumsq);
+  }
 #pragma unroll
   for (int m = 1; m < 8; m <<= 1) sumsq += __shfl_xor_sync(gmask, sumsq, m);
   // s = ||z|| / sqrt(sum C[c]^2) with ||z|| = rz * prm[4] (prm[4] = sqrt(D/2), over hs on the
   // uniform path, where C[c] = hs (2c + 1 - 2^B) makes sqrt(sum) = hs sqrt(sumsq))
-  const float sf = rz * (rsqrtf(sumsq) * tab[level_row(B) * ENC3_PRM + 4]);
-  const int guard = __float_as_int(tab[level_row(B) * ENC3_PRM + 5]);   // float32 ulps
+  const float sf = rz * (rsqrtf(sumsq) * tab[lr * ENC3_PRM + 4]);
+  const int guard = __float_as_int(tab[lr * ENC3_PRM + 5]);   // float32 ulps
   // sf is the same on the group's lanes: the codes decide `cells`, the scale `close`
   const bool cells = __any_sync(gmask, near || !(sf >= 0x1p-14f && sf < 65000.0f));
   const bool close = abs((__float_as_int(sf) & 0x1fff) - 0x1000) <= guard;
   if (!cells && !close) {
-    enc3_store_codes<B, D>(c, row, g, gmask);
+    enc3_store_codes_at<D>(bits, c, row, g, gmask);
     if (g == 0) *scale = __float2half_rn(sf);
     return ENC3_DONE;
   }
@@ -618,7 +648,7 @@ __device__ __forceinline__ int enc3_encode(const float (&z)[D / 8], float kt, fl
     // integers, hs = C[2^(B-1)]: the reference's levels are fl(hs (2c + 1 - 2^B))), on any
     // other c2 = ssq, within 2^-19.8 (enc3_scale_tol).
     ssq = sumsq;
-    enc3_store_codes<B, D>(c, row, g, gmask);
+    enc3_store_codes_at<D>(bits, c, row, g, gmask);
     mid16 = __int_as_float((__float_as_int(sf) & ~0x1fff) | 0x1000);
     return ENC3_SCALE;
   }
@@ -706,14 +736,7 @@ __device__ __forceinline__ void encode_v3_body(
       unsigned char* pgb = reinterpret_cast<unsigned char*>(pages + (size_t)pg * page_words);
       unsigned char* row = pgb + 4 * (part == 0 ? sl * g0.w : g1.y + sl * g1.x);
       __half* sc = reinterpret_cast<__half*>(pgb + (part == 0 ? g1.z : g1.w) + 2 * sl);
-      int out;
-      switch (bits) {
-        case 1: out = enc3_encode<1, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask, sm, ssq); break;
-        case 2: out = enc3_encode<2, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask, sm, ssq); break;
-        case 3: out = enc3_encode<3, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask, sm, ssq); break;
-        case 4: out = enc3_encode<4, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask, sm, ssq); break;
-        default: out = enc3_encode<8, UNIFORM, D>(z, kt, rz, tab, row, sc, g, gmask, sm, ssq); break;
-      }
+      const int out = enc3_encode<UNIFORM, D>(z, kt, rz, tab, bits, row, sc, g, gmask, sm, ssq);
       slow = out == ENC3_SLOW;
       scale_due = out == ENC3_SCALE;
     }
