@@ -1,7 +1,8 @@
 """Encode/append launcher (DESIGN §3 steps 0-5, §6; kernel in csrc/encode.cuh).
 
 ``encode_into_pages`` encodes n key (part="key") or value (part="value") vectors and writes
-each straight into (dst_page, dst_slot) of the pool, at the bit width of that page's tier.
+each straight into (dst_page, dst_slot) of the pool, at the bit width of that page's tier;
+``encode_kv_into_pages`` does both parts of the same states in one launch.
 It does not touch page_count (the cache's bookkeeping). With ``check=True`` (default) it
 syncs once and raises ValueError for NaN/Inf input, a norm beyond an fp16 scale, or a bad
 destination; ``check=False`` keeps the call free of host syncs (graph capture).
@@ -26,6 +27,7 @@ THREADS = 256
 ENCODE_VERSIONS = (1, 2, 3)
 DEFAULT_ENCODE_VERSION = 3   # 1.5-2.1x v2 on one H200, same bytes (docs/PERF_NOTES.md)
 V2_BLOCKS_PER_SM = 4      # __launch_bounds__(256, 4) of encode_v2_kernel and the v3 kernels
+KV_ONE_LAUNCH = True      # encode_kv_into_pages on v3: both parts in one launch (False: two)
 
 # v3 table blob (csrc/encode.cuh, ENC3_*): per bit row (1, 2, 3, 4, 8 bits) 8 parameters; then
 # (codebooks other than uniform) the float32 squared levels, and per row Enc3Row<b>::G
@@ -189,6 +191,43 @@ def _v3_device(tables: KernelTables):
     return hit[1]
 
 
+def _version(version):
+    version = DEFAULT_ENCODE_VERSION if version is None else version
+    if version not in ENCODE_VERSIONS:
+        raise ValueError(f"encode version must be one of {ENCODE_VERSIONS}, got {version!r}")
+    return version
+
+
+def _rows(x, tables: KernelTables, name: str):
+    """(n, d) float32 rows the kernels can load (16-byte aligned, unit column stride)."""
+    cp = cupy()
+    xa, _ = as_device(x, name, ndim=2)
+    if xa.dtype.kind != "f":
+        raise ValueError(f"{name} must be a float array, got {xa.dtype}")
+    if xa.shape[1] != tables.dim:
+        raise ValueError(f"{name} has dim {xa.shape[1]}; the tables are for {tables.dim}")
+    if (xa.dtype != np.float32 or xa.strides[1] != 4 or xa.strides[0] % 16
+            or xa.data.ptr % 16):   # the kernel loads rows with 16-byte vector loads
+        xa = cp.ascontiguousarray(xa, dtype=cp.float32)
+    return xa
+
+
+def _rows_of(a, d: int, name: str):
+    """A contiguous float32 (R, d) table (rotation signs, means)."""
+    t, _ = as_device(a, name, np.float32, 2)
+    if t.shape[1] != d:
+        raise ValueError(f"{name} must have shape (R, {d})")
+    return cupy().ascontiguousarray(t)
+
+
+def _v3_blocks(n: int, parts: int) -> int:
+    """Blocks per part of a v2/v3 launch: enough for four vectors per warp, at most one wave
+    of resident blocks over all parts (the rest walked by the grid stride)."""
+    cp = cupy()
+    return max(1, min(-(-n * 8 // THREADS),
+                      V2_BLOCKS_PER_SM * _sm_count(cp.cuda.Device().id) // parts))
+
+
 def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, dst_page, dst_slot,
                       *, part: str = "key", mean=None, mean_index=None, check: bool = True,
                       status=None, version: int | None = None):
@@ -196,38 +235,22 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
     kv-heads; head int32 (n,) which sigma row each vector uses; dst_page, dst_slot int32
     (n,); mean float32 (R, d) with mean_index int32 (n,) (centring) or None. Writes into
     ``pages`` (uint8 (num_pages, page_bytes) or uint32) in place. ``version``: the kernel
-    generation (1, 2 or 3; None: the default, DEFAULT_ENCODE_VERSION)."""
+    generation (1, 2 or 3; None: the default, DEFAULT_ENCODE_VERSION). Keys and values of the
+    same states: ``encode_kv_into_pages`` (one launch)."""
     cp = cupy()
     if part not in ("key", "value"):
         raise ValueError(f"part must be 'key' or 'value', got {part!r}")
-    version = DEFAULT_ENCODE_VERSION if version is None else version
-    if version not in ENCODE_VERSIONS:
-        raise ValueError(f"encode version must be one of {ENCODE_VERSIONS}, got {version!r}")
-    xa, _ = as_device(x, "x", ndim=2)
-    if xa.dtype.kind != "f":
-        raise ValueError(f"x must be a float array, got {xa.dtype}")
+    version = _version(version)
+    xa = _rows(x, tables, "x")
     n, d = xa.shape
-    if d != tables.dim:
-        raise ValueError(f"x has dim {d}; the tables are for {tables.dim}")
-    if (xa.dtype != np.float32 or xa.strides[1] != 4 or xa.strides[0] % 16
-            or xa.data.ptr % 16):   # the kernel loads rows with 16-byte vector loads
-        xa = cp.ascontiguousarray(xa, dtype=cp.float32)
     pg, pt = pool_views(pages, page_tier, tables)
-    sg, _ = as_device(sigma, "sigma", np.float32, 2)
-    if sg.shape[1] != d:
-        raise ValueError(f"sigma must have shape (H, {d})")
-    sg = cp.ascontiguousarray(sg)
-    hd = _index(head, "head", n)
-    dp = _index(dst_page, "dst_page", n)
-    ds = _index(dst_slot, "dst_slot", n)
+    sg = _rows_of(sigma, d, "sigma")
+    hd, dp, ds = (_index(a, nm, n) for a, nm in ((head, "head"), (dst_page, "dst_page"),
+                                                  (dst_slot, "dst_slot")))
     if mean is not None:
-        mn, _ = as_device(mean, "mean", np.float32, 2)
-        if mn.shape[1] != d:
-            raise ValueError(f"mean must have shape (R, {d})")
-        mn = cp.ascontiguousarray(mn)
         if mean_index is None:
             raise ValueError("mean needs mean_index (which mean row each vector uses)")
-        mi = _index(mean_index, "mean_index", n)
+        mn, mi = _rows_of(mean, d, "mean"), _index(mean_index, "mean_index", n)
     else:
         mn = mi = np.uint64(0)
     if status is None:
@@ -237,17 +260,63 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
         args = (xa, np.int64(xa.strides[0] // 4), np.int32(n), hd, sg, mn, mi, dp, ds,
                 np.int32(0 if part == "key" else 1), pg, np.int32(tables.page_words), pt,
                 dev["geom"], np.int32(tables.num_tiers), dev["levels64"], dev["mids64"])
-        if version >= 2:   # four vectors per warp, a grid of resident blocks walking the rest
-            blocks = max(1, min(-(-n * 8 // THREADS),
-                                V2_BLOCKS_PER_SM * _sm_count(cp.cuda.Device().id)))
-        else:
-            blocks = max(1, min(-(-n * 32 // THREADS), 132 * 16))
         if version == 3:
             name = "encode_v3_uniform_kernel" if tables.codebook == "uniform" else "encode_v3_kernel"
-            kernel(name, d)((blocks,), (THREADS,), args + (_v3_device(tables), status))
+            kernel(name, d)((_v3_blocks(n, 1),), (THREADS,),
+                            args + (_v3_device(tables), status) + args[:2] + (sg, mn))
+        elif version == 2:   # four vectors per warp, a grid of resident blocks walking the rest
+            kernel("encode_v2_kernel", d)((_v3_blocks(n, 1),), (THREADS,), args + (status,))
         else:
-            kernel("encode_v2_kernel" if version == 2 else "encode_kernel", d)(
-                (blocks,), (THREADS,), args + (status,))
+            blocks = max(1, min(-(-n * 32 // THREADS), 132 * 16))
+            kernel("encode_kernel", d)((blocks,), (THREADS,), args + (status,))
+    if check:
+        raise_status(status)
+    return status
+
+
+def encode_kv_into_pages(k, v, pages, page_tier, tables: KernelTables, sigma_k, sigma_v, head,
+                         dst_page, dst_slot, *, mean_k=None, mean_v=None, mean_index=None,
+                         check: bool = True, status=None, version: int | None = None):
+    """Keys k and values v (n, d) of the same n states into their pages: as
+    ``encode_into_pages`` with part="key" on k and part="value" on v (same bytes), in one
+    launch on the default kernel (version 3: two rows of blocks, keys and values side by side;
+    versions 1 and 2: two launches). sigma_k, sigma_v: the rotation signs of each part;
+    mean_k, mean_v: each part's mean rows (either may be None), indexed by mean_index."""
+    cp = cupy()
+    version = _version(version)
+    ka, va = _rows(k, tables, "k"), _rows(v, tables, "v")
+    if ka.shape != va.shape:
+        raise ValueError(f"k and v must have the same shape, got {ka.shape} and {va.shape}")
+    if (mean_k is not None or mean_v is not None) and mean_index is None:
+        raise ValueError("mean_k / mean_v need mean_index (which mean row each vector uses)")
+    if version != 3 or not KV_ONE_LAUNCH:
+        st = encode_into_pages(ka, pages, page_tier, tables, sigma_k, head, dst_page, dst_slot,
+                               part="key", mean=mean_k, mean_index=mean_index if mean_k is not None
+                               else None, check=False, status=status, version=version)
+        encode_into_pages(va, pages, page_tier, tables, sigma_v, head, dst_page, dst_slot,
+                          part="value", mean=mean_v, mean_index=mean_index if mean_v is not None
+                          else None, check=False, status=st, version=version)
+        if check:
+            raise_status(st)
+        return st
+    n, d = ka.shape
+    pg, pt = pool_views(pages, page_tier, tables)
+    sk, sv = _rows_of(sigma_k, d, "sigma_k"), _rows_of(sigma_v, d, "sigma_v")
+    hd, dp, ds = (_index(a, nm, n) for a, nm in ((head, "head"), (dst_page, "dst_page"),
+                                                  (dst_slot, "dst_slot")))
+    mk = _rows_of(mean_k, d, "mean_k") if mean_k is not None else np.uint64(0)
+    mv = _rows_of(mean_v, d, "mean_v") if mean_v is not None else np.uint64(0)
+    mi = _index(mean_index, "mean_index", n) if mean_index is not None else np.uint64(0)
+    if status is None:
+        status = cp.zeros(1, cp.int32)
+    if n:
+        dev = device_tables(tables)
+        name = "encode_v3_uniform_kernel" if tables.codebook == "uniform" else "encode_v3_kernel"
+        kernel(name, d)((_v3_blocks(n, 2), 2), (THREADS,), (
+            ka, np.int64(ka.strides[0] // 4), np.int32(n), hd, sk, mk, mi, dp, ds, np.int32(0),
+            pg, np.int32(tables.page_words), pt, dev["geom"], np.int32(tables.num_tiers),
+            dev["levels64"], dev["mids64"], _v3_device(tables), status,
+            va, np.int64(va.strides[0] // 4), sv, mv))
     if check:
         raise_status(status)
     return status

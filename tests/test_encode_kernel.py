@@ -120,6 +120,52 @@ def test_encode_rejects_bad_input(version):
         encode_into_pages(x, pages, tier, tables, sig, z, z, z, version=4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_encode_kv_equals_two_parts(dim, codebook, version):
+    """encode_kv_into_pages (one launch on v3: keys and values in two rows of blocks) writes the
+    bytes of encode_into_pages on the keys, then on the values, over every tier in a shuffled
+    pool, with each part's own signs, centring of the keys only, strided value rows and random
+    filler in the pages; with the values' rows different from the keys' (not swapped)."""
+    import cupy as cp
+    from cupy_kernels import encode_into_pages, encode_kv_into_pages, kernel_tables
+    tables = kernel_tables(LADDER, dim, codebook=codebook)
+    rng = np.random.default_rng(dim + version)
+    n, heads = 333, 3
+    tiers = rng.integers(1, len(LADDER) + 1, n).astype(np.int32)
+    page_ids = rng.permutation(n).astype(np.int32)
+    slots = (np.arange(n) % 2).astype(np.int32)
+    filler = rng.integers(0, 256, (n, tables.page_bytes), dtype=np.uint8)
+    page_tier = np.zeros(n, np.int32)
+    page_tier[page_ids] = tiers
+    k = cp.asarray(rng.normal(0, 1, (n, dim)).astype(np.float32))
+    v = cp.asarray(rng.normal(0, 3, (n, 2 * dim)).astype(np.float32))[:, ::2]   # strided rows
+    sk = cp.asarray((1 - 2 * rng.integers(0, 2, (heads, dim))).astype(np.float32))
+    sv = cp.asarray((1 - 2 * rng.integers(0, 2, (heads, dim))).astype(np.float32))
+    head = cp.asarray(rng.integers(0, heads, n).astype(np.int32))
+    mk = cp.asarray(rng.normal(0, 0.5, (heads, dim)).astype(np.float32))
+    dpg, dsl, pt = cp.asarray(page_ids), cp.asarray(slots), cp.asarray(page_tier)
+    one = cp.asarray(filler)
+    encode_kv_into_pages(k, v, one, pt, tables, sk, sv, head, dpg, dsl, mean_k=mk,
+                         mean_index=head, version=version)
+    two = cp.asarray(filler)
+    encode_into_pages(k, two, pt, tables, sk, head, dpg, dsl, part="key", mean=mk,
+                      mean_index=head, version=version)
+    encode_into_pages(v, two, pt, tables, sv, head, dpg, dsl, part="value", version=version)
+    assert bool(cp.any(one != cp.asarray(filler)))
+    np.testing.assert_array_equal(one.get(), two.get())
+    with pytest.raises(ValueError, match="same shape"):
+        encode_kv_into_pages(k, v[:-1], one, pt, tables, sk, sv, head, dpg, dsl)
+    with pytest.raises(ValueError, match="mean_index"):
+        encode_kv_into_pages(k, v, one, pt, tables, sk, sv, head, dpg, dsl, mean_v=mk)
+    bad = v.copy()
+    bad[7, 3] = np.inf
+    with pytest.raises(ValueError, match="NaN"):
+        encode_kv_into_pages(k, bad, one, pt, tables, sk, sv, head, dpg, dsl, version=version)
+
+
 def _near_boundary_rows(codec, n, rng):
     """n float32 rows x whose rotated, normalised coordinates t = sqrt(d) y_j / |y| sit on
     cell boundaries (midpoints of the codebook) up to the float32 rounding of x, at four

@@ -25,6 +25,8 @@ from decode_variants import launcher_as  # noqa: E402
 VARIANTS = {
     "v3_scale0": (dict(ENC3_SCALE64=0), {}),
     "v3_nodefer": (dict(ENC3_DEFER=0), {}),
+    # keys and values in two launches (encode_kv_into_pages as two encode_into_pages calls)
+    "v3_kv2": ({}, dict(KV_ONE_LAUNCH=False)),
 }
 CASES = [(32, 8192, "rdr-mix"), (8, 32768, "rdr-mix"), (1, 131072, "rdr-mix"),
          (8, 32768, "4/4"), (1, 131072, "4/4"), (1, 131072, "3/3"), (8, 32768, "3/3"),

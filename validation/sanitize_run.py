@@ -13,7 +13,7 @@ def encode_part(dim, tables_by_codebook, ladder):
     """Encode into fresh pages of every tier (v1, v2, v3 on both codebooks), then demote and
     compact them."""
     import cupy as cp
-    from cupy_kernels import encode_into_pages, retier
+    from cupy_kernels import encode_into_pages, encode_kv_into_pages, retier
     for codebook, tables in tables_by_codebook.items():
         n = 40
         rng = np.random.default_rng(0)
@@ -61,6 +61,10 @@ def encode_part(dim, tables_by_codebook, ladder):
         for part in ("key", "value"):
             encode_into_pages(xs, spages, stier, tables, sig, cp.zeros(2 * m, cp.int32), spg, ssl,
                               part=part, version=3)
+        # keys and values in one launch (two rows of blocks), the values centred
+        z2 = cp.zeros(2 * m, cp.int32)
+        encode_kv_into_pages(xs, xs[::-1], spages, stier, tables, sig, -sig, z2, spg, ssl,
+                             mean_v=mean, mean_index=z2)
 
 
 def main(argv=None):

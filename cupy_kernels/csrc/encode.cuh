@@ -813,12 +813,16 @@ __device__ __forceinline__ void encode_v3_body(
       const int* __restrict__ dst_slot, int part, u32* __restrict__ pages, int page_words,     \
       const int* __restrict__ page_tier, const int* __restrict__ geom, int num_tiers,          \
       const double* __restrict__ levels, const double* __restrict__ mids,                      \
-      const float* __restrict__ tables, int* __restrict__ status
+      const float* __restrict__ tables, int* __restrict__ status, const float* __restrict__ x2, \
+      long long x2_row_stride, const float* __restrict__ sigma2, const float* __restrict__ mean2
 
 // Any codebook (bucket tables in shared memory, 9.3 KiB) and the uniform one (parameters
 // only). 256 threads; each warp owns 4 x D floats of shared memory for the staged rows.
 // The block of either v3 kernel: its shared table (bucket tables, or the uniform codebook's
-// parameters), then encode_v3_body with each warp's slice of the staged rows.
+// parameters), then encode_v3_body with each warp's slice of the staged rows. A grid of two
+// rows of blocks (gridDim.y = 2, part 0) encodes keys and values in one launch: row 1 reads
+// the values' x2, sigma2 and mean2 (the same heads, destinations and mean rows) as part 1;
+// with one row x2, sigma2, mean2 are unused.
 template <int D, bool UNI>
 __device__ __forceinline__ void encode_v3_block(SKV_ENCODE_V3_PARAMS) {
   constexpr int TAB = UNI ? ENC3_LEV2 : ENC3_WORDS;
@@ -826,23 +830,25 @@ __device__ __forceinline__ void encode_v3_block(SKV_ENCODE_V3_PARAMS) {
   __shared__ float4 xw[8 * D];
   for (int k = threadIdx.x; k < TAB; k += blockDim.x) tab[k] = tables[k];
   __syncthreads();
-  encode_v3_body<D, UNI>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page, dst_slot,
-                         part, pages, page_words, page_tier, geom, num_tiers, levels, mids, tab,
-                         xw + (threadIdx.x >> 5) * D, status);
+  const bool vrow = blockIdx.y != 0;   // the values' row of a two-part launch
+  encode_v3_body<D, UNI>(vrow ? x2 : x, vrow ? x2_row_stride : x_row_stride, n, head,
+                         vrow ? sigma2 : sigma, vrow ? mean2 : mean, mean_index, dst_page,
+                         dst_slot, vrow ? 1 : part, pages, page_words, page_tier, geom, num_tiers,
+                         levels, mids, tab, xw + (threadIdx.x >> 5) * D, status);
 }
 
 template <int D>
 __global__ void __launch_bounds__(256, 4) encode_v3_kernel(SKV_ENCODE_V3_PARAMS) {
   encode_v3_block<D, false>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page,
                             dst_slot, part, pages, page_words, page_tier, geom, num_tiers, levels,
-                            mids, tables, status);
+                            mids, tables, status, x2, x2_row_stride, sigma2, mean2);
 }
 
 template <int D>
 __global__ void __launch_bounds__(256, 4) encode_v3_uniform_kernel(SKV_ENCODE_V3_PARAMS) {
   encode_v3_block<D, true>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page,
                            dst_slot, part, pages, page_words, page_tier, geom, num_tiers, levels,
-                           mids, tables, status);
+                           mids, tables, status, x2, x2_row_stride, sigma2, mean2);
 }
 #undef SKV_ENCODE_V3_PARAMS
 
