@@ -63,11 +63,13 @@ class AdaDecode:
 
 
 class Encode:
-    params = ([1 << 16, 1 << 20], ["4/4", "rdr-mix"])
-    param_names = ["states", "tiers"]
+    """Keys only (encode_into_pages), or keys and values in one launch (encode_kv_into_pages)."""
+    params = ([1 << 16, 1 << 20], ["4/4", "rdr-mix"], ["key", "key+value"])
+    param_names = ["states", "tiers", "parts"]
     timeout = 300
 
-    def setup(self, states, tiers):
+    def setup(self, states, tiers, parts):
+        self.parts = parts
         cp = _gpu()
         from cupy_kernels import kernel_tables
         from cupy_kernels.cases import synthetic_layout
@@ -86,11 +88,17 @@ class Encode:
         self._encode()
 
     def _encode(self):
-        from cupy_kernels import encode_into_pages
-        encode_into_pages(self.x, self.pages, self.page_tier, self.tables, self.sigma, self.head,
-                          self.page, self.slot, part="key", check=False, status=self.status)
+        from cupy_kernels import encode_into_pages, encode_kv_into_pages
+        if self.parts == "key":
+            encode_into_pages(self.x, self.pages, self.page_tier, self.tables, self.sigma,
+                              self.head, self.page, self.slot, part="key", check=False,
+                              status=self.status)
+        else:
+            encode_kv_into_pages(self.x, self.x, self.pages, self.page_tier, self.tables,
+                                 self.sigma, self.sigma, self.head, self.page, self.slot,
+                                 check=False, status=self.status)
 
-    def track_gpu_us(self, states, tiers):
+    def track_gpu_us(self, states, tiers, parts):
         cp = self.cp
         a, b = cp.cuda.Event(), cp.cuda.Event()
         a.record()
