@@ -220,6 +220,34 @@ def _rows_of(a, d: int, name: str):
     return cupy().ascontiguousarray(t)
 
 
+def _dests(head, dst_page, dst_slot, n: int):
+    """The int32 (n,) head, page and slot of every vector."""
+    return tuple(_index(a, nm, n) for a, nm in ((head, "head"), (dst_page, "dst_page"),
+                                                 (dst_slot, "dst_slot")))
+
+
+def _args(tables: KernelTables, n: int, part: int, rows, mi, dests, pg, pt):
+    """The arguments every encode kernel starts with: ``rows`` = (x, signs, means) of part
+    ``part`` (0: keys, 1: values), the mean index, the destinations, the pool."""
+    xa, sg, mn = rows
+    hd, dp, ds = dests
+    dev = device_tables(tables)
+    return (xa, np.int64(xa.strides[0] // 4), np.int32(n), hd, sg, mn, mi, dp, ds,
+            np.int32(part), pg, np.int32(tables.page_words), pt, dev["geom"],
+            np.int32(tables.num_tiers), dev["levels64"], dev["mids64"])
+
+
+def _launch_v3(tables: KernelTables, n: int, part: int, first, second, mi, dests, pg, pt, status):
+    """One launch of encode v3: ``first`` = (x, signs, means) as part ``part``, and with
+    ``second`` (the values' (x, signs, means), part 0) a second row of blocks as part 1."""
+    x2, s2, m2 = second if second is not None else first
+    parts = 1 if second is None else 2
+    name = "encode_v3_uniform_kernel" if tables.codebook == "uniform" else "encode_v3_kernel"
+    kernel(name, tables.dim)((_v3_blocks(n, parts), parts), (THREADS,),
+                             _args(tables, n, part, first, mi, dests, pg, pt) +
+                             (_v3_device(tables), status, x2, np.int64(x2.strides[0] // 4), s2, m2))
+
+
 def _v3_blocks(n: int, parts: int) -> int:
     """Blocks per part of a v2/v3 launch: enough for four vectors per warp, at most one wave
     of resident blocks over all parts (the rest walked by the grid stride)."""
@@ -245,8 +273,7 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
     n, d = xa.shape
     pg, pt = pool_views(pages, page_tier, tables)
     sg = _rows_of(sigma, d, "sigma")
-    hd, dp, ds = (_index(a, nm, n) for a, nm in ((head, "head"), (dst_page, "dst_page"),
-                                                  (dst_slot, "dst_slot")))
+    dests = _dests(head, dst_page, dst_slot, n)
     if mean is not None:
         if mean_index is None:
             raise ValueError("mean needs mean_index (which mean row each vector uses)")
@@ -255,16 +282,12 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
         mn = mi = np.uint64(0)
     if status is None:
         status = cp.zeros(1, cp.int32)
-    if n:
-        dev = device_tables(tables)
-        args = (xa, np.int64(xa.strides[0] // 4), np.int32(n), hd, sg, mn, mi, dp, ds,
-                np.int32(0 if part == "key" else 1), pg, np.int32(tables.page_words), pt,
-                dev["geom"], np.int32(tables.num_tiers), dev["levels64"], dev["mids64"])
-        if version == 3:
-            name = "encode_v3_uniform_kernel" if tables.codebook == "uniform" else "encode_v3_kernel"
-            kernel(name, d)((_v3_blocks(n, 1),), (THREADS,),
-                            args + (_v3_device(tables), status) + args[:2] + (sg, mn))
-        elif version == 2:   # four vectors per warp, a grid of resident blocks walking the rest
+    p = 0 if part == "key" else 1
+    if n and version == 3:
+        _launch_v3(tables, n, p, (xa, sg, mn), None, mi, dests, pg, pt, status)
+    elif n:
+        args = _args(tables, n, p, (xa, sg, mn), mi, dests, pg, pt)
+        if version == 2:   # four vectors per warp, a grid of resident blocks walking the rest
             kernel("encode_v2_kernel", d)((_v3_blocks(n, 1),), (THREADS,), args + (status,))
         else:
             blocks = max(1, min(-(-n * 32 // THREADS), 132 * 16))
@@ -302,21 +325,14 @@ def encode_kv_into_pages(k, v, pages, page_tier, tables: KernelTables, sigma_k, 
     n, d = ka.shape
     pg, pt = pool_views(pages, page_tier, tables)
     sk, sv = _rows_of(sigma_k, d, "sigma_k"), _rows_of(sigma_v, d, "sigma_v")
-    hd, dp, ds = (_index(a, nm, n) for a, nm in ((head, "head"), (dst_page, "dst_page"),
-                                                  (dst_slot, "dst_slot")))
+    dests = _dests(head, dst_page, dst_slot, n)
     mk = _rows_of(mean_k, d, "mean_k") if mean_k is not None else np.uint64(0)
     mv = _rows_of(mean_v, d, "mean_v") if mean_v is not None else np.uint64(0)
     mi = _index(mean_index, "mean_index", n) if mean_index is not None else np.uint64(0)
     if status is None:
         status = cp.zeros(1, cp.int32)
     if n:
-        dev = device_tables(tables)
-        name = "encode_v3_uniform_kernel" if tables.codebook == "uniform" else "encode_v3_kernel"
-        kernel(name, d)((_v3_blocks(n, 2), 2), (THREADS,), (
-            ka, np.int64(ka.strides[0] // 4), np.int32(n), hd, sk, mk, mi, dp, ds, np.int32(0),
-            pg, np.int32(tables.page_words), pt, dev["geom"], np.int32(tables.num_tiers),
-            dev["levels64"], dev["mids64"], _v3_device(tables), status,
-            va, np.int64(va.strides[0] // 4), sv, mv))
+        _launch_v3(tables, n, 0, (ka, sk, mk), (va, sv, mv), mi, dests, pg, pt, status)
     if check:
         raise_status(status)
     return status
