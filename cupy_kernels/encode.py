@@ -4,8 +4,12 @@
 each straight into (dst_page, dst_slot) of the pool, at the bit width of that page's tier;
 ``encode_kv_into_pages`` does both parts of the same states in one launch.
 It does not touch page_count (the cache's bookkeeping). With ``check=True`` (default) it
-syncs once and raises ValueError for NaN/Inf input, a norm beyond an fp16 scale, or a bad
-destination; ``check=False`` keeps the call free of host syncs (graph capture).
+first checks every index (page ids inside the pool, heads inside sigma, mean rows inside
+mean) on the device and raises ValueError before any launch, so a bad index never writes
+outside the pool; then it syncs once more and raises ValueError for NaN/Inf input, a norm
+beyond an fp16 scale, or a destination page without a tier or a slot outside its page.
+``check=False`` keeps the call free of host syncs (graph capture): the caller guarantees
+the indices.
 
 Three kernel generations (docs/PERF_NOTES.md, "Encode"): ``version=3`` (default) finds each
 cell without a search (the uniform codebook: an affine function of t, rounded; any other: one
@@ -28,6 +32,10 @@ ENCODE_VERSIONS = (1, 2, 3)
 DEFAULT_ENCODE_VERSION = 3   # 1.5-2.1x v2 on one H200, same bytes (docs/PERF_NOTES.md)
 V2_BLOCKS_PER_SM = 4      # __launch_bounds__(256, 4) of encode_v2_kernel and the v3 kernels
 KV_ONE_LAUNCH = True      # encode_kv_into_pages on v3: both parts in one launch (False: two)
+# v3 leaves vectors bound for a 16-bit part to encode16_kernel, launched after it (csrc
+# ENC3_SPLIT16 = 1, the build's default; a module built with ENC3_SPLIT16 = 0 needs False)
+SPLIT16 = True
+ENCODE16_BLOCKS_PER_SM = 8
 
 # v3 table blob (csrc/encode.cuh, ENC3_*): per bit row (1, 2, 3, 4, 8 bits) 8 parameters; then
 # (codebooks other than uniform) the float32 squared levels, and per row Enc3Row<b>::G
@@ -63,6 +71,33 @@ def raise_status(status) -> None:
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_id: int) -> int:
     return int(cupy().cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def check_ranges(*checks) -> None:
+    """Raises ValueError unless every (index array, bound, what) has all entries in
+    [0, bound): one device reduction per array, one host sync for all of them."""
+    cp = cupy()
+    checks = [(a, int(hi), what) for a, hi, what in checks if getattr(a, "size", 0)]
+    if not checks:
+        return
+    bad = cp.stack([cp.any((a < 0) | (a >= hi)) for a, hi, _ in checks]).get()
+    msgs = [what for flag, (_, _, what) in zip(bad, checks) if flag]
+    if msgs:
+        raise ValueError("; ".join(msgs))
+
+
+def _dest_ranges(dests, pt, sigmas, mi, means):
+    """The checks of check_ranges for an encode call: page ids, heads (against every sigma
+    table) and mean rows (against every mean table that is given)."""
+    hd, dp, _ = dests
+    out = [(dp, pt.shape[0], f"a dst_page is outside the pool of {pt.shape[0]} pages")]
+    rows = min(s.shape[0] for s in sigmas)
+    out.append((hd, rows, f"a head is outside the {rows} rows of sigma"))
+    given = [m for m in means if not isinstance(m, np.uint64)]
+    if given and not isinstance(mi, np.uint64):
+        r = min(m.shape[0] for m in given)
+        out.append((mi, r, f"a mean_index is outside the {r} rows of mean"))
+    return out
 
 
 def _index(a, name, n):
@@ -243,9 +278,13 @@ def _launch_v3(tables: KernelTables, n: int, part: int, first, second, mi, dests
     x2, s2, m2 = second if second is not None else first
     parts = 1 if second is None else 2
     name = "encode_v3_uniform_kernel" if tables.codebook == "uniform" else "encode_v3_kernel"
-    kernel(name, tables.dim)((_v3_blocks(n, parts), parts), (THREADS,),
-                             _args(tables, n, part, first, mi, dests, pg, pt) +
-                             (_v3_device(tables), status, x2, np.int64(x2.strides[0] // 4), s2, m2))
+    args = (_args(tables, n, part, first, mi, dests, pg, pt) +
+            (_v3_device(tables), status, x2, np.int64(x2.strides[0] // 4), s2, m2))
+    kernel(name, tables.dim)((_v3_blocks(n, parts), parts), (THREADS,), args)
+    bits = {b for kv in tables.ladder for p, b in enumerate(kv) if p == part or parts == 2}
+    if SPLIT16 and 16 in bits:
+        blocks = min(-(-n // THREADS), ENCODE16_BLOCKS_PER_SM * _sm_count(cupy().cuda.Device().id))
+        kernel("encode16_kernel", tables.dim)((max(1, blocks), parts), (THREADS,), args)
 
 
 def _v3_blocks(n: int, parts: int) -> int:
@@ -280,6 +319,8 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
         mn, mi = _rows_of(mean, d, "mean"), _index(mean_index, "mean_index", n)
     else:
         mn = mi = np.uint64(0)
+    if check:
+        check_ranges(*_dest_ranges(dests, pt, (sg,), mi, (mn,)))
     if status is None:
         status = cp.zeros(1, cp.int32)
     p = 0 if part == "key" else 1
@@ -312,16 +353,6 @@ def encode_kv_into_pages(k, v, pages, page_tier, tables: KernelTables, sigma_k, 
         raise ValueError(f"k and v must have the same shape, got {ka.shape} and {va.shape}")
     if (mean_k is not None or mean_v is not None) and mean_index is None:
         raise ValueError("mean_k / mean_v need mean_index (which mean row each vector uses)")
-    if version != 3 or not KV_ONE_LAUNCH:
-        st = encode_into_pages(ka, pages, page_tier, tables, sigma_k, head, dst_page, dst_slot,
-                               part="key", mean=mean_k, mean_index=mean_index if mean_k is not None
-                               else None, check=False, status=status, version=version)
-        encode_into_pages(va, pages, page_tier, tables, sigma_v, head, dst_page, dst_slot,
-                          part="value", mean=mean_v, mean_index=mean_index if mean_v is not None
-                          else None, check=False, status=st, version=version)
-        if check:
-            raise_status(st)
-        return st
     n, d = ka.shape
     pg, pt = pool_views(pages, page_tier, tables)
     sk, sv = _rows_of(sigma_k, d, "sigma_k"), _rows_of(sigma_v, d, "sigma_v")
@@ -329,6 +360,21 @@ def encode_kv_into_pages(k, v, pages, page_tier, tables: KernelTables, sigma_k, 
     mk = _rows_of(mean_k, d, "mean_k") if mean_k is not None else np.uint64(0)
     mv = _rows_of(mean_v, d, "mean_v") if mean_v is not None else np.uint64(0)
     mi = _index(mean_index, "mean_index", n) if mean_index is not None else np.uint64(0)
+    if check:
+        check_ranges(*_dest_ranges(dests, pt, (sk, sv), mi, (mk, mv)))
+    if version != 3 or not KV_ONE_LAUNCH:
+        hd, dp, ds = dests
+        st = encode_into_pages(ka, pg, pt, tables, sk, hd, dp, ds, part="key",
+                               mean=None if mean_k is None else mk,
+                               mean_index=None if mean_k is None else mi, check=False,
+                               status=status, version=version)
+        encode_into_pages(va, pg, pt, tables, sv, hd, dp, ds, part="value",
+                          mean=None if mean_v is None else mv,
+                          mean_index=None if mean_v is None else mi, check=False, status=st,
+                          version=version)
+        if check:
+            raise_status(st)
+        return st
     if status is None:
         status = cp.zeros(1, cp.int32)
     if n:

@@ -5,14 +5,15 @@ bits at both ends copy the stored codes and scales (compaction), fewer bits re-e
 stored rotated vector y = s * C[c] / sqrt(d) at the destination's bits (the reference's
 ``paged.encode_rotated(stored_rotated(...))``). The destination pages must already carry
 their tier in page_tier; page_count is the caller's bookkeeping. No slot may be both a
-source and a destination in one call (checked on the host when ``check=True``).
+source and a destination in one call, and every page id must lie inside the pool (both
+checked before the launch when ``check=True``).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ._module import cupy, kernel
-from .encode import THREADS, _index, raise_status
+from .encode import THREADS, _index, check_ranges, raise_status
 from .pages import KernelTables, as_device, device_tables, pool_views
 
 
@@ -27,6 +28,9 @@ def retier(pages, page_tier, tables: KernelTables, src_page, src_slot, dst_page,
     dp = _index(dst_page, "dst_page", n)
     ds = _index(dst_slot, "dst_slot", n)
     if check and n:
+        num = pt.shape[0]
+        check_ranges((sp, num, f"a src_page is outside the pool of {num} pages"),
+                     (dp, num, f"a dst_page is outside the pool of {num} pages"))
         src = set(zip(sp.get().tolist(), ss.get().tolist()))
         dst = list(zip(dp.get().tolist(), ds.get().tolist()))
         if len(set(dst)) != len(dst):

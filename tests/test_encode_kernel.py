@@ -106,6 +106,8 @@ def test_encode_rejects_bad_input(version):
     bad = x.copy(); bad[0, 3] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         enc(bad, pages, tier, tables, sig, z, z, z)
+    with pytest.raises(ValueError, match="NaN"):      # a 16-bit page (v3: its own launch)
+        enc(bad, pages, cp.asarray([len(LADDER), 0], cp.int32), tables, sig, z, z, z)
     with pytest.raises(ValueError, match="fp16"):
         enc(x * 3e4, pages, tier, tables, sig, z, z, z)
     with pytest.raises(ValueError, match="free"):
@@ -118,6 +120,44 @@ def test_encode_rejects_bad_input(version):
         enc(x.get(), pages, tier, tables, sig, z, z, z)    # host array
     with pytest.raises(ValueError, match="version"):
         encode_into_pages(x, pages, tier, tables, sig, z, z, z, version=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_encode_rejects_indices_outside_before_launch(version):
+    """A page id outside the pool, a head outside sigma or a mean row outside mean raises
+    ValueError before any launch: the pool (and the memory past it) is left as it was."""
+    import cupy as cp
+    from cupy_kernels import encode_into_pages, encode_kv_into_pages, kernel_tables
+    tables = kernel_tables(LADDER, 64)
+    rng = np.random.default_rng(version)
+    filler = rng.integers(0, 256, (3, tables.page_bytes), dtype=np.uint8)
+    pool = cp.asarray(filler)
+    pages, tier = pool[:2], cp.asarray([5, 5], cp.int32)   # a third page past the pool's end
+    sig = cp.ones((2, 64), cp.float32)
+    mean = cp.zeros((3, 64), cp.float32)
+    x = cp.asarray(rng.normal(0, 1, (4, 64)).astype(np.float32))
+    a = lambda *v: cp.asarray(v, cp.int32)
+    head, page, slot = a(0, 1, 0, 1), a(0, 1, 1, 0), a(0, 1, 2, 3)
+    cases = [(dict(dst_page=a(0, 1, 2, 0)), "dst_page is outside the pool of 2"),
+             (dict(dst_page=a(0, -1, 1, 0)), "dst_page"),
+             (dict(head=a(0, 1, 2, 0)), "head is outside the 2 rows"),
+             (dict(mean_index=a(0, 3, 0, 0)), "mean_index is outside the 3 rows")]
+    for change, msg in cases:
+        kw = dict(head=head, dst_page=page, dst_slot=slot, mean_index=a(0, 1, 2, 0)) | change
+        with pytest.raises(ValueError, match=msg):
+            encode_into_pages(x, pages, tier, tables, sig, kw["head"], kw["dst_page"],
+                              kw["dst_slot"], mean=mean, mean_index=kw["mean_index"],
+                              version=version)
+        with pytest.raises(ValueError, match=msg):
+            encode_kv_into_pages(x, x, pages, tier, tables, sig, sig, kw["head"], kw["dst_page"],
+                                 kw["dst_slot"], mean_k=mean, mean_index=kw["mean_index"],
+                                 version=version)
+        np.testing.assert_array_equal(pool.get(), filler)
+    encode_into_pages(x, pages, tier, tables, sig, head, page, slot, mean=mean,
+                      mean_index=a(0, 1, 2, 0), version=version)    # in range: written
+    assert bool(cp.any(pool[:2] != cp.asarray(filler[:2])))
+    np.testing.assert_array_equal(pool[2].get(), filler[2])
 
 
 @pytest.mark.gpu
@@ -279,6 +319,9 @@ def test_retier_rejects_promotion_and_overlap():
         retier(pages, tier, tables, a(0), a(0), a(1), a(0))
     with pytest.raises(ValueError, match="both a source"):
         retier(pages, tier, tables, a(1, 1), a(0, 1), a(1, 1), a(1, 2))
+    for args in ((a(2), a(0), a(1), a(0)), (a(0), a(0), a(-1), a(0))):
+        with pytest.raises(ValueError, match="outside the pool of 2 pages"):
+            retier(pages, tier, tables, *args)
 
 
 # ------------------------------------------------------------------ encode v3 specifics ----

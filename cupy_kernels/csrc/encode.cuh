@@ -656,6 +656,9 @@ __device__ __forceinline__ int enc3_encode(const float (&z)[D / 8], float kt, fl
   return ENC3_SLOW;
 }
 
+#ifndef ENC3_SPLIT16
+#define ENC3_SPLIT16 1  // 1: the 16-bit tier's vectors are left to encode16_kernel (below)
+#endif
 #ifndef ENC3_DEFER
 #define ENC3_DEFER 1  // 0: a diagnostic build (wrong output) that drops the deferred vectors
 #endif
@@ -729,7 +732,7 @@ __device__ __forceinline__ void encode_v3_body(
     if (live && !ok && g == 0) atomicOr(status, tier_ok ? ST_BAD_SLOT : ST_BAD_TIER);
     const int bits = part == 0 ? g0.x : g0.y;
 
-    bool slow = ok, scale_due = false;
+    bool slow = ok && (!ENC3_SPLIT16 || bits != 16), scale_due = false;
     float sm = 0.f, ssq = 0.f;   // ENC3_SCALE: the fp16 midpoint near the scale, and sumsq
     if (ok && r_ok && bits != 16) {   // group-uniform
       // page bytes < 2^31 (a page of 4 KiB by default): byte offsets inside it are ints
@@ -849,6 +852,61 @@ __global__ void __launch_bounds__(256, 4) encode_v3_uniform_kernel(SKV_ENCODE_V3
   encode_v3_block<D, true>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page,
                            dst_slot, part, pages, page_words, page_tier, geom, num_tiers, levels,
                            mids, tables, status, x2, x2_row_stride, sigma2, mean2);
+}
+// The 16-bit tier of a v3 launch (ENC3_SPLIT16 = 1), launched after it with the same
+// arguments and grid rows. A 16-bit code is the fp16 of the float64 rotated coordinate, so
+// every such vector takes v1's float64 pipeline; inside v3's loop that pass held up the
+// warp's other three vectors and cost the loop its schedule. Here each warp reads the
+// destinations of 32 vectors, one per lane, and encodes those bound for a 16-bit part with
+// the whole warp, one at a time. A destination without a tier or with a slot outside its
+// page is skipped (v3 reports it); NaN/Inf input is reported here.
+template <int D>
+__global__ void __launch_bounds__(256) encode16_kernel(SKV_ENCODE_V3_PARAMS) {
+  const int lane = threadIdx.x & 31;
+  const bool vrow = blockIdx.y != 0;   // the values' row of a two-part launch
+  const int p = vrow ? 1 : part;
+  const float* xp = vrow ? x2 : x;
+  const long long stride = vrow ? x2_row_stride : x_row_stride;
+  const float* sg = vrow ? sigma2 : sigma;
+  const float* mn = vrow ? mean2 : mean;
+  const int warps = (gridDim.x * blockDim.x) >> 5;
+  for (int base = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * 32; base < n;
+       base += warps * 32) {
+    const int i = base + lane;
+    int pg = 0, sl = 0, tier = 0;
+    bool mine = false;
+    if (i < n) {
+      pg = dst_page[i];
+      sl = dst_slot[i];
+      tier = page_tier[pg];
+      if (tier >= 1 && tier <= num_tiers) {
+        const int* gm = geom + tier * SKV_GEOM_STRIDE;
+        mine = (p == 0 ? gm[G_KBITS] : gm[G_VBITS]) == 16 && sl >= 0 && sl < gm[G_P];
+      }
+    }
+    u32 todo = __ballot_sync(ENC_FULL, mine);
+    while (todo) {
+      const int src = __ffs(todo) - 1;
+      todo &= todo - 1;
+      const int v = base + src;
+      const int vp = __shfl_sync(ENC_FULL, pg, src), vs = __shfl_sync(ENC_FULL, sl, src);
+      const int vt = __shfl_sync(ENC_FULL, tier, src);
+      double y[D / 32];
+      const bool bad = warp_load_centred<D>(y, xp + (long long)v * stride, sg + (size_t)head[v] * D,
+                                            mn ? mn + (size_t)mean_index[v] * D : nullptr, lane);
+      if (__any_sync(ENC_FULL, bad)) {
+        if (lane == 0) atomicOr(status, ST_NONFINITE);
+        continue;
+      }
+      warp_fwht<D>(y, lane);
+      const double inv = 1.0 / sqrt((double)D);
+#pragma unroll
+      for (int k = 0; k < D / 32; ++k) y[k] *= inv;
+      const EncodeDest dv(pages, page_words, vp, vs, geom + vt * SKV_GEOM_STRIDE, p);
+      const int st = warp_encode<D>(y, 16, levels, mids, dv.codes, dv.scale, lane);
+      if (st && lane == 0) atomicOr(status, st);
+    }
+  }
 }
 #undef SKV_ENCODE_V3_PARAMS
 
