@@ -29,6 +29,9 @@ VARIANTS = {
     "v3_kv2": ({}, dict(KV_ONE_LAUNCH=False)),
     # the 16-bit tier's vectors inside v3's loop (whole-warp float64 pass), no second launch
     "v3_nosplit16": (dict(ENC3_SPLIT16=0), dict(SPLIT16=False)),
+    # diagnostic: v3 as built without its 16-bit launch (wrong output where a 16-bit tier is
+    # written; on one-tier pools the cost of the scan launch against v3_nosplit16's loop change)
+    "v3_no16launch": ({}, dict(SPLIT16=False)),
 }
 CASES = [(32, 8192, "rdr-mix"), (8, 32768, "rdr-mix"), (1, 131072, "rdr-mix"),
          (8, 32768, "4/4"), (1, 131072, "4/4"), (1, 131072, "3/3"), (8, 32768, "3/3"),

@@ -854,57 +854,127 @@ __global__ void __launch_bounds__(256, 4) encode_v3_uniform_kernel(SKV_ENCODE_V3
                            mids, tables, status, x2, x2_row_stride, sigma2, mean2);
 }
 // The 16-bit tier of a v3 launch (ENC3_SPLIT16 = 1), launched after it with the same
-// arguments and grid rows. A 16-bit code is the fp16 of the float64 rotated coordinate, so
-// every such vector takes v1's float64 pipeline; inside v3's loop that pass held up the
-// warp's other three vectors and cost the loop its schedule. Here each warp reads the
-// destinations of 32 vectors, one per lane, and encodes those bound for a 16-bit part with
-// the whole warp, one at a time. A destination without a tier or with a slot outside its
-// page is skipped (v3 reports it); NaN/Inf input is reported here.
+// arguments and the number of parts. A 16-bit code is the fp16 of the float64 rotated
+// coordinate, so v3 sent every such vector through v1's whole-warp float64 pass, which held
+// up the warp's other three vectors. Here a group of 8 lanes takes one vector (coordinates
+// 16 g .. 16 g + 15 of D = 128 in lane g: spans 1-8 of the transform in-lane, 16-64 by
+// shuffles; the same butterflies in the same order as v1, so the same float64 values).
+// Warp w of W scans the vectors i = 32 W k + W l + w (lane l, ENC16_CHUNKS chunks k at once):
+// a run of 16-bit states (a sink, the recent window) spreads over consecutive warps instead
+// of queueing in one. Each scanned vector is encoded for every part of the launch whose
+// bits are 16; a destination without a tier or with a slot outside its page is skipped
+// (v3 reports it); NaN/Inf input and |y_j| > 65504 are reported here.
+#ifndef ENC16_CHUNKS
+#define ENC16_CHUNKS 4
+#endif
+
 template <int D>
-__global__ void __launch_bounds__(256) encode16_kernel(SKV_ENCODE_V3_PARAMS) {
-  const int lane = threadIdx.x & 31;
-  const bool vrow = blockIdx.y != 0;   // the values' row of a two-part launch
-  const int p = vrow ? 1 : part;
-  const float* xp = vrow ? x2 : x;
-  const long long stride = vrow ? x2_row_stride : x_row_stride;
-  const float* sg = vrow ? sigma2 : sigma;
-  const float* mn = vrow ? mean2 : mean;
-  const int warps = (gridDim.x * blockDim.x) >> 5;
-  for (int base = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * 32; base < n;
-       base += warps * 32) {
-    const int i = base + lane;
-    int pg = 0, sl = 0, tier = 0;
-    bool mine = false;
-    if (i < n) {
-      pg = dst_page[i];
-      sl = dst_slot[i];
-      tier = page_tier[pg];
-      if (tier >= 1 && tier <= num_tiers) {
-        const int* gm = geom + tier * SKV_GEOM_STRIDE;
-        mine = (p == 0 ? gm[G_KBITS] : gm[G_VBITS]) == 16 && sl >= 0 && sl < gm[G_P];
+__device__ __forceinline__ void enc16_vector(const float* __restrict__ xi, const float* __restrict__ sg,
+                                             const float* __restrict__ mu, u32* codes, int g,
+                                             u32 gmask, int* __restrict__ status) {
+  constexpr int V = D / 8;
+  double y[V];
+  bool bad = false;
+#pragma unroll
+  for (int k = 0; k < V; k += 4) {   // rows and tables 16-byte aligned (the launcher checks)
+    const float4 f = *reinterpret_cast<const float4*>(xi + g * V + k);
+    const float4 s = *reinterpret_cast<const float4*>(sg + g * V + k);
+    const float4 m = mu ? *reinterpret_cast<const float4*>(mu + g * V + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+    // as warp_load_centred: ((double)x - (double)mu) * sigma
+    bad |= !isfinite(f.x) || !isfinite(f.y) || !isfinite(f.z) || !isfinite(f.w);
+    y[k] = ((double)f.x - (double)m.x) * (double)s.x;
+    y[k + 1] = ((double)f.y - (double)m.y) * (double)s.y;
+    y[k + 2] = ((double)f.z - (double)m.z) * (double)s.z;
+    y[k + 3] = ((double)f.w - (double)m.w) * (double)s.w;
+  }
+  if (__any_sync(gmask, bad)) {
+    if (g == 0) atomicOr(status, ST_NONFINITE);
+    return;
+  }
+#pragma unroll
+  for (int h = 1; h < V; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      if ((i & h) == 0) {
+        const double a = y[i], b = y[i + h];
+        y[i] = a + b;
+        y[i + h] = a - b;
       }
     }
-    u32 todo = __ballot_sync(ENC_FULL, mine);
-    while (todo) {
-      const int src = __ffs(todo) - 1;
-      todo &= todo - 1;
-      const int v = base + src;
-      const int vp = __shfl_sync(ENC_FULL, pg, src), vs = __shfl_sync(ENC_FULL, sl, src);
-      const int vt = __shfl_sync(ENC_FULL, tier, src);
-      double y[D / 32];
-      const bool bad = warp_load_centred<D>(y, xp + (long long)v * stride, sg + (size_t)head[v] * D,
-                                            mn ? mn + (size_t)mean_index[v] * D : nullptr, lane);
-      if (__any_sync(ENC_FULL, bad)) {
-        if (lane == 0) atomicOr(status, ST_NONFINITE);
-        continue;
-      }
-      warp_fwht<D>(y, lane);
-      const double inv = 1.0 / sqrt((double)D);
+  }
 #pragma unroll
-      for (int k = 0; k < D / 32; ++k) y[k] *= inv;
-      const EncodeDest dv(pages, page_words, vp, vs, geom + vt * SKV_GEOM_STRIDE, p);
-      const int st = warp_encode<D>(y, 16, levels, mids, dv.codes, dv.scale, lane);
-      if (st && lane == 0) atomicOr(status, st);
+  for (int m = 1; m < 8; m <<= 1) {   // spans V, 2V, 4V: partner lane g ^ m of the group
+    const bool upper = (g & m) != 0;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const double other = __shfl_xor_sync(gmask, y[i], m);
+      y[i] = upper ? other - y[i] : y[i] + other;
+    }
+  }
+  const double inv = 1.0 / sqrt((double)D);
+  bool over = false;
+#pragma unroll
+  for (int i = 0; i < V; i += 2) {   // words g V / 2 .. of the code row
+    const double a = y[i] * inv, b = y[i + 1] * inv;
+    over |= fabs(a) > 65504.0 || fabs(b) > 65504.0;
+    codes[(g * V + i) / 2] = h2_as_u32(__halves2half2(__double2half(a), __double2half(b)));
+  }
+  if (__any_sync(gmask, over) && g == 0) atomicOr(status, ST_TOP_OVERFLOW);
+}
+
+template <int D>
+__global__ void __launch_bounds__(256)
+encode16_kernel(SKV_ENCODE_V3_PARAMS, int parts) {
+  constexpr int C = ENC16_CHUNKS;
+  const int lane = threadIdx.x & 31, g = lane & 7, q = lane >> 3;
+  const u32 gmask = 0xffu << (lane & 24);
+  const long long W = (gridDim.x * (long long)blockDim.x) >> 5;
+  const long long w = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  for (long long k0 = 0; k0 * 32 * W + w < n; k0 += C) {
+    int pg[C], sl[C], need[C];   // need: bit p set when part p of the vector is 16-bit
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const long long i = (k0 + c) * 32 * W + lane * W + w;
+      pg[c] = i < n ? dst_page[i] : -1;
+      sl[c] = i < n ? dst_slot[i] : -1;
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int tier = pg[c] >= 0 ? page_tier[pg[c]] : 0;
+      need[c] = 0;
+      if (tier >= 1 && tier <= num_tiers) {
+        const int* gm = geom + tier * SKV_GEOM_STRIDE;
+        if (sl[c] >= 0 && sl[c] < __ldg(gm + G_P)) {
+          const int p0 = parts == 2 ? 0 : part;
+          need[c] = (__ldg(gm + (p0 == 0 ? G_KBITS : G_VBITS)) == 16 ? 1 : 0) |
+                    (parts == 2 && __ldg(gm + G_VBITS) == 16 ? 2 : 0);
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      for (int p = 0; p < parts; ++p) {
+        u32 todo = __ballot_sync(ENC_FULL, (need[c] >> p) & 1);
+        while (todo) {   // four vectors per round, one per group
+          u32 m = todo;
+          for (int j = 0; j < q; ++j) m &= m - 1;
+          const int src = m ? __ffs(m) - 1 : 0;
+          const int vp = __shfl_sync(ENC_FULL, pg[c], src), vs = __shfl_sync(ENC_FULL, sl[c], src);
+          for (int j = 0; j < 4; ++j) todo &= todo - 1;
+          if (m) {   // group-uniform
+            const long long v = (k0 + c) * 32 * W + src * W + w;
+            const int tier = page_tier[vp];
+            const int pp = parts == 2 ? p : part;
+            const EncodeDest dv(pages, page_words, vp, vs, geom + tier * SKV_GEOM_STRIDE, pp);
+            const bool vrow = parts == 2 && p == 1;
+            const float* mn = vrow ? mean2 : mean;
+            enc16_vector<D>((vrow ? x2 : x) + v * (vrow ? x2_row_stride : x_row_stride),
+                            (vrow ? sigma2 : sigma) + (size_t)head[v] * D,
+                            mn ? mn + (size_t)mean_index[v] * D : nullptr, dv.codes, g, gmask,
+                            status);
+          }
+        }
+      }
     }
   }
 }
