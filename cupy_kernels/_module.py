@@ -15,7 +15,6 @@ KERNELS = ("ada_decode_kernel", "ada_decode_uniform_kernel", "ada_decode_v4_kern
            "ada_decode_uniform_v7_kernel", "ada_decode_uniform_v8_kernel",
            "ada_merge_kernel", "ada_merge_v7_kernel",
            "encode_kernel", "encode_v2_kernel", "encode_v3_kernel", "encode_v3_uniform_kernel",
-           "encode16_kernel",
            "retier_kernel")
 OPTIONS = ("--std=c++17", "-default-device")
 

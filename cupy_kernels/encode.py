@@ -32,10 +32,6 @@ ENCODE_VERSIONS = (1, 2, 3)
 DEFAULT_ENCODE_VERSION = 3   # 1.5-2.1x v2 on one H200, same bytes (docs/PERF_NOTES.md)
 V2_BLOCKS_PER_SM = 4      # __launch_bounds__(256, 4) of encode_v2_kernel and the v3 kernels
 KV_ONE_LAUNCH = True      # encode_kv_into_pages on v3: both parts in one launch (False: two)
-# v3 leaves vectors bound for a 16-bit part to encode16_kernel, launched after it (csrc
-# ENC3_SPLIT16 = 1, the build's default; a module built with ENC3_SPLIT16 = 0 needs False)
-SPLIT16 = True
-ENCODE16_CHUNKS = 4        # csrc ENC16_CHUNKS: chunks of 32 vectors a warp scans at once
 
 # v3 table blob (csrc/encode.cuh, ENC3_*): per bit row (1, 2, 3, 4, 8 bits) 8 parameters; then
 # (codebooks other than uniform) the float32 squared levels, and per row Enc3Row<b>::G
@@ -278,13 +274,9 @@ def _launch_v3(tables: KernelTables, n: int, part: int, first, second, mi, dests
     x2, s2, m2 = second if second is not None else first
     parts = 1 if second is None else 2
     name = "encode_v3_uniform_kernel" if tables.codebook == "uniform" else "encode_v3_kernel"
-    args = (_args(tables, n, part, first, mi, dests, pg, pt) +
-            (_v3_device(tables), status, x2, np.int64(x2.strides[0] // 4), s2, m2))
-    kernel(name, tables.dim)((_v3_blocks(n, parts), parts), (THREADS,), args)
-    bits = {b for kv in tables.ladder for p, b in enumerate(kv) if p == part or parts == 2}
-    if SPLIT16 and 16 in bits:   # one pass of ENCODE16_CHUNKS chunks of 32 per warp
-        blocks = -(-n // (THREADS * ENCODE16_CHUNKS))
-        kernel("encode16_kernel", tables.dim)((blocks,), (THREADS,), args + (np.int32(parts),))
+    kernel(name, tables.dim)((_v3_blocks(n, parts), parts), (THREADS,),
+                             _args(tables, n, part, first, mi, dests, pg, pt) +
+                             (_v3_device(tables), status, x2, np.int64(x2.strides[0] // 4), s2, m2))
 
 
 def _v3_blocks(n: int, parts: int) -> int:

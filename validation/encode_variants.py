@@ -27,11 +27,6 @@ VARIANTS = {
     "v3_nodefer": (dict(ENC3_DEFER=0), {}),
     # keys and values in two launches (encode_kv_into_pages as two encode_into_pages calls)
     "v3_kv2": ({}, dict(KV_ONE_LAUNCH=False)),
-    # the 16-bit tier's vectors inside v3's loop (whole-warp float64 pass), no second launch
-    "v3_nosplit16": (dict(ENC3_SPLIT16=0), dict(SPLIT16=False)),
-    # diagnostic: v3 as built without its 16-bit launch (wrong output where a 16-bit tier is
-    # written; on one-tier pools the cost of the scan launch against v3_nosplit16's loop change)
-    "v3_no16launch": ({}, dict(SPLIT16=False)),
 }
 CASES = [(32, 8192, "rdr-mix"), (8, 32768, "rdr-mix"), (1, 131072, "rdr-mix"),
          (8, 32768, "4/4"), (1, 131072, "4/4"), (1, 131072, "3/3"), (8, 32768, "3/3"),
@@ -40,12 +35,11 @@ CASES = [(32, 8192, "rdr-mix"), (8, 32768, "rdr-mix"), (1, 131072, "rdr-mix"),
 
 def variant_getter(defines: dict):
     """A kernel getter like cupy_kernels._module.kernel, for a module built with `defines`
-    (only the v3 encode kernels and the 16-bit tier's kernel are instantiated)."""
+    (only the two v3 encode kernels are instantiated)."""
     import cupy as cp
     from cupy_kernels import _module
     opts = _module.build_options() + tuple(f"-D{k}={v}" for k, v in defines.items())
-    names = [_module.template_name(k, D) for k in ("encode_v3_kernel", "encode_v3_uniform_kernel",
-                                                "encode16_kernel")]
+    names = [_module.template_name(k, D) for k in ("encode_v3_kernel", "encode_v3_uniform_kernel")]
     mod = cp.RawModule(code=_module.source(), options=opts, name_expressions=names)
     mod.compile()
     return lambda name, dim: mod.get_function(_module.template_name(name, dim))

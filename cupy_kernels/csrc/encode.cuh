@@ -656,9 +656,6 @@ __device__ __forceinline__ int enc3_encode(const float (&z)[D / 8], float kt, fl
   return ENC3_SLOW;
 }
 
-#ifndef ENC3_SPLIT16
-#define ENC3_SPLIT16 1  // 1: the 16-bit tier's vectors are left to encode16_kernel (below)
-#endif
 #ifndef ENC3_DEFER
 #define ENC3_DEFER 1  // 0: a diagnostic build (wrong output) that drops the deferred vectors
 #endif
@@ -732,7 +729,7 @@ __device__ __forceinline__ void encode_v3_body(
     if (live && !ok && g == 0) atomicOr(status, tier_ok ? ST_BAD_SLOT : ST_BAD_TIER);
     const int bits = part == 0 ? g0.x : g0.y;
 
-    bool slow = ok && (!ENC3_SPLIT16 || bits != 16), scale_due = false;
+    bool slow = ok, scale_due = false;
     float sm = 0.f, ssq = 0.f;   // ENC3_SCALE: the fp16 midpoint near the scale, and sumsq
     if (ok && r_ok && bits != 16) {   // group-uniform
       // page bytes < 2^31 (a page of 4 KiB by default): byte offsets inside it are ints
@@ -852,131 +849,6 @@ __global__ void __launch_bounds__(256, 4) encode_v3_uniform_kernel(SKV_ENCODE_V3
   encode_v3_block<D, true>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page,
                            dst_slot, part, pages, page_words, page_tier, geom, num_tiers, levels,
                            mids, tables, status, x2, x2_row_stride, sigma2, mean2);
-}
-// The 16-bit tier of a v3 launch (ENC3_SPLIT16 = 1), launched after it with the same
-// arguments and the number of parts. A 16-bit code is the fp16 of the float64 rotated
-// coordinate, so v3 sent every such vector through v1's whole-warp float64 pass, which held
-// up the warp's other three vectors. Here a group of 8 lanes takes one vector (coordinates
-// 16 g .. 16 g + 15 of D = 128 in lane g: spans 1-8 of the transform in-lane, 16-64 by
-// shuffles; the same butterflies in the same order as v1, so the same float64 values).
-// Warp w of W scans the vectors i = 32 W k + W l + w (lane l, ENC16_CHUNKS chunks k at once):
-// a run of 16-bit states (a sink, the recent window) spreads over consecutive warps instead
-// of queueing in one. Each scanned vector is encoded for every part of the launch whose
-// bits are 16; a destination without a tier or with a slot outside its page is skipped
-// (v3 reports it); NaN/Inf input and |y_j| > 65504 are reported here.
-#ifndef ENC16_CHUNKS
-#define ENC16_CHUNKS 4
-#endif
-
-template <int D>
-__device__ __forceinline__ void enc16_vector(const float* __restrict__ xi, const float* __restrict__ sg,
-                                             const float* __restrict__ mu, u32* codes, int g,
-                                             u32 gmask, int* __restrict__ status) {
-  constexpr int V = D / 8;
-  double y[V];
-  bool bad = false;
-#pragma unroll
-  for (int k = 0; k < V; k += 4) {   // rows and tables 16-byte aligned (the launcher checks)
-    const float4 f = *reinterpret_cast<const float4*>(xi + g * V + k);
-    const float4 s = *reinterpret_cast<const float4*>(sg + g * V + k);
-    const float4 m = mu ? *reinterpret_cast<const float4*>(mu + g * V + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-    // as warp_load_centred: ((double)x - (double)mu) * sigma
-    bad |= !isfinite(f.x) || !isfinite(f.y) || !isfinite(f.z) || !isfinite(f.w);
-    y[k] = ((double)f.x - (double)m.x) * (double)s.x;
-    y[k + 1] = ((double)f.y - (double)m.y) * (double)s.y;
-    y[k + 2] = ((double)f.z - (double)m.z) * (double)s.z;
-    y[k + 3] = ((double)f.w - (double)m.w) * (double)s.w;
-  }
-  if (__any_sync(gmask, bad)) {
-    if (g == 0) atomicOr(status, ST_NONFINITE);
-    return;
-  }
-#pragma unroll
-  for (int h = 1; h < V; h <<= 1) {
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      if ((i & h) == 0) {
-        const double a = y[i], b = y[i + h];
-        y[i] = a + b;
-        y[i + h] = a - b;
-      }
-    }
-  }
-#pragma unroll
-  for (int m = 1; m < 8; m <<= 1) {   // spans V, 2V, 4V: partner lane g ^ m of the group
-    const bool upper = (g & m) != 0;
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const double other = __shfl_xor_sync(gmask, y[i], m);
-      y[i] = upper ? other - y[i] : y[i] + other;
-    }
-  }
-  const double inv = 1.0 / sqrt((double)D);
-  bool over = false;
-#pragma unroll
-  for (int i = 0; i < V; i += 2) {   // words g V / 2 .. of the code row
-    const double a = y[i] * inv, b = y[i + 1] * inv;
-    over |= fabs(a) > 65504.0 || fabs(b) > 65504.0;
-    codes[(g * V + i) / 2] = h2_as_u32(__halves2half2(__double2half(a), __double2half(b)));
-  }
-  if (__any_sync(gmask, over) && g == 0) atomicOr(status, ST_TOP_OVERFLOW);
-}
-
-template <int D>
-__global__ void __launch_bounds__(256)
-encode16_kernel(SKV_ENCODE_V3_PARAMS, int parts) {
-  constexpr int C = ENC16_CHUNKS;
-  const int lane = threadIdx.x & 31, g = lane & 7, q = lane >> 3;
-  const u32 gmask = 0xffu << (lane & 24);
-  const long long W = (gridDim.x * (long long)blockDim.x) >> 5;
-  const long long w = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-  for (long long k0 = 0; k0 * 32 * W + w < n; k0 += C) {
-    int pg[C], sl[C], need[C];   // need: bit p set when part p of the vector is 16-bit
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const long long i = (k0 + c) * 32 * W + lane * W + w;
-      pg[c] = i < n ? dst_page[i] : -1;
-      sl[c] = i < n ? dst_slot[i] : -1;
-    }
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int tier = pg[c] >= 0 ? page_tier[pg[c]] : 0;
-      need[c] = 0;
-      if (tier >= 1 && tier <= num_tiers) {
-        const int* gm = geom + tier * SKV_GEOM_STRIDE;
-        if (sl[c] >= 0 && sl[c] < __ldg(gm + G_P)) {
-          const int p0 = parts == 2 ? 0 : part;
-          need[c] = (__ldg(gm + (p0 == 0 ? G_KBITS : G_VBITS)) == 16 ? 1 : 0) |
-                    (parts == 2 && __ldg(gm + G_VBITS) == 16 ? 2 : 0);
-        }
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      for (int p = 0; p < parts; ++p) {
-        u32 todo = __ballot_sync(ENC_FULL, (need[c] >> p) & 1);
-        while (todo) {   // four vectors per round, one per group
-          u32 m = todo;
-          for (int j = 0; j < q; ++j) m &= m - 1;
-          const int src = m ? __ffs(m) - 1 : 0;
-          const int vp = __shfl_sync(ENC_FULL, pg[c], src), vs = __shfl_sync(ENC_FULL, sl[c], src);
-          for (int j = 0; j < 4; ++j) todo &= todo - 1;
-          if (m) {   // group-uniform
-            const long long v = (k0 + c) * 32 * W + src * W + w;
-            const int tier = page_tier[vp];
-            const int pp = parts == 2 ? p : part;
-            const EncodeDest dv(pages, page_words, vp, vs, geom + tier * SKV_GEOM_STRIDE, pp);
-            const bool vrow = parts == 2 && p == 1;
-            const float* mn = vrow ? mean2 : mean;
-            enc16_vector<D>((vrow ? x2 : x) + v * (vrow ? x2_row_stride : x_row_stride),
-                            (vrow ? sigma2 : sigma) + (size_t)head[v] * D,
-                            mn ? mn + (size_t)mean_index[v] * D : nullptr, dv.codes, g, gmask,
-                            status);
-          }
-        }
-      }
-    }
-  }
 }
 #undef SKV_ENCODE_V3_PARAMS
 
