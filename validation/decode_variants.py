@@ -100,6 +100,18 @@ def launcher_as(ad, getter=None, overrides=None):
             setattr(ad, k, v)
 
 
+def dump_table(path, copy_gbps, rows, columns):
+    """Writes {copy_gbps, rows} to ``path`` as JSON, then prints the rows as a table; columns:
+    (key, header, width (negative: left-aligned), format spec) each."""
+    with open(path, "w") as f:
+        json.dump(dict(copy_gbps=copy_gbps, rows=rows), f, indent=1)
+    align = lambda w: f"{'<' if w < 0 else '>'}{abs(w)}"
+    print("\n" + " ".join(format(h, align(w)) for _, h, w, _ in columns))
+    for r in rows:
+        print(" ".join(format(str(r[k]) if spec == "s" else r[k], align(w) + spec)
+                       for k, _, w, spec in columns))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="decode_variants.json")
@@ -154,13 +166,11 @@ def main(argv=None):
             del run
         del state
         cp.get_default_memory_pool().free_all_blocks()
-    with open(args.out, "w") as f:
-        json.dump(dict(copy_gbps=copy_gbps, rows=rows), f, indent=1)
-    print(f"\n{'variant':10s} {'B':>3s} {'ctx':>7s} {'tiers':>8s} {'pool':>12s} {'us':>8s} "
-          f"{'%copy':>6s} {'splits':>6s} {'rel vs v6':>9s}")
-    for r in rows:
-        print(f"{r['variant']:10s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>8s} {r['pool']:>12s} "
-              f"{r['us']:8.1f} {r['pct_copy']:6.1f} {r['splits']:6d} {r['rel_diff_vs_v6']:9.2e}")
+    dump_table(args.out, copy_gbps, rows,
+               [("variant", "variant", -12, "s"), ("batch", "B", 3, "d"), ("context", "ctx", 7, "d"),
+                ("tiers", "tiers", 8, "s"), ("pool", "pool", 12, "s"), ("us", "us", 8, ".1f"),
+                ("pct_copy", "%copy", 6, ".1f"), ("splits", "splits", 6, "d"),
+                ("rel_diff_vs_v6", "rel vs v6", 9, ".2e")])
     return 0
 
 

@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_bench import (D, LADDER, Timer, copy_bandwidth, encode_bytes,  # noqa: E402
                           encode_inputs, encode_keys_values)
-from decode_variants import launcher_as  # noqa: E402
+from decode_variants import dump_table, launcher_as  # noqa: E402
 
 # name: (NVRTC defines, launcher overrides)
 VARIANTS = {
@@ -85,13 +85,10 @@ def main(argv=None):
             print(json.dumps(r), flush=True)
         del inp, pages, first
         cp.get_default_memory_pool().free_all_blocks()
-    with open(args.out, "w") as f:
-        json.dump(dict(copy_gbps=copy_gbps, rows=rows), f, indent=1)
-    print(f"\n{'variant':11s} {'B':>3s} {'ctx':>7s} {'tiers':>8s} {'codebook':>9s} {'us':>8s} "
-          f"{'%copy':>6s} {'same':>5s}")
-    for r in rows:
-        print(f"{r['variant']:11s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>8s} "
-              f"{r['codebook']:>9s} {r['us']:8.1f} {r['pct_copy']:6.1f} {str(r['bytes_equal_to_v3']):>5s}")
+    dump_table(args.out, copy_gbps, rows,
+               [("variant", "variant", -13, "s"), ("batch", "B", 3, "d"), ("context", "ctx", 7, "d"),
+                ("tiers", "tiers", 8, "s"), ("codebook", "codebook", 9, "s"), ("us", "us", 8, ".1f"),
+                ("pct_copy", "%copy", 6, ".1f"), ("bytes_equal_to_v3", "same", 5, "s")])
     return 0
 
 
