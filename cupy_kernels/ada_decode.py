@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _pdl
 from ._module import cupy, kernel
 from .pages import KernelTables, as_device, device_tables
 
@@ -35,6 +36,11 @@ WAVES_V7 = 1
 # summed by four thread groups) when num_splits <= MERGE7_MAX_SPLITS, else with v6's merge.
 MERGE_V7 = True
 MERGE7_MAX_SPLITS = 256   # csrc MERGE7_MAX_SPLITS
+# The v7 merge starts as a programmatic dependent launch of the decode (cupy_kernels/_pdl.py):
+# its CTAs take the SMs the decode's early CTAs leave and wait there for the whole decode grid
+# (each v7 CTA allows it at entry, csrc DEC7_PDL), instead of launching after the decode's last
+# CTA. Same arithmetic, same output.
+MERGE_PDL = True
 STAGES_V7 = 2   # page buffers per warp of the v7 affine kernel (csrc DEC7_STAGES)
 # The v7 module (DEC7_GEOM_PRE = 1, the default) reads SKV_GEOM_PRE_ROWS geometry rows at entry:
 # the launcher passes the table padded with zero rows to that many (0: as is, for a build with
@@ -327,7 +333,9 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
         margs = (workspace.part_o, workspace.part_lse, np.int32(splits), np.int32(rows),
                  np.int32(hkv), np.int32(group), sv, mv, out)
         if version >= 7 and MERGE_V7 and splits <= MERGE7_MAX_SPLITS:
-            kernel("ada_merge_v7_kernel", d)((group, rows), (4 * d,), margs)
+            merge = kernel("ada_merge_v7_kernel", d)
+            if not (MERGE_PDL and _pdl.launch(merge, (group, rows), (4 * d,), margs)):
+                merge((group, rows), (4 * d,), margs)
         else:
             kernel("ada_merge_kernel", d)((rows,), (d,), margs)
     if torch_in:

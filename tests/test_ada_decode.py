@@ -413,3 +413,41 @@ def test_cuda_graph_capture_replays():
     graph.launch(stream)
     stream.synchronize()
     _check(case, out)
+
+
+@pytest.mark.parametrize("splits", [2, 66])
+def test_v7_merge_as_programmatic_launch(splits):
+    """The v7 merge launched as a programmatic dependent of the decode (MERGE_PDL: its CTAs may
+    start while the decode's last CTAs run and wait for the whole grid) writes the same bytes as
+    a plain launch, on a stream and replayed from a CUDA graph, and matches the reference."""
+    import cupy as cp
+    from cupy_kernels import _pdl, ada_decode as ad
+    from cupy_kernels.ada_decode import make_workspace
+    from cupy_kernels.cases import build_case, run_case, to_device
+    assert _pdl._launch_ex() is not None, "the driver has no cuLaunchKernelEx"
+    case = build_case(2, 2, 4, 128, [3000, 45, 2500, 700], WIDE_LADDER, [3, 4], seed=17,
+                      codebook="uniform")
+    dev = to_device(case)
+    ws = make_workspace(4, 4, 128, splits)
+    outs = {}
+    for pdl in (False, True):
+        ad.MERGE_PDL = pdl
+        try:
+            out = cp.full((2, 8, 128), np.nan, cp.float32)
+            run_case(case, dev, out=out, workspace=ws, validate=False, version=7)
+            cp.cuda.Device().synchronize()
+            outs[pdl] = out.get()
+            stream = cp.cuda.Stream(non_blocking=True)
+            with stream:
+                stream.begin_capture()
+                run_case(case, dev, out=out, workspace=ws, validate=False, version=7)
+                graph = stream.end_capture()
+            for _ in range(3):
+                out.fill(np.nan)
+                graph.launch(stream)
+                stream.synchronize()
+                np.testing.assert_array_equal(out.get(), outs[pdl])
+        finally:
+            ad.MERGE_PDL = True
+    np.testing.assert_array_equal(outs[True], outs[False])
+    _check(case, outs[True])

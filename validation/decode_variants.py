@@ -54,6 +54,10 @@ VARIANTS = {
     "v7_late": (dict(DEC7_EARLY=0), {}),
     # two pages per warp in flight at entry instead of one (measured slower as the default)
     "v7_early2": (dict(DEC7_EARLY=2), {}),
+    # the merge launched plainly after the decode (as before MERGE_PDL), with and without the
+    # decode's entry instruction that allows a programmatic launch (DEC7_PDL)
+    "v7_nopdl": (dict(DEC7_PDL=0), dict(MERGE_PDL=False)),
+    "v7_pdl_plain": (None, dict(MERGE_PDL=False)),
 }
 # measured in device run 1 (before WAVES_V7 = 1, the v7 merge and DEC7_LSPLIT = 1 were made the
 # default): v7_waves1 (now the default), v7_stages3, v7_conv1 (docs/PERF_NOTES.md, v7)

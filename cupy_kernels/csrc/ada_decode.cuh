@@ -2535,9 +2535,30 @@ ada_decode_uniform_v6_kernel(SKV_DECODE_PARAMS) {
 #ifndef DEC7_SUB
 #define DEC7_SUB 2              // 16-state sub-tiles per softmax step of the generic pages
 #endif
+// DEC7_PDL: every v7 CTA lets the merge kernel launch at its entry (programmatic dependent
+// launch: when the launcher starts the merge with that attribute, its CTAs are scheduled on
+// the SMs the decode's early CTAs leave, and wait in griddepcontrol.wait for the whole decode
+// grid; launched plainly, the instruction does nothing).
+#ifndef DEC7_PDL
+#define DEC7_PDL 1
+#endif
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+// Blocks until every grid this one depends on programmatically has completed and its writes
+// are visible (returns at once after a plain launch).
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 template <int D>
 __global__ void __launch_bounds__(DEC_WARPS * 32, DEC7_CTAS)
 ada_decode_uniform_v7_kernel(SKV_DECODE_PARAMS) {
+  if (DEC7_PDL) pdl_launch_dependents();
   decode_cta<D, PATH_AFFINE, DEC7_SUB, true, true>(SKV_DECODE_ARGS);
 }
 
@@ -2583,9 +2604,10 @@ ada_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ par
 // loads, coalesced over the D coordinates), then Pi_V^T and mu_V of the one head. The v4-v6 merge
 // (one CTA per row, D threads, splits in sequence) is latency-bound when there are many splits
 // per row (1 x 128K: 66-132). num_splits <= MERGE7_MAX_SPLITS (the launcher checks).
-// The kernel is a short chain of dependent steps after the decode's last CTA, so each thread
-// loads its first MERGE7_PRE partial values, and warp 0 the sigma_V and mu_V rows, at entry, in
-// parallel with the weights' loads; the inverse rotation runs in warp 0's registers (D/32
+// The kernel is a short chain of dependent steps after the decode's last CTA, so warp 0 loads
+// the sigma_V and mu_V rows at entry (before pdl_wait: with a programmatic launch, while the
+// decode's last CTAs run), and each thread its first MERGE7_PRE partial values in parallel
+// with the weights' loads; the inverse rotation runs in warp 0's registers (D/32
 // coordinates per lane, in-lane and shuffle butterflies in block_fwht's stage order, so
 // finish_heads' sums, bit for bit) instead of block_fwht's seven CTA barriers
 // (docs/PERF_NOTES.md). Eight thread groups instead of four at 33 and 66 splits: no faster.
@@ -2604,19 +2626,20 @@ ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ 
   const int tid = threadIdx.x, j = tid % D, part = tid / D;
   const size_t hstride = (size_t)rows * G, base = (size_t)row * G + gg;   // in heads
   constexpr int V = D / 32;   // coordinates per lane of warp 0 in the rotation
-  float pre[MERGE7_PRE];
-#pragma unroll
-  for (int i = 0; i < MERGE7_PRE; ++i) {
-    const int s = part + 4 * i;
-    pre[i] = s < num_splits ? part_o[(s * hstride + base) * D + j] : 0.0f;
-  }
-  float sg[V], mu[V];
+  float sg[V], mu[V];   // inputs of the step, not the decode's outputs: read before the wait
   if (tid < 32) {
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       sg[e] = sigma_v[(size_t)kvh * D + V * tid + e];
       mu[e] = mean_v ? mean_v[(size_t)row * D + V * tid + e] : 0.0f;
     }
+  }
+  pdl_wait();   // the partials are the decode kernel's (a programmatic launch: see DEC7_PDL)
+  float pre[MERGE7_PRE];
+#pragma unroll
+  for (int i = 0; i < MERGE7_PRE; ++i) {
+    const int s = part + 4 * i;
+    pre[i] = s < num_splits ? part_o[(s * hstride + base) * D + j] : 0.0f;
   }
   if (tid < 32) {
     float M = -SKV_INF;

@@ -1,0 +1,78 @@
+"""Programmatic dependent launch: a kernel started while the kernel before it on the stream
+still runs, its CTAs scheduled on the SMs that kernel's early CTAs leave, each waiting in
+``griddepcontrol.wait`` (csrc pdl_wait) until the earlier grid has completed and its writes are
+visible. CuPy's RawKernel launches without launch attributes, so this goes through the
+driver's ``cuLaunchKernelEx``; ``launch`` returns False where the driver has no such entry
+point (the caller then launches plainly: the wait returns at once after a plain launch).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from ._module import cupy
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID (cuda.h)
+
+
+class _Attr(ctypes.Structure):
+    """CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union (here its int)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _Config(ctypes.Structure):
+    """CUlaunchConfig."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attr)), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_ex():
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                   ctypes.c_void_p]
+    return fn
+
+
+def _param(a):
+    """One kernel argument as the ctypes value the driver copies (as CuPy passes it)."""
+    if isinstance(a, cupy().ndarray):
+        return ctypes.c_void_p(a.data.ptr)
+    for np_type, c_type in ((np.uint64, ctypes.c_uint64), (np.int64, ctypes.c_int64),
+                            (np.int32, ctypes.c_int32), (np.float32, ctypes.c_float)):
+        if isinstance(a, np_type):
+            return c_type(a.item())
+    raise TypeError(f"no kernel argument of type {type(a).__name__}")
+
+
+def _dim3(v) -> tuple:
+    v = tuple(int(x) for x in (v if isinstance(v, tuple) else (v,)))
+    return v + (1,) * (3 - len(v))
+
+
+def launch(fn, grid, block, args, shared_mem: int = 0) -> bool:
+    """Launches ``fn`` (a kernel of the module, as returned by ``kernel``) on the current
+    stream as a programmatic dependent of the work before it. False: not available here."""
+    launch_ex = _launch_ex()
+    if launch_ex is None:
+        return False
+    vals = [_param(a) for a in args]
+    ptrs = (ctypes.c_void_p * max(1, len(vals)))(
+        *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+    attr = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    cfg = _Config(shared_mem=int(shared_mem), stream=cupy().cuda.get_current_stream().ptr,
+                  attrs=ctypes.pointer(attr), num_attrs=1)
+    cfg.grid[:] = _dim3(grid)
+    cfg.block[:] = _dim3(block)
+    rc = launch_ex(ctypes.byref(cfg), ctypes.c_void_p(int(fn.kernel.ptr)), ptrs, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {rc})")
+    return True
