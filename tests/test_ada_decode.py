@@ -450,4 +450,4 @@ def test_v7_merge_as_programmatic_launch(splits):
         finally:
             ad.MERGE_PDL = True
     np.testing.assert_array_equal(outs[True], outs[False])
-    _check(case, outs[True])
+    _check(case, cp.asarray(outs[True]))
