@@ -2077,6 +2077,27 @@ __device__ __forceinline__ void warp_query_rotate(float (&yq)[DEC_WHEADS][D / 32
 // b = 1, 2, 3, 4, 8 bits; no tables in shared memory). NSUB: 16-state sub-tiles per softmax
 // step (v4: 1, v5 and v6: 2). V6: see decode_page. V7 (with V6, affine path): full 4/4 pages on
 // the fast path (page44), the rest on decode_page with the v7 value map; see the page loop.
+// DEC7_PDL: every v7 CTA lets the merge kernel launch (programmatic dependent launch: when
+// the launcher starts the merge with that attribute, its CTAs are scheduled once every decode
+// CTA has allowed it, on the SMs the decode's early CTAs leave, and wait in griddepcontrol.wait
+// for the whole decode grid; launched plainly, the instruction does nothing): 1 at the CTA's
+// entry, 2 after its pages (before the cross-warp merge), 0 never.
+#ifndef DEC7_PDL
+#define DEC7_PDL 1
+#endif
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+// Blocks until every grid this one depends on programmatically has completed and its writes
+// are visible (returns at once after a plain launch).
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 template <int D, int PATH, int NSUB, bool V6, bool V7 = false, bool V8 = false>
 __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   constexpr bool UNI = PATH != PATH_TABLE;
@@ -2406,6 +2427,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     }
   }
   __syncthreads();   // all warps are done with their page buffers (the merge reuses them)
+  if (V7 && !V8 && DEC7_PDL == 2) pdl_launch_dependents();
   DEC_TRACE(2);
   float* obuf = region;   // [DEC_WARPS][DEC_HEADS][D]
   if (g == 0) {
@@ -2535,30 +2557,10 @@ ada_decode_uniform_v6_kernel(SKV_DECODE_PARAMS) {
 #ifndef DEC7_SUB
 #define DEC7_SUB 2              // 16-state sub-tiles per softmax step of the generic pages
 #endif
-// DEC7_PDL: every v7 CTA lets the merge kernel launch at its entry (programmatic dependent
-// launch: when the launcher starts the merge with that attribute, its CTAs are scheduled on
-// the SMs the decode's early CTAs leave, and wait in griddepcontrol.wait for the whole decode
-// grid; launched plainly, the instruction does nothing).
-#ifndef DEC7_PDL
-#define DEC7_PDL 1
-#endif
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-// Blocks until every grid this one depends on programmatically has completed and its writes
-// are visible (returns at once after a plain launch).
-__device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 template <int D>
 __global__ void __launch_bounds__(DEC_WARPS * 32, DEC7_CTAS)
 ada_decode_uniform_v7_kernel(SKV_DECODE_PARAMS) {
-  if (DEC7_PDL) pdl_launch_dependents();
+  if (DEC7_PDL == 1) pdl_launch_dependents();
   decode_cta<D, PATH_AFFINE, DEC7_SUB, true, true>(SKV_DECODE_ARGS);
 }
 
