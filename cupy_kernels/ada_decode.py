@@ -37,9 +37,9 @@ WAVES_V7 = 1
 MERGE_V7 = True
 MERGE7_MAX_SPLITS = 256   # csrc MERGE7_MAX_SPLITS
 # The v7 merge starts as a programmatic dependent launch of the decode (cupy_kernels/_pdl.py):
-# its CTAs take the SMs the decode's early CTAs leave and wait there for the whole decode grid
-# (each v7 CTA allows it at entry, csrc DEC7_PDL), instead of launching after the decode's last
-# CTA. Same arithmetic, same output.
+# once every v7 CTA has finished its pages (csrc DEC7_PDL), the merge's CTAs take the SMs the
+# decode leaves and wait there for the whole decode grid, instead of launching after its last
+# CTA. Same arithmetic, same output; 1-2 % off a step (docs/PERF_NOTES.md).
 MERGE_PDL = True
 STAGES_V7 = 2   # page buffers per warp of the v7 affine kernel (csrc DEC7_STAGES)
 # The v7 module (DEC7_GEOM_PRE = 1, the default) reads SKV_GEOM_PRE_ROWS geometry rows at entry:

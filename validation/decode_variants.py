@@ -58,8 +58,9 @@ VARIANTS = {
     # decode's entry instruction that allows a programmatic launch (DEC7_PDL)
     "v7_nopdl": (dict(DEC7_PDL=0), dict(MERGE_PDL=False)),
     "v7_pdl_plain": (None, dict(MERGE_PDL=False)),
-    # the merge allowed to launch once every CTA has finished its pages (not at its entry)
-    "v7_pdl_late": (dict(DEC7_PDL=2), {}),
+    # the merge allowed to launch at each CTA's entry (DEC7_PDL = 1; the default, 2, after its
+    # pages)
+    "v7_pdl_entry": (dict(DEC7_PDL=1), {}),
 }
 # measured in device run 1 (before WAVES_V7 = 1, the v7 merge and DEC7_LSPLIT = 1 were made the
 # default): v7_waves1 (now the default), v7_stages3, v7_conv1 (docs/PERF_NOTES.md, v7)
