@@ -58,11 +58,18 @@ def _dim3(v) -> tuple:
     return v + (1,) * (3 - len(v))
 
 
+@functools.lru_cache(maxsize=None)
+def _supported(device_id: int) -> bool:
+    """Programmatic dependent launch needs compute capability 9.0 or newer."""
+    return int(cupy().cuda.Device(device_id).compute_capability) >= 90
+
+
 def launch(fn, grid, block, args, shared_mem: int = 0) -> bool:
     """Launches ``fn`` (a kernel of the module, as returned by ``kernel``) on the current
-    stream as a programmatic dependent of the work before it. False: not available here."""
+    stream as a programmatic dependent of the work before it. False: not available here
+    (no such driver entry point, or a GPU older than compute capability 9.0)."""
     launch_ex = _launch_ex()
-    if launch_ex is None:
+    if launch_ex is None or not _supported(cupy().cuda.Device().id):
         return False
     vals = [_param(a) for a in args]
     ptrs = (ctypes.c_void_p * max(1, len(vals)))(
