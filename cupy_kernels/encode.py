@@ -5,9 +5,11 @@ each straight into (dst_page, dst_slot) of the pool, at the bit width of that pa
 ``encode_kv_into_pages`` does both parts of the same states in one launch.
 It does not touch page_count (the cache's bookkeeping). With ``check=True`` (default) it
 first checks every index (page ids inside the pool, heads inside sigma, mean rows inside
-mean) on the device and raises ValueError before any launch, so a bad index never writes
-outside the pool; then it syncs once more and raises ValueError for NaN/Inf input, a norm
-beyond an fp16 scale, or a destination page without a tier or a slot outside its page.
+mean) and the input for NaN/Inf on the device and raises ValueError before any launch, so a
+bad index never writes outside the pool and such a call writes nothing; then it syncs once
+more and raises ValueError for a norm beyond an fp16 scale, a 16-bit coordinate beyond fp16,
+or a destination page without a tier or a slot outside its page (found by the kernel: the
+other vectors of that call are written).
 ``check=False`` keeps the call free of host syncs (graph capture): the caller guarantees
 the indices.
 
@@ -69,15 +71,24 @@ def _sm_count(device_id: int) -> int:
     return int(cupy().cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
-def check_ranges(*checks) -> None:
+def check_ranges(*checks, finite=()) -> None:
     """Raises ValueError unless every (index array, bound, what) has all entries in
-    [0, bound): one device reduction per array, one host sync for all of them."""
+    [0, bound) and every array of ``finite`` is free of NaN/Inf: one device reduction per
+    array, one host sync for all of them."""
     cp = cupy()
-    checks = [(a, int(hi), what) for a, hi, what in checks if getattr(a, "size", 0)]
-    if not checks:
+    flags, msgs = [], []
+    for a, hi, what in checks:
+        if getattr(a, "size", 0):
+            flags.append(cp.any((a < 0) | (a >= int(hi))))
+            msgs.append(what)
+    for a in finite:
+        if a.size:
+            flags.append(~cp.all(cp.isfinite(a)))
+            msgs.append(_STATUS[0][1])
+    if not flags:
         return
-    bad = cp.stack([cp.any((a < 0) | (a >= hi)) for a, hi, _ in checks]).get()
-    msgs = [what for flag, (_, _, what) in zip(bad, checks) if flag]
+    bad = cp.stack(flags).get()
+    msgs = list(dict.fromkeys(m for flag, m in zip(bad, msgs) if flag))
     if msgs:
         raise ValueError("; ".join(msgs))
 
@@ -312,7 +323,7 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
     else:
         mn = mi = np.uint64(0)
     if check:
-        check_ranges(*_dest_ranges(dests, pt, (sg,), mi, (mn,)))
+        check_ranges(*_dest_ranges(dests, pt, (sg,), mi, (mn,)), finite=(xa,))
     if status is None:
         status = cp.zeros(1, cp.int32)
     p = 0 if part == "key" else 1
@@ -353,7 +364,7 @@ def encode_kv_into_pages(k, v, pages, page_tier, tables: KernelTables, sigma_k, 
     mv = _rows_of(mean_v, d, "mean_v") if mean_v is not None else np.uint64(0)
     mi = _index(mean_index, "mean_index", n) if mean_index is not None else np.uint64(0)
     if check:
-        check_ranges(*_dest_ranges(dests, pt, (sk, sv), mi, (mk, mv)))
+        check_ranges(*_dest_ranges(dests, pt, (sk, sv), mi, (mk, mv)), finite=(ka, va))
     if version != 3 or not KV_ONE_LAUNCH:
         hd, dp, ds = dests
         st = encode_into_pages(ka, pg, pt, tables, sk, hd, dp, ds, part="key",

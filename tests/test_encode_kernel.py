@@ -124,6 +124,41 @@ def test_encode_rejects_bad_input(version):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("version", [1, 2, 3])
+def test_encode_nonfinite_input(version):
+    """NaN/Inf input: with check=True the call raises before any launch and writes nothing;
+    with check=False the kernels skip those vectors, write the others and set the status bit
+    (raise_status turns it into the same ValueError), on every tier width."""
+    import cupy as cp
+    from cupy_kernels import encode_into_pages, encode_kv_into_pages, kernel_tables
+    from cupy_kernels.encode import raise_status
+    tables = kernel_tables(LADDER, 64)
+    rng = np.random.default_rng(version)
+    n = len(LADDER)
+    filler = rng.integers(0, 256, (n, tables.page_bytes), dtype=np.uint8)
+    pages, tier = cp.asarray(filler), cp.arange(1, n + 1, dtype=cp.int32)
+    sig = cp.ones((1, 64), cp.float32)
+    x = cp.asarray(rng.normal(0, 1, (n, 64)).astype(np.float32))
+    x[2, 5] = np.nan
+    x[n - 1, 0] = np.inf                     # a 16-bit page
+    head, page, slot = cp.zeros(n, cp.int32), cp.arange(n, dtype=cp.int32), cp.zeros(n, cp.int32)
+    with pytest.raises(ValueError, match="NaN"):
+        encode_into_pages(x, pages, tier, tables, sig, head, page, slot, version=version)
+    with pytest.raises(ValueError, match="NaN"):
+        encode_kv_into_pages(x, x, pages, tier, tables, sig, sig, head, page, slot, version=version)
+    np.testing.assert_array_equal(pages.get(), filler)
+    st = encode_into_pages(x, pages, tier, tables, sig, head, page, slot, check=False,
+                           version=version)
+    with pytest.raises(ValueError, match="NaN"):
+        raise_status(st)
+    got = pages.get()
+    for i in range(n):
+        kwords = int(tables.geom[i + 1, 3])
+        changed = not np.array_equal(got[i, :4 * kwords], filler[i, :4 * kwords])
+        assert changed == (i not in (2, n - 1)), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_encode_rejects_indices_outside_before_launch(version):
     """A page id outside the pool, a head outside sigma or a mean row outside mean raises
     ValueError before any launch: the pool (and the memory past it) is left as it was."""
