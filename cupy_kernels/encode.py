@@ -71,7 +71,7 @@ def _sm_count(device_id: int) -> int:
     return int(cupy().cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
-def check_ranges(*checks, finite=()) -> None:
+def check_inputs(*checks, finite=()) -> None:
     """Raises ValueError unless every (index array, bound, what) has all entries in
     [0, bound) and every array of ``finite`` is free of NaN/Inf: one device reduction per
     array, one host sync for all of them."""
@@ -84,7 +84,7 @@ def check_ranges(*checks, finite=()) -> None:
     for a in finite:
         if a.size:
             flags.append(~cp.all(cp.isfinite(a)))
-            msgs.append(_STATUS[0][1])
+            msgs.append(dict(_STATUS)[1])   # the kernels' NaN/Inf status message
     if not flags:
         return
     bad = cp.stack(flags).get()
@@ -94,7 +94,7 @@ def check_ranges(*checks, finite=()) -> None:
 
 
 def _dest_ranges(dests, pt, sigmas, mi, means):
-    """The checks of check_ranges for an encode call: page ids, heads (against every sigma
+    """The index checks of check_inputs for an encode call: page ids, heads (against every sigma
     table) and mean rows (against every mean table that is given)."""
     hd, dp, _ = dests
     out = [(dp, pt.shape[0], f"a dst_page is outside the pool of {pt.shape[0]} pages")]
@@ -323,7 +323,7 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
     else:
         mn = mi = np.uint64(0)
     if check:
-        check_ranges(*_dest_ranges(dests, pt, (sg,), mi, (mn,)), finite=(xa,))
+        check_inputs(*_dest_ranges(dests, pt, (sg,), mi, (mn,)), finite=(xa,))
     if status is None:
         status = cp.zeros(1, cp.int32)
     p = 0 if part == "key" else 1
@@ -364,7 +364,7 @@ def encode_kv_into_pages(k, v, pages, page_tier, tables: KernelTables, sigma_k, 
     mv = _rows_of(mean_v, d, "mean_v") if mean_v is not None else np.uint64(0)
     mi = _index(mean_index, "mean_index", n) if mean_index is not None else np.uint64(0)
     if check:
-        check_ranges(*_dest_ranges(dests, pt, (sk, sv), mi, (mk, mv)), finite=(ka, va))
+        check_inputs(*_dest_ranges(dests, pt, (sk, sv), mi, (mk, mv)), finite=(ka, va))
     if version != 3 or not KV_ONE_LAUNCH:
         hd, dp, ds = dests
         st = encode_into_pages(ka, pg, pt, tables, sk, hd, dp, ds, part="key",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._module import cupy, kernel
-from .encode import THREADS, _index, check_ranges, raise_status
+from .encode import THREADS, _index, check_inputs, raise_status
 from .pages import KernelTables, as_device, device_tables, pool_views
 
 
@@ -29,7 +29,7 @@ def retier(pages, page_tier, tables: KernelTables, src_page, src_slot, dst_page,
     ds = _index(dst_slot, "dst_slot", n)
     if check and n:
         num = pt.shape[0]
-        check_ranges((sp, num, f"a src_page is outside the pool of {num} pages"),
+        check_inputs((sp, num, f"a src_page is outside the pool of {num} pages"),
                      (dp, num, f"a dst_page is outside the pool of {num} pages"))
         src = set(zip(sp.get().tolist(), ss.get().tolist()))
         dst = list(zip(dp.get().tolist(), ds.get().tolist()))

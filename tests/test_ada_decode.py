@@ -416,7 +416,7 @@ def test_cuda_graph_capture_replays():
 
 
 @pytest.mark.parametrize("splits", [2, 66])
-def test_v7_merge_as_programmatic_launch(splits):
+def test_v7_merge_as_programmatic_launch(splits, monkeypatch):
     """The v7 merge launched as a programmatic dependent of the decode (MERGE_PDL: its CTAs may
     start while the decode's last CTAs run and wait for the whole grid) writes the same bytes as
     a plain launch, on a stream and replayed from a CUDA graph, and matches the reference."""
@@ -431,23 +431,20 @@ def test_v7_merge_as_programmatic_launch(splits):
     ws = make_workspace(4, 4, 128, splits)
     outs = {}
     for pdl in (False, True):
-        ad.MERGE_PDL = pdl
-        try:
-            out = cp.full((2, 8, 128), np.nan, cp.float32)
+        monkeypatch.setattr(ad, "MERGE_PDL", pdl)
+        out = cp.full((2, 8, 128), np.nan, cp.float32)
+        run_case(case, dev, out=out, workspace=ws, validate=False, version=7)
+        cp.cuda.Device().synchronize()
+        outs[pdl] = out.get()
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
             run_case(case, dev, out=out, workspace=ws, validate=False, version=7)
-            cp.cuda.Device().synchronize()
-            outs[pdl] = out.get()
-            stream = cp.cuda.Stream(non_blocking=True)
-            with stream:
-                stream.begin_capture()
-                run_case(case, dev, out=out, workspace=ws, validate=False, version=7)
-                graph = stream.end_capture()
-            for _ in range(3):
-                out.fill(np.nan)
-                graph.launch(stream)
-                stream.synchronize()
-                np.testing.assert_array_equal(out.get(), outs[pdl])
-        finally:
-            ad.MERGE_PDL = True
+            graph = stream.end_capture()
+        for _ in range(3):
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            np.testing.assert_array_equal(out.get(), outs[pdl])
     np.testing.assert_array_equal(outs[True], outs[False])
     _check(case, cp.asarray(outs[True]))

@@ -106,7 +106,7 @@ def test_encode_rejects_bad_input(version):
     bad = x.copy(); bad[0, 3] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         enc(bad, pages, tier, tables, sig, z, z, z)
-    with pytest.raises(ValueError, match="NaN"):      # a 16-bit page (v3: its own launch)
+    with pytest.raises(ValueError, match="NaN"):      # a 16-bit page
         enc(bad, pages, cp.asarray([len(LADDER), 0], cp.int32), tables, sig, z, z, z)
     with pytest.raises(ValueError, match="fp16"):
         enc(x * 3e4, pages, tier, tables, sig, z, z, z)

@@ -54,8 +54,8 @@ VARIANTS = {
     "v7_late": (dict(DEC7_EARLY=0), {}),
     # two pages per warp in flight at entry instead of one (measured slower as the default)
     "v7_early2": (dict(DEC7_EARLY=2), {}),
-    # the merge launched plainly after the decode (as before MERGE_PDL), with and without the
-    # decode's entry instruction that allows a programmatic launch (DEC7_PDL)
+    # the merge launched plainly after the decode (as before MERGE_PDL), without and with the
+    # decode's instruction that allows a programmatic launch (DEC7_PDL)
     "v7_nopdl": (dict(DEC7_PDL=0), dict(MERGE_PDL=False)),
     "v7_pdl_plain": (None, dict(MERGE_PDL=False)),
     # the merge allowed to launch at each CTA's entry (DEC7_PDL = 1; the default, 2, after its
