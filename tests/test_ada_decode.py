@@ -420,9 +420,11 @@ def test_v7_merge_as_programmatic_launch(splits, monkeypatch):
     """The v7 merge launched as a programmatic dependent of the decode (MERGE_PDL: its CTAs may
     start while the decode's last CTAs run and wait for the whole grid) writes the same bytes as
     a plain launch, on a stream and replayed from a CUDA graph, and matches the reference."""
+    import importlib
     import cupy as cp
-    from cupy_kernels import _pdl, ada_decode as ad
+    from cupy_kernels import _pdl
     from cupy_kernels.ada_decode import make_workspace
+    ad = importlib.import_module("cupy_kernels.ada_decode")   # the module, not the function
     from cupy_kernels.cases import build_case, run_case, to_device
     assert _pdl._launch_ex() is not None, "the driver has no cuLaunchKernelEx"
     case = build_case(2, 2, 4, 128, [3000, 45, 2500, 700], WIDE_LADDER, [3, 4], seed=17,
