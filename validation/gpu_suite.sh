@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
-#   validation/gpu_suite.sh build tests sanitize ncu profile variants anatomy encode-variants bench-quick bench-encode bench flashinfer
+#   validation/gpu_suite.sh build tests sanitize ncu profile variants floor anatomy encode-variants bench-quick bench-encode bench flashinfer
 # (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
 set -u
@@ -55,6 +55,12 @@ for stage in "$@"; do
       timeout ${VARIANTS_LIMIT:-300} python3 validation/decode_variants.py --out "$OUT/decode_variants.json" \
         --reps ${VARIANTS_REPS:-20} --cases ${VARIANTS_CASES:-all} --variants ${VARIANTS_NAMES:-all} \
         --pools ${VARIANTS_POOLS:-shuffled:0} --baselines ${VARIANTS_BASELINES:-v6,v7,v8} 2>&1 | tee "$OUT/variants.log" | tail -n 60
+      rc=${PIPESTATUS[0]};;
+    floor)
+      # what a paged decode can reach at all: a kernel that only reads the pages (v7's grid and
+      # page table, static or claimed pages), copies of the same bytes and the v7 step
+      timeout ${FLOOR_LIMIT:-240} python3 validation/decode_floor.py --out "$OUT/decode_floor.json" \
+        --reps ${FLOOR_REPS:-30} --cases ${FLOOR_CASES:-all} 2>&1 | tee "$OUT/floor.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
     anatomy)
       # per-CTA timeline of the v7 step (DEC7_TRACE build): prologue, pages, epilogue, tail
