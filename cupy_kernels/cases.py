@@ -173,11 +173,14 @@ class SyntheticLayout:
 
 
 def synthetic_layout(batch: int, num_kv_heads: int, context: int, tables: KernelTables,
-                     tier_counts, seed: int = 0, order: str = "shuffled") -> SyntheticLayout:
+                     tier_counts, seed: int = 0, order: str = "shuffled",
+                     last_page_at: Optional[int] = None) -> SyntheticLayout:
     """tier_counts: {tier: states per row} summing to ``context``. ``order``: where a row's
     pages lie in the pool: "shuffled" (a seeded permutation of the page ids: a row's pages
     are scattered, as after a real serving run), "contiguous" (row r's pages form one run of
-    consecutive ids) or "strided" (page k of row r is page k * rows + r)."""
+    consecutive ids) or "strided" (page k of row r is page k * rows + r). A row's pages come
+    in tier order, each tier's partial page last; ``last_page_at``: the row's last page (the
+    top tier's partial one, if any) moved to that place in the row's page list instead."""
     rng = np.random.default_rng(seed)
     rows = batch * num_kv_heads
     if sum(tier_counts.values()) != context:
@@ -188,6 +191,10 @@ def synthetic_layout(batch: int, num_kv_heads: int, context: int, tables: Kernel
         full, rest = divmod(n, p)
         per_row_pages += [(t, p)] * full + ([(t, rest)] if rest else [])
     npr = len(per_row_pages)
+    if last_page_at is not None:
+        if not 0 <= last_page_at < npr:
+            raise ValueError(f"last_page_at must be in [0, {npr}), got {last_page_at}")
+        per_row_pages.insert(last_page_at, per_row_pages.pop())
     num_pages = rows * npr
     if order == "shuffled":
         ids = rng.permutation(num_pages).astype(np.int32).reshape(rows, npr)

@@ -60,3 +60,24 @@ def test_synthetic_layout_orders_place_every_page_once(order):
         assert not np.array_equal(ids, np.arange(rows * npr).reshape(rows, npr))
     with pytest.raises(ValueError, match="order must be"):
         synthetic_layout(2, 3, 170, tables, counts, order="sorted")
+
+
+def test_synthetic_layout_moves_the_last_page():
+    """``last_page_at`` moves each row's last page (the top tier's partial one) to the given
+    place of the row's page list; the states still go to the pages that hold them, and the
+    pool and its counts are the same as without it."""
+    import numpy as np
+    from cupy_kernels.cases import synthetic_layout
+    from cupy_kernels.pages import kernel_tables
+    from validation.decode_bench import LADDER
+    tables = kernel_tables(LADDER, 128, codebook="uniform")
+    per = tables.states_per_page(3)
+    base = synthetic_layout(2, 2, 3 * per + 5, tables, {3: 3 * per + 5}, seed=3)
+    for at in (0, 2):
+        lay = synthetic_layout(2, 2, 3 * per + 5, tables, {3: 3 * per + 5}, seed=3, last_page_at=at)
+        counts = lay.page_count[lay.indices].reshape(4, 4)
+        assert (counts[:, at] == 5).all() and (np.delete(counts, at, axis=1) == per).all()
+        assert np.array_equal(np.bincount(lay.dst_page, minlength=lay.page_tier.size), lay.page_count)
+        assert np.array_equal(np.sort(lay.page_count), np.sort(base.page_count))
+    with pytest.raises(ValueError, match="last_page_at"):
+        synthetic_layout(2, 2, 3 * per + 5, tables, {3: 3 * per + 5}, last_page_at=4)

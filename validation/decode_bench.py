@@ -87,10 +87,11 @@ def copy_bandwidth(timer) -> float:
     return 2 * n / (us * 1e-6) / 1e9
 
 
-def _layout(batch, context, tiers_name, tables, seed=0, order="shuffled"):
+def _layout(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None):
     from cupy_kernels.cases import synthetic_layout
     counts = rdr_mix(context) if tiers_name == "rdr-mix" else {TIERS[tiers_name]: context}
-    return synthetic_layout(batch, HKV, context, tables, counts, seed=seed, order=order)
+    return synthetic_layout(batch, HKV, context, tables, counts, seed=seed, order=order,
+                            last_page_at=last_page_at)
 
 
 def encode_bytes(lay) -> int:
@@ -100,12 +101,12 @@ def encode_bytes(lay) -> int:
     return 2 * n * D * 4 + lay.cache_bytes + 3 * n * 4 * 2
 
 
-def encode_inputs(batch, context, tiers_name, tables, seed=0, order="shuffled"):
+def encode_inputs(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None):
     """(layout, inputs) of an encode of every state of (batch, context, tiers) into a pool
     (``order``: synthetic_layout's, shuffled by default): the page tiers, key and value
     rotation signs (seeded), heads, destinations and random rows, on the GPU."""
     import cupy as cp
-    lay = _layout(batch, context, tiers_name, tables, seed, order)
+    lay = _layout(batch, context, tiers_name, tables, seed, order, last_page_at)
     rng = np.random.default_rng(seed)
     sig = [cp.asarray((1 - 2 * rng.integers(0, 2, (HKV, D))).astype(np.float32)) for _ in "kv"]
     head, dpg, dsl = (cp.asarray(a) for a in (lay.state_head, lay.dst_page, lay.dst_slot))
@@ -124,7 +125,8 @@ def encode_keys_values(inp, tables, pages, status, version=None):
                          version=version)
 
 
-def build_ada(batch, context, tiers_name, tables, seed=0, timer=None, order="shuffled"):
+def build_ada(batch, context, tiers_name, tables, seed=0, timer=None, order="shuffled",
+              last_page_at=None):
     """Encodes random keys/values into a shuffled page pool with the encode kernel.
     Returns (state dict, (encode microseconds, encode bytes)): keys then values timed by
     ``timer`` (median of its repetitions, L2 flushed, the same bytes rewritten), or None
@@ -132,7 +134,7 @@ def build_ada(batch, context, tiers_name, tables, seed=0, timer=None, order="shu
     launcher's host-side work, 0.1-0.3 ms: the GPU waits for it.)"""
     import cupy as cp
     from cupy_kernels.encode import raise_status
-    lay, inp = encode_inputs(batch, context, tiers_name, tables, seed, order)
+    lay, inp = encode_inputs(batch, context, tiers_name, tables, seed, order, last_page_at)
     pages = cp.zeros((lay.page_tier.size, tables.page_bytes), cp.uint8)
     st = cp.zeros(1, cp.int32)
 

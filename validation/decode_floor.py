@@ -15,6 +15,13 @@ Rows per case (median of --reps, L2 flushed by a write before each repetition):
   *_xM              the same with M times v7's split count (M waves of CTAs at v7's four
                     CTAs per SM; the probe's registers let up to six stay resident)
   v7_step           the decode step as benchmarked (decode + split-K merge, one CUDA graph)
+With --partial, the v7 step also on pools that differ only in the row's partial page (1-8
+states at these shapes, read in place by v7's generic page code, after the row's full pages):
+  v7_partial_first     the partial page first in each row's page list (the slot of split 0,
+                       warp 0, which starts with it)
+  v7_partial_slot_end  the partial page at place 4 S - 1 (a warp that holds one page fewer
+                       than the warps of the row's last, incomplete round)
+  v7_full_pages        the context rounded down to whole pages (no partial page)
 Every page_read row checks that the XOR of all its words equals the pool's (each page read
 exactly once).
 
@@ -83,6 +90,8 @@ def main(argv=None):
     ap.add_argument("--out", default="decode_floor.json")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--cases", default="all", help="'all' or indices into CASES, e.g. 0,1")
+    ap.add_argument("--partial", action="store_true",
+                    help="also time v7 on pools that place the rows' partial pages elsewhere")
     args = ap.parse_args(argv)
     import cupy as cp
     import torch
@@ -129,6 +138,19 @@ def main(argv=None):
         step, _, vs = ada_step(state, tables, q, batch)
         row("v7_step", timer(step), lay.cache_bytes, splits=vs)
         del state, flat, as64, step
+        if args.partial and tiers in ("4/4", "3/3", "2/2"):
+            per_page = tables.states_per_page(int(lay.page_tier[lay.indices[0]]))
+            npr = int(lay.indptr[1])
+            variants = {"v7_partial_first": (context, 0),
+                        "v7_partial_slot_end": (context, 4 * splits - 1),
+                        "v7_full_pages": (context // per_page * per_page, None)}
+            for name, (ctx, at) in variants.items():
+                if context % per_page == 0 or (at is not None and at >= npr):
+                    continue
+                st, _ = build_ada(batch, ctx, tiers, tables, last_page_at=at)
+                step, _, vs = ada_step(st, tables, q, batch)
+                row(name, timer(step), st["layout"].cache_bytes, splits=vs)
+                del st, step
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
         dump_table(args.out, copy_gbps, rows, COLUMNS)

@@ -60,7 +60,7 @@ for stage in "$@"; do
       # what a paged decode can reach at all: a kernel that only reads the pages (v7's grid and
       # page table, static or claimed pages), copies of the same bytes and the v7 step
       timeout ${FLOOR_LIMIT:-240} python3 validation/decode_floor.py --out "$OUT/decode_floor.json" \
-        --reps ${FLOOR_REPS:-30} --cases ${FLOOR_CASES:-all} 2>&1 | tee "$OUT/floor.log" | tail -n 40
+        --reps ${FLOOR_REPS:-30} --cases ${FLOOR_CASES:-all} ${FLOOR_ARGS:-} 2>&1 | tee "$OUT/floor.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
     anatomy)
       # per-CTA timeline of the v7 step (DEC7_TRACE build): prologue, pages, epilogue, tail
