@@ -18,7 +18,7 @@ for stage in "$@"; do
       timeout 240 python3 validation/build_info.py --out "$OUT/build_info.json" 2>&1 | tee "$OUT/build_info.log"
       rc=${PIPESTATUS[0]};;
     tests)
-      timeout ${TESTS_LIMIT:-330} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ada_decode.py \
+      timeout ${TESTS_LIMIT:-330} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ada_decode.py tests/test_cache_kernels.py tests/test_page_read.py \
         tests/test_encode_kernel.py > "$OUT/pytest.log" 2>&1
       rc=$?; tail -n 25 "$OUT/pytest.log";;
     sanitize)
