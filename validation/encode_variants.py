@@ -27,10 +27,6 @@ VARIANTS = {
     "v3_nodefer": (dict(ENC3_DEFER=0), {}),
     # keys and values in two launches (encode_kv_into_pages as two encode_into_pages calls)
     "v3_kv2": ({}, dict(KV_ONE_LAUNCH=False)),
-    # the warp order turned every round of the grid stride (ENC3_ROT places): runs of slow
-    # vectors spread over all warps instead of the same ones round after round
-    "v3_rot97": (dict(ENC3_ROT=97), {}),
-    "v3_rot1031": (dict(ENC3_ROT=1031), {}),
 }
 CASES = [(32, 8192, "rdr-mix"), (8, 32768, "rdr-mix"), (1, 131072, "rdr-mix"),
          (8, 32768, "4/4"), (1, 131072, "4/4"), (1, 131072, "3/3"), (8, 32768, "3/3"),

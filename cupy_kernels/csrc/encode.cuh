@@ -659,13 +659,6 @@ __device__ __forceinline__ int enc3_encode(const float (&z)[D / 8], float kt, fl
 #ifndef ENC3_DEFER
 #define ENC3_DEFER 1  // 0: a diagnostic build (wrong output) that drops the deferred vectors
 #endif
-// ENC3_ROT (0: off): the warps' order turns by ENC3_ROT places every round of the grid stride
-// (round k gives items k W + j to warp (j - k ENC3_ROT) mod W), so runs of slow vectors (a
-// row's 16-bit or 8-bit states) that a plain stride hands to the same warps round after round
-// spread over all of them. Any order writes the same bytes.
-#ifndef ENC3_ROT
-#define ENC3_ROT 0
-#endif
 
 template <int D, bool UNIFORM>
 __device__ __forceinline__ void encode_v3_body(
@@ -683,10 +676,6 @@ __device__ __forceinline__ void encode_v3_body(
   float4* xs = xw + q * (D / 4) + g;   // this lane's float4 of its vector's row: xs[8k]
 
   int base = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * 4;
-#if ENC3_ROT
-  int wo = base / 4, round = 0;   // this round's place in the warp order, the round's first item
-  const int rot = ENC3_ROT % (step / 4);
-#endif
   // The first vector's indices and row; later ones are fetched one iteration ahead.
   int ii = min(base + q, n - 1);       // idle groups redo a valid vector and write nothing
   int hd = head[ii], pg = dst_page[ii], sl = dst_slot[ii], mi = mean ? mean_index[ii] : 0;
@@ -697,17 +686,9 @@ __device__ __forceinline__ void encode_v3_body(
     enc3_cp_async_commit();
   }
   int tier = page_tier[pg];
-#if ENC3_ROT
-  for (; round < n;) {
-    int nwo = wo + rot;
-    nwo -= nwo >= step / 4 ? step / 4 : 0;
-    const int nbase = round + step + 4 * nwo;
-#else
   for (; base < n; base += step) {
-    const int nbase = base + step;
-#endif
     const bool live = base + q < n;
-    const int nii = min(nbase + q, n - 1);
+    const int nii = min(base + step + q, n - 1);
     const int hd2 = head[nii], pg2 = dst_page[nii], sl2 = dst_slot[nii];
     const int mi2 = mean ? mean_index[nii] : 0;
 
@@ -821,11 +802,6 @@ __device__ __forceinline__ void encode_v3_body(
       if (st && lane == 0) atomicOr(status, st);
     }
     ii = nii; hd = hd2; pg = pg2; sl = sl2; mi = mi2; tier = tier2;
-#if ENC3_ROT
-    base = nbase;
-    round += step;
-    wo = nwo;
-#endif
   }
   enc3_cp_async_wait();   // the last prefetch (of a row nobody encodes) lands before exit
 }
