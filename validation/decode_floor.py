@@ -26,12 +26,15 @@ Every page_read row checks that the XOR of all its words equals the pool's (each
 exactly once).
 
     PYTHONPATH=. python3 validation/decode_floor.py --out decode_floor.json
+    python3 validation/decode_floor.py --plot decode_floor.json decode_floor.png
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -92,7 +95,12 @@ def main(argv=None):
     ap.add_argument("--cases", default="all", help="'all' or indices into CASES, e.g. 0,1")
     ap.add_argument("--partial", action="store_true",
                     help="also time v7 on pools that place the rows' partial pages elsewhere")
+    ap.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"),
+                    help="only draw the picture of a table this script wrote (no GPU)")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(json.loads(Path(args.plot[0]).read_text()), Path(args.plot[1]))
+        return 0
     import cupy as cp
     import torch
     from cupy_kernels import kernel_tables
@@ -154,7 +162,48 @@ def main(argv=None):
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
         dump_table(args.out, copy_gbps, rows, COLUMNS)
+    plot(dict(copy_gbps=copy_gbps, rows=rows), Path(args.out).with_suffix(".png"))
     return 0
+
+
+BARS = (("copy_same_bytes", "torch copy, same bytes", "tab:gray"),
+        ("sum_same_bytes", "torch sum, same bytes", "silver"),
+        ("read_pool_order", "page reader, pool order (no table)", "tab:green"),
+        ("read_static", "page reader, v7's grid and split", "tab:olive"),
+        ("v7_step", "ADA decode step (v7)", "tab:blue"))
+
+
+def plot(data: dict, path) -> None:
+    """One panel per case: the time of each reader and of the v7 step, and the time that is
+    85 % of copy bandwidth over the v7 step's bytes (the decode target)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = {}
+    for r in data["rows"]:
+        cases.setdefault((r["batch"], r["context"], r["tiers"]), {})[r["method"]] = r
+    cases = {k: v for k, v in cases.items() if "v7_step" in v}
+    if not cases:
+        raise ValueError("no v7_step rows to plot")
+    fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 4.2), squeeze=False)
+    for ax, ((batch, ctx, tiers), got) in zip(axes[0], cases.items()):
+        for i, (method, label, color) in enumerate(BARS):
+            if method in got:
+                ax.bar(i, got[method]["us"], 0.7, color=color, label=label)
+        target = got["v7_step"]["floor_us"] / 0.85
+        ax.axhline(target, color="tab:red", ls="--", lw=1.4, label="85 % of copy (the target)")
+        ax.set_xticks([])
+        ax.set_ylabel("µs")
+        ax.set_title(f"{batch} × {ctx // 1024}K, {'RDR mix' if tiers == 'rdr-mix' else tiers}",
+                     fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle(f"What reading the pages costs on its own (copy {data['copy_gbps']:.0f} GB/s)",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 COLUMNS = [("method", "method", -20, "s"), ("batch", "B", 3, "d"), ("context", "ctx", 7, "d"),
