@@ -161,15 +161,21 @@ def make_workspace(rows: int, group: int, dim: int, num_splits: int) -> DecodeWo
                            cp.empty((num_splits, rows, group), cp.float32))
 
 
-def validate_page_table(page_tier, page_count, indptr, indices, tables: KernelTables, rows: int):
+def validate_page_table(page_tier, page_count, indptr, indices, tables: KernelTables, rows: int,
+                        finite=()):
     """Checks the page table on the device, then raises ValueError (one host sync).
 
     indptr starts at 0, never decreases and ends at len(indices); every index names a page
-    of the pool; every referenced page has a tier in 1..T and 1..P(tier) valid states."""
+    of the pool; every referenced page has a tier in 1..T and 1..P(tier) valid states. And
+    every array in ``finite`` (the queries and means) holds no NaN or Inf, checked in the
+    same sync."""
     cp = cupy()
     num_pages = page_tier.shape[0]
     geom = device_tables(tables)["geom"]
-    bad = cp.zeros(5, cp.int32)
+    bad = cp.zeros(6, cp.int32)
+    for a in finite:
+        if a is not None and a.size:
+            bad[5] |= ~cp.all(cp.isfinite(a))
     bad[0] = indptr[0] != 0
     bad[1] = (indptr[-1] != indices.shape[0])
     if rows > 0:
@@ -189,6 +195,8 @@ def validate_page_table(page_tier, page_count, indptr, indices, tables: KernelTa
     for flag, msg in zip(b, msgs):
         if flag:
             raise ValueError(f"bad page table: {msg}")
+    if b[5]:
+        raise ValueError("q, mean_k or mean_v contains NaN or Inf")
 
 
 def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelTables,
@@ -210,7 +218,10 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     theirs (d = 128), the rest as v6; splits that fill whole waves, each taking a row's pages
     interleaved (d = 128); on the table path 7 runs v6), 8 (v7 with the fast path pipelined across
     pages: page i's logits next to page i - 1's values; on the table path v6) or None (``default_version``: the fastest
-    measured per path). Returns a CuPy array (a torch tensor if q is one)."""
+    measured per path). validate (default): before the launch, one host sync checks the page
+    table and that q, mean_k and mean_v hold no NaN or Inf (ValueError, ``out`` untouched);
+    pass False inside a CUDA graph, where nothing checks them (non-finite input then gives an
+    undefined output, not always NaN). Returns a CuPy array (a torch tensor if q is one)."""
     version = default_version(tables) if version is None else version
     _check_version(version)
     cp = cupy()
@@ -294,7 +305,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
         if out.shape != (batch, hq, d) or not out.flags.c_contiguous:
             raise ValueError(f"out must be a contiguous float32 ({batch}, {hq}, {d}) array")
     if validate:
-        validate_page_table(pt, pc, ip, ix, tables, rows)
+        validate_page_table(pt, pc, ip, ix, tables, rows, finite=(qa, *means))
     if rows == 0:
         return out
     dev = device_tables(tables)

@@ -367,6 +367,30 @@ def test_bad_page_tables_rejected(breakage):
         run_case(case, dev, **kw)
 
 
+@pytest.mark.parametrize("where", ["q_nan", "q_inf", "mean_k_nan", "mean_v_inf"])
+def test_nonfinite_queries_and_means_rejected_before_launch(where):
+    """NaN/Inf in the queries or the means is a ValueError before any launch (validate=True,
+    the same host sync as the page table's checks): ``out`` keeps what it held. With
+    validate=False (the graph path) nothing checks them: the call runs and its output is
+    undefined (measured: finite numbers for a NaN query on the table path), which is why the
+    check exists."""
+    import cupy as cp
+    from cupy_kernels.cases import build_case, run_case, to_device
+    case = build_case(1, 2, 4, 128, [50, 70], LADDER, [5, 7], seed=4, centred=True)
+    dev = to_device(case)
+    part, what = where.split("_")[:-1], where.split("_")[-1]
+    name = "_".join(part)
+    bad = float("nan") if what == "nan" else float("inf")
+    dev[name] = dev[name].copy()
+    dev[name].reshape(-1)[5] = bad
+    out = cp.full((1, 8, 128), 7.0, cp.float32)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        run_case(case, dev, out=out)
+    assert bool(cp.all(out == 7.0))
+    run_case(case, dev, out=out, validate=False)
+    cp.cuda.Device().synchronize()
+
+
 def test_no_dense_allocation_during_decode():
     """Hooks CuPy's allocator: no allocation of >= tokens * d * 2 bytes during a decode."""
     import cupy as cp
