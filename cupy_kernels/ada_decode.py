@@ -203,7 +203,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
                sigma_k, sigma_v, *, num_kv_heads: int, mean_k=None, mean_v=None,
                softmax_scale: float | None = None, num_splits: int | None = None,
                out=None, workspace: DecodeWorkspace | None = None, validate: bool = True,
-               version: int | None = None):
+               version: int | None = None, lse=None):
     """o (batch, num_q_heads, d) float32 = ADA attention over the paged, encoded cache.
 
     q: (batch, Hq, d) float (any strides; copied to float32 only if it is not float32 with a
@@ -221,7 +221,12 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     measured per path). validate (default): before the launch, one host sync checks the page
     table and that q, mean_k and mean_v hold no NaN or Inf (ValueError, ``out`` untouched);
     pass False inside a CUDA graph, where nothing checks them (non-finite input then gives an
-    undefined output, not always NaN). Returns a CuPy array (a torch tensor if q is one)."""
+    undefined output, not always NaN). lse: a contiguous float32 (batch, num_q_heads) array
+    that receives each head's log-sum-exp (natural log) of its scaled logits
+    softmax_scale * q . k over the row's states (-inf for a row without states), for merging
+    this attention with another (prefix sharing, chunked prefill); it needs the split-K merge,
+    so the call takes at least 2 splits (a workspace of 1 split is a ValueError). Returns a
+    CuPy array (a torch tensor if q is one)."""
     version = default_version(tables) if version is None else version
     _check_version(version)
     cp = cupy()
@@ -286,10 +291,18 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     uniform = uses_affine_path(tables)
     if not math.isfinite(scale):
         raise ValueError("softmax_scale must be finite")
+    if lse is not None:
+        lse, _ = as_device(lse, "lse", np.float32, 2)
+        if lse.shape != (batch, hq) or not lse.flags.c_contiguous:
+            raise ValueError(f"lse must be a contiguous float32 ({batch}, {hq}) array")
+        if num_splits is not None and int(num_splits) < 2:
+            raise ValueError("lse needs the split-K merge: num_splits must be >= 2")
     if workspace is not None:
         splits = workspace.num_splits
         if num_splits is not None and num_splits != splits:
             raise ValueError("num_splits disagrees with the workspace")
+        if lse is not None and splits < 2:
+            raise ValueError("lse needs the split-K merge: a workspace of at least 2 splits")
         if splits > 1 and workspace.part_o.shape != (splits, rows, group, d):
             raise ValueError("workspace shape does not match this call")
     else:
@@ -297,6 +310,8 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
                   if num_splits is None else int(num_splits))
         if splits < 1:
             raise ValueError("num_splits must be >= 1")
+        if lse is not None:
+            splits = max(splits, 2)
         workspace = make_workspace(rows, group, d, splits)
     if out is None:
         out = cp.empty((batch, hq, d), cp.float32)
@@ -307,6 +322,8 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     if validate:
         validate_page_table(pt, pc, ip, ix, tables, rows, finite=(qa, *means))
     if rows == 0:
+        if lse is not None:
+            lse.fill(-np.inf)
         return out
     dev = device_tables(tables)
     null = np.uint64(0)   # a NULL pointer argument
@@ -341,8 +358,12 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
           np.float32(scale * math.log2(math.e)), np.int32(splits), out, po, pl),
          shared_mem=smem)
     if splits > 1:
+        # lse: q . mu_K is added back where the kernel left it out of the logits (v6 and later)
+        lk = mk if (lse is not None and kversion >= 6) else null
         margs = (workspace.part_o, workspace.part_lse, np.int32(splits), np.int32(rows),
-                 np.int32(hkv), np.int32(group), sv, mv, out)
+                 np.int32(hkv), np.int32(group), sv, mv, out,
+                 qa, np.int64(qa.strides[0] // 4), np.int64(qa.strides[1] // 4), lk,
+                 np.float32(scale), lse if lse is not None else null)
         if version >= 7 and MERGE_V7 and splits <= MERGE7_MAX_SPLITS:
             merge = kernel("ada_merge_v7_kernel", d)
             if not (MERGE_PDL and _pdl.launch(merge, (group, rows), (4 * d,), margs)):

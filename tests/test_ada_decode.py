@@ -391,6 +391,60 @@ def test_nonfinite_queries_and_means_rejected_before_launch(where):
     cp.cuda.Device().synchronize()
 
 
+def _reference_lse(case, softmax_scale=None):
+    """(batch, Hq) float64 natural-log log-sum-exp of the scaled logits (with q . mu_K), and
+    per head the logit error scale 1 + softmax_scale |q| max r_K."""
+    from spherical_kv_ref.paged import mixed_tier_attention
+    b, hq, d = case.q.shape
+    g = hq // case.num_kv_heads
+    sc = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
+    lse, scale = np.zeros((b, hq)), np.zeros((b, hq))
+    for r, parts in enumerate(case.parts):
+        bi, h = divmod(r, case.num_kv_heads)
+        qh = case.q[bi, h * g:(h + 1) * g].astype(np.float64)
+        _, lse[bi, h * g:(h + 1) * g] = mixed_tier_attention(
+            qh, parts, key_mean=None if case.mean_k is None else case.mean_k[r],
+            value_mean=None if case.mean_v is None else case.mean_v[r],
+            softmax_scale=softmax_scale, return_lse=True)
+        rk = max(float(np.max(np.linalg.norm(kc.decode(ke) - (0 if ke.mean is None else ke.mean), axis=1)))
+                 for ke, _, kc, _ in parts)
+        scale[bi, h * g:(h + 1) * g] = 1.0 + sc * np.linalg.norm(qh, axis=1) * rk
+    return lse, scale
+
+
+@pytest.mark.parametrize("codebook,dim,group,centred", [("uniform", 128, 4, True),
+                                                        ("uniform", 64, 8, False),
+                                                        ("lloyd-max", 128, 1, True),
+                                                        ("lloyd-max", 64, 4, False)])
+def test_lse_matches_reference(codebook, dim, group, centred):
+    """ada_decode(lse=...) writes each head's log-sum-exp of its scaled logits (q . mu_K
+    included), within the logits' error budget of the reference's, for every version the
+    path has, at the default split count and at 2 and 5 splits; the outputs are those of a
+    call without lse."""
+    import cupy as cp
+    from cupy_kernels.ada_decode import splits_for
+    from cupy_kernels.cases import build_case, run_case, to_device
+    case = build_case(2, 2, group, dim, [300, 45, 700, 12], LADDER, [1, 5, 7], seed=11,
+                      centred=centred, codebook=codebook)
+    dev = to_device(case)
+    want, scale = _reference_lse(case, 0.2)
+    versions = (4, 5, 6, 7, 8) if codebook == "uniform" else (4, 6)
+    for version in versions:
+        for splits in (None, 2, 5):
+            lse = cp.full((2, 2 * group), 7.0, cp.float32)
+            out = run_case(case, dev, num_splits=splits, version=version, lse=lse,
+                           softmax_scale=0.2)
+            err = np.abs(lse.get() - want) / scale
+            assert np.max(err) <= BOUND, (version, splits, float(np.max(err)))
+            ns = splits or max(2, splits_for(case.tables, version, 4, int(dev["indices"].size)))
+            plain = run_case(case, dev, num_splits=ns, version=version, softmax_scale=0.2)
+            assert bool(cp.all(out == plain)), (version, splits)
+    with pytest.raises(ValueError, match="lse must be"):
+        run_case(case, dev, lse=cp.zeros((2, 3), cp.float32))
+    with pytest.raises(ValueError, match="split-K merge"):
+        run_case(case, dev, lse=cp.zeros((2, 2 * group), cp.float32), num_splits=1)
+
+
 def test_no_dense_allocation_during_decode():
     """Hooks CuPy's allocator: no allocation of >= tokens * d * 2 bytes during a decode."""
     import cupy as cp

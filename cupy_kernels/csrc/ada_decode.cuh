@@ -2572,14 +2572,41 @@ ada_decode_uniform_v8_kernel(SKV_DECODE_PARAMS) {
   decode_cta<D, PATH_AFFINE, DEC7_SUB, true, true, true>(SKV_DECODE_ARGS);
 }
 
+// The merged log-sum-exp of one (row, head), natural log, for callers that merge this
+// attention with another (lse_out, optional): the splits' base-2 lse (M + log2 W, in the
+// kernel's units: scaled logits times log2 e) plus scale * q . mu_K, the shift every logit of
+// the row shares, which v6 and later leave out (the launcher passes mean_k only then).
+// One thread, once per (row, head); -inf for a row without states.
+template <int D>
+__device__ __forceinline__ void merged_lse(float M, float W, const float* __restrict__ q,
+                                           long long q_sb, long long q_sh,
+                                           const float* __restrict__ mean_k, float scale, int row,
+                                           int num_kv_heads, int G, int gg,
+                                           float* __restrict__ lse_out) {
+  const int b = row / num_kv_heads, head = (row % num_kv_heads) * G + gg;
+  float dot = 0.0f;
+  if (mean_k) {
+    const float* qh = q + b * q_sb + head * q_sh;
+    const float* mk = mean_k + (size_t)row * D;
+    for (int c = 0; c < D; ++c) dot = fmaf(qh[c], mk[c], dot);
+  }
+  lse_out[(size_t)row * G + gg] = (M == -SKV_INF || !(W > 0.0f))
+                                      ? -SKV_INF
+                                      : (M + log2f(W)) * 0.69314718056f + scale * dot;
+}
+
+#define SKV_MERGE_LSE_PARAMS                                                                  \
+  const float* __restrict__ q, long long q_sb, long long q_sh, const float* __restrict__ mean_k, \
+      float scale, float* __restrict__ lse_out
+
 // Split-K merge: one CTA per row, D threads; o = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M),
-// then Pi_V^T and mu_V as in the single-split path.
+// then Pi_V^T and mu_V as in the single-split path (and, with lse_out, merged_lse).
 template <int D>
 __global__ void __launch_bounds__(D)
 ada_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                  int num_splits, int rows, int num_kv_heads, int G,
                  const float* __restrict__ sigma_v, const float* __restrict__ mean_v,
-                 float* __restrict__ out) {
+                 float* __restrict__ out, SKV_MERGE_LSE_PARAMS) {
   __shared__ float buf[DEC_HEADS * D];
   const int row = blockIdx.x, kvh = row % num_kv_heads, j = threadIdx.x;
   for (int gg = 0; gg < G; ++gg) {
@@ -2596,6 +2623,8 @@ ada_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ par
       }
     }
     buf[gg * D + j] = W > 0.0f ? O / W : 0.0f;
+    if (lse_out && j == 0)
+      merged_lse<D>(M, W, q, q_sb, q_sh, mean_k, scale, row, num_kv_heads, G, gg, lse_out);
   }
   finish_heads<D>(buf, G, sigma_v + (size_t)kvh * D, mean_v ? mean_v + (size_t)row * D : nullptr,
                   out + (long long)row * G * D, D);
@@ -2620,10 +2649,10 @@ __global__ void __launch_bounds__(4 * D, 1024 / (4 * D))   // <= 64 registers, n
 ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                     int num_splits, int rows, int num_kv_heads, int G,
                     const float* __restrict__ sigma_v, const float* __restrict__ mean_v,
-                    float* __restrict__ out) {
+                    float* __restrict__ out, SKV_MERGE_LSE_PARAMS) {
   __shared__ float wsh[MERGE7_MAX_SPLITS];
   __shared__ float red[4][D];
-  __shared__ float wsum;
+  __shared__ float wsum, wmax;
   const int gg = blockIdx.x, row = blockIdx.y, kvh = row % num_kv_heads;
   const int tid = threadIdx.x, j = tid % D, part = tid / D;
   const size_t hstride = (size_t)rows * G, base = (size_t)row * G + gg;   // in heads
@@ -2660,7 +2689,10 @@ ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ 
     }
 #pragma unroll
     for (int m = 16; m >= 1; m >>= 1) W += __shfl_xor_sync(0xffffffffu, W, m);
-    if (tid == 0) wsum = W;
+    if (tid == 0) {
+      wsum = W;
+      wmax = M;
+    }
   }
   __syncthreads();
   float o = 0.0f;
@@ -2689,6 +2721,8 @@ ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ 
       dst[e] = v;
     }
   }
+  if (lse_out && tid == 0)   // after the outputs: nothing else is live (<= 64 registers)
+    merged_lse<D>(wmax, wsum, q, q_sb, q_sh, mean_k, scale, row, num_kv_heads, G, gg, lse_out);
 }
 
 }  // namespace skv
