@@ -351,8 +351,9 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
             dev[key] = cp.concatenate([geom, cp.zeros((GEOM_ROWS_V7 - geom.shape[0],) + geom.shape[1:],
                                                       geom.dtype)])
         geom = dev[key]
+    q_strides = (np.int64(qa.strides[0] // 4), np.int64(qa.strides[1] // 4))   # in floats
     kern((splits, rows), (THREADS,),
-         (qa, np.int64(qa.strides[0] // 4), np.int64(qa.strides[1] // 4),
+         (qa, *q_strides,
           pg, np.int32(tables.page_words), pt, pc, ip, ix, geom, levels,
           sk, sv, mk, mv, np.int32(hkv), np.int32(group),
           np.float32(scale * math.log2(math.e)), np.int32(splits), out, po, pl),
@@ -362,7 +363,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
         lk = mk if (lse is not None and kversion >= 6) else null
         margs = (workspace.part_o, workspace.part_lse, np.int32(splits), np.int32(rows),
                  np.int32(hkv), np.int32(group), sv, mv, out,
-                 qa, np.int64(qa.strides[0] // 4), np.int64(qa.strides[1] // 4), lk,
+                 qa, *q_strides, lk,
                  np.float32(scale), lse if lse is not None else null)
         if version >= 7 and MERGE_V7 and splits <= MERGE7_MAX_SPLITS:
             merge = kernel("ada_merge_v7_kernel", d)

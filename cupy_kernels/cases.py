@@ -55,13 +55,20 @@ class DecodeCase:
         out = np.zeros((b, hq))
         for r, parts in enumerate(self.parts):
             bi, h = divmod(r, self.num_kv_heads)
-            rk = max(float(np.max(np.linalg.norm(kc.decode(ke) - (0 if ke.mean is None else ke.mean), axis=1)))
-                     for ke, _, kc, _ in parts)
-            vmax = max(float(np.max(np.linalg.norm(vc.decode(ve) - (0 if ve.mean is None else ve.mean),
-                                                    axis=1))) for _, ve, _, vc in parts)
+            rk, vmax = stored_radii(parts)
             qn = np.linalg.norm(self.q[bi, h * g:(h + 1) * g].astype(np.float64), axis=1)
             out[bi, h * g:(h + 1) * g] = (1.0 + 2.0 * sc * qn * rk) * vmax
         return out
+
+
+def stored_radii(parts) -> tuple:
+    """(max r_K, max |v_hat|) over one row's parts [(keys, values, key codec, value codec)]:
+    the largest stored key and value norms, centred (mu added back exactly is left out)."""
+    def largest(enc, codec):
+        return float(np.max(np.linalg.norm(codec.decode(enc) - (0 if enc.mean is None else enc.mean),
+                                           axis=1)))
+    return (max(largest(ke, kc) for ke, _, kc, _ in parts),
+            max(largest(ve, vc) for _, ve, _, vc in parts))
 
 
 def build_case(batch: int, num_kv_heads: int, group: int, dim: int, lengths: Sequence[int],

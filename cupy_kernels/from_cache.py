@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .pages import KernelTables, kernel_tables
+from .pages import KernelTables, kernel_tables, rotation_signs
 
 
 @functools.lru_cache(maxsize=32)
@@ -52,12 +52,8 @@ def kernel_inputs(cache, seqs, layer: int) -> CacheKernelInputs:
     tables = _tables(tiers, int(cache.head_dim), int(cache.page_bytes), str(cache.codebook))
     layer = int(layer)
     kb, vb = cache.ladder.bits(cache.ladder.top)
-    signs = []
-    for bits, salt in ((kb, KEY_SALT), (vb, VALUE_SALT)):
-        s = [cache.codec(layer, h, bits, salt).signs for h in range(cache.num_kv_heads)]
-        if any(x is None for x in s):
-            raise ValueError("the kernels need Hadamard rotations (a power-of-two head dim)")
-        signs.append(np.stack(s).astype(np.float32))
+    signs = [rotation_signs([cache.codec(layer, h, bits, salt) for h in range(cache.num_kv_heads)])
+             for bits, salt in ((kb, KEY_SALT), (vb, VALUE_SALT))]
     table = cache.page_table(seqs, layer)
     means = (np.ascontiguousarray(table.mean_k, np.float32),
              np.ascontiguousarray(table.mean_v, np.float32)) if cache.centre else (None, None)
@@ -97,8 +93,9 @@ def decode_cache(cache, seqs, layer: int, q, *, pool: DevicePool | None = None, 
     cp = cupy()
     inp = kernel_inputs(cache, seqs, layer)
     pool = upload_pool(cache) if pool is None else pool
-    dev = [None if a is None else cp.asarray(a) for a in
-           (inp.sigma_k, inp.sigma_v, inp.indptr, inp.indices, inp.mean_k, inp.mean_v)]
-    return ada_decode(q, pool.pages, pool.page_tier, pool.page_count, dev[2], dev[3],
-                      inp.tables, dev[0], dev[1], num_kv_heads=inp.num_kv_heads,
-                      mean_k=dev[4], mean_v=dev[5], softmax_scale=inp.softmax_scale, **kw)
+    sk, sv, indptr, indices, mk, mv = (None if a is None else cp.asarray(a) for a in
+                                       (inp.sigma_k, inp.sigma_v, inp.indptr, inp.indices,
+                                        inp.mean_k, inp.mean_v))
+    return ada_decode(q, pool.pages, pool.page_tier, pool.page_count, indptr, indices,
+                      inp.tables, sk, sv, num_kv_heads=inp.num_kv_heads, mean_k=mk, mean_v=mv,
+                      softmax_scale=inp.softmax_scale, **kw)

@@ -394,6 +394,7 @@ def test_nonfinite_queries_and_means_rejected_before_launch(where):
 def _reference_lse(case, softmax_scale=None):
     """(batch, Hq) float64 natural-log log-sum-exp of the scaled logits (with q . mu_K), and
     per head the logit error scale 1 + softmax_scale |q| max r_K."""
+    from cupy_kernels.cases import stored_radii
     from spherical_kv_ref.paged import mixed_tier_attention
     b, hq, d = case.q.shape
     g = hq // case.num_kv_heads
@@ -406,9 +407,7 @@ def _reference_lse(case, softmax_scale=None):
             qh, parts, key_mean=None if case.mean_k is None else case.mean_k[r],
             value_mean=None if case.mean_v is None else case.mean_v[r],
             softmax_scale=softmax_scale, return_lse=True)
-        rk = max(float(np.max(np.linalg.norm(kc.decode(ke) - (0 if ke.mean is None else ke.mean), axis=1)))
-                 for ke, _, kc, _ in parts)
-        scale[bi, h * g:(h + 1) * g] = 1.0 + sc * np.linalg.norm(qh, axis=1) * rk
+        scale[bi, h * g:(h + 1) * g] = 1.0 + sc * np.linalg.norm(qh, axis=1) * stored_radii(parts)[0]
     return lse, scale
 
 

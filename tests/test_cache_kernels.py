@@ -48,15 +48,14 @@ def filled_cache(dim=128, codebook="uniform", centre=True, lengths=(300, 517), s
 def error_scale(cache, seq, layer, q):
     """Per query head: (1 + 2 softmax_scale |q| max r_K) max |v_hat - mu_V| over the row's
     kept states (the scale of the kernel's fp16 rounding error)."""
+    from cupy_kernels.cases import stored_radii
     G = cache.group_size
     out = np.zeros(cache.num_q_heads)
     for h in range(cache.num_kv_heads):
-        rk = vmax = 0.0
-        for t, (ke, ve, _) in cache.paged.gather((seq, layer, h)).items():
-            kb, vb = cache.ladder.bits(t)
-            kc, vc = cache.codec(layer, h, kb, KEY_SALT), cache.codec(layer, h, vb, VALUE_SALT)
-            rk = max(rk, float(np.max(np.linalg.norm(kc.decode(ke), axis=1))))
-            vmax = max(vmax, float(np.max(np.linalg.norm(vc.decode(ve), axis=1))))
+        parts = [(ke, ve, cache.codec(layer, h, cache.ladder.bits(t)[0], KEY_SALT),
+                  cache.codec(layer, h, cache.ladder.bits(t)[1], VALUE_SALT))
+                 for t, (ke, ve, _) in cache.paged.gather((seq, layer, h)).items()]
+        rk, vmax = stored_radii(parts)
         qn = np.linalg.norm(q[h * G:(h + 1) * G], axis=1)
         out[h * G:(h + 1) * G] = (1 + 2 * cache.softmax_scale * qn * rk) * vmax
     return out
