@@ -436,6 +436,7 @@ def run(args) -> list[dict]:
                 "windows": len(mine), "ppl_dense": float(ppl_dense.mean()),
                 "delta_ppl_pct": float(dppl.mean()),
                 "delta_ppl_spread": float(dppl.max() - dppl.min()),
+                "delta_ppl_windows": [float(x) for x in dppl],
                 "retrieval_loss": float(np.mean(get("ret"))),
                 "retrieval_loss_protected": float(np.mean(get("ret_p"))) if get("ret_p") else None,
                 "greedy_agreement": float(np.mean(get("agree"))) if get("agree") else None,

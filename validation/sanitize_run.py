@@ -1,5 +1,5 @@
 """A small representative run of every kernel (encode v1, v2 and v3, decode on the table and the affine path,
-v8, v7 (every fast page kind), v6, v5 and v4, with and without split-K, merge, re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
+v8, v7 (every fast page kind), v6, v5 and v4, with and without split-K, merge (with the log-sum-exp output), re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 validation/sanitize_run.py
     ... python3 validation/sanitize_run.py --encode-only    # the encode and re-tier part alone
@@ -84,8 +84,11 @@ def main(argv=None):
                               codebook=codebook)
             dev = to_device(case)
             for splits, version in ((1, 8), (3, 8), (1, 7), (3, 7), (1, 6), (3, 6), (1, 5), (3, 5), (3, 4)):
-                out = run_case(case, dev, num_splits=splits, version=version)
+                # the split runs also write each head's log-sum-exp (both merge kernels)
+                lse = cp.empty(case.q.shape[:2], cp.float32) if splits > 1 else None
+                out = run_case(case, dev, num_splits=splits, version=version, lse=lse)
                 assert bool(cp.all(cp.isfinite(out)))
+                assert lse is None or bool(cp.all(cp.isfinite(lse)))
             tables[codebook] = case.tables
         if not encode_only:
             # v7's and v8's fast path (full 4/4 pages, swizzled staging; v8 pipelined across
