@@ -96,4 +96,22 @@ def test_greedy_read_off_the_dense_path_equals_stepping(runner, bits):
         assert got["gap"] == (float(gaps[miss[0]]) if miss.size else None)
         assert got["agree"] <= got["tokens"] <= 1.0
     exact = E.greedy_on_dense_path(runner.logprobs(E._exact_store(pre), pre, ref), ref, gaps)
+    assert exact.pop("margin_err") < 1e-3
     assert exact == {"agree": 1.0, "gap": None, "tokens": 1.0}
+
+
+def test_greedy_margin_error_is_the_change_of_the_decision_margin():
+    """``margin_err`` is the RMS change of (dense's token − best other token) along the dense
+    path; a position where the change exceeds dense's own margin is a flip."""
+    ref = np.array([0, 2, 1])
+    dense = np.log(np.array([[0.5, 0.3, 0.2], [0.2, 0.3, 0.5], [0.25, 0.45, 0.3]]))
+    gaps = np.array([np.log(0.5 / 0.3), np.log(0.5 / 0.3), np.log(0.45 / 0.3)])
+    method = dense.copy()
+    method[1] = np.log([0.2, 0.5, 0.3])            # position 1 flips: margin log(0.3/0.5)
+    got = E.greedy_on_dense_path(method, ref, gaps)
+    change = np.log(0.3 / 0.5) - gaps[1]
+    assert got["agree"] == 1 / 3 and got["tokens"] == 2 / 3
+    assert abs(got["gap"] - gaps[1]) < 1e-12
+    assert abs(got["margin_err"] - np.sqrt(change ** 2 / 3)) < 1e-12
+    assert abs(change) > gaps[1]
+    assert E.greedy_on_dense_path(dense, ref, gaps)["margin_err"] < 1e-12

@@ -339,6 +339,7 @@ def _unit(job) -> dict:
     future_q = [q[0][:, ::8] for _, q in sorted(rec.queries.items())]
     if args.generate:
         ref_tokens, ref_gaps = runner.greedy(_exact_store(pre), pre, args.generate, margins=True)
+        out["dense_gaps"] = [float(g) for g in ref_gaps]
     out["dense_nll"] = float(-dense_lp[np.arange(len(cont)), cont].mean())
     dense_bytes = 2 * cfg.num_hidden_layers * pre.keys[0].shape[0] * T * pre.keys[0].shape[2] * 2
     for m in _progress(methods, desc=f"T={T} window {w + 1}", leave=False, position=position):
@@ -367,15 +368,32 @@ def greedy_on_dense_path(lp: np.ndarray, ref_tokens: np.ndarray, ref_gaps: np.nd
     (``tests/test_evaluate.py`` checks this against stepping). One chunk instead of G
     one-token steps is what lets the default run afford four windows.
     Returns ``agree`` (common prefix / G), ``gap`` (dense's own top-2 logit gap where the
-    method left it; None: never left) and ``tokens`` (share of the G positions where the
+    method left it; None: never left), ``tokens`` (share of the G positions where the
     method's next token is dense's, given dense's prefix: the tie-robust companion, since
-    one near-tie of the dense run ends every lossy method's common prefix at the same place).
+    one near-tie of the dense run ends every lossy method's common prefix at the same place)
+    and ``margin_err``: the RMS over the G positions of the change the method makes to the
+    margin the greedy choice is made on (dense's token against the best other token; dense's
+    own margin is ``ref_gaps``). A position flips exactly when the change exceeds dense's
+    margin there, so this is the error to set against the dense run's near-ties.
     """
+    rows = np.arange(len(ref_tokens))
     hit = lp.argmax(axis=1) == ref_tokens
     miss = np.flatnonzero(~hit)
     first = int(miss[0]) if miss.size else len(hit)
+    others = lp.copy()
+    others[rows, ref_tokens] = -np.inf
+    margin = lp[rows, ref_tokens] - others.max(axis=1)
     return {"agree": first / len(hit), "gap": float(ref_gaps[first]) if miss.size else None,
-            "tokens": float(hit.mean())}
+            "tokens": float(hit.mean()),
+            "margin_err": float(np.sqrt(np.mean((margin - ref_gaps) ** 2)))}
+
+
+def _gap_summary(gaps: np.ndarray) -> dict:
+    """The dense greedy runs' top-2 logit gaps: the share of positions under a few gaps, and
+    the smallest ones (the near-ties a perturbed cache flips first)."""
+    return {"positions": int(gaps.size),
+            "share_below": {str(g): float(np.mean(gaps < g)) for g in (0.01, 0.02, 0.05, 0.1, 0.2)},
+            "smallest": [float(g) for g in np.sort(gaps)[:8]]}
 
 
 def _pool_run(jobs, procs: int):
@@ -443,6 +461,7 @@ def run(args) -> list[dict]:
                 "greedy_agreement_windows": get("agree"),
                 "greedy_dense_gap_at_divergence": [r.get("gap") for r in rs if "agree" in r],
                 "greedy_token_agreement": float(np.mean(get("tokens"))) if get("tokens") else None,
+                "greedy_margin_err": float(np.mean(get("margin_err"))) if get("margin_err") else None,
                 "attn_out_rel_err": float(np.mean(get("err"))),
                 "kl_nats": float(np.mean(get("kl"))),
                 "top1_agreement": float(np.mean(get("top1"))),
@@ -452,6 +471,11 @@ def run(args) -> list[dict]:
     meta = {"model": "SmolLM2-135M-Instruct", "corpus": source, "continuation": args.continuation,
             "generate": args.generate, "probe_tokens": args.probe, "seed": args.seed,
             "windows": args.windows, "processes": args.jobs, "seconds": round(time.time() - t0, 1)}
+    if args.generate:     # how close to a tie the dense greedy runs come (their top-2 logit gaps)
+        meta["dense_greedy_gaps"] = {
+            str(T): _gap_summary(np.concatenate([u["dense_gaps"] for u in units
+                                                 if u["T"] == T and u["w"] != "probe"]))
+            for T in args.contexts}
     return rows, meta
 
 
