@@ -490,8 +490,8 @@ def write_reports(rows, meta, out: Path) -> None:
              f"probe of {meta['probe_tokens']} planted tokens; run took {meta['seconds']} s.", ""]
     for T in sorted({r["context"] for r in rows}):
         lines += [f"## Context {T} tokens", "",
-                  "| method | bytes % of bf16 | ΔPPL % | spread | KL (nats) | top-1 agree | retrieval loss | protected | greedy agree | greedy tokens | attn err |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| method | bytes % of bf16 | ΔPPL % | spread | KL (nats) | top-1 agree | retrieval loss | protected | greedy agree | greedy tokens | margin err | attn err |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in sorted((r for r in rows if r["context"] == T), key=lambda r: -r["bytes_fraction"]):
             f = lambda v, p=3: "—" if v is None else f"{v:.{p}f}"
             lines.append(f"| {r['method']} | {100 * r['bytes_fraction']:.1f} | {r['delta_ppl_pct']:.2f} | "
@@ -499,10 +499,46 @@ def write_reports(rows, meta, out: Path) -> None:
                          f"{f(r['retrieval_loss'])} | "
                          f"{f(r['retrieval_loss_protected'])} | {f(r['greedy_agreement'], 2)} | "
                          f"{f(r['greedy_token_agreement'], 3)} | "
-                         f"{f(r['attn_out_rel_err'])} |")
+                         f"{f(r.get('greedy_margin_err'), 4)} | {f(r['attn_out_rel_err'])} |")
         lines.append("")
+        pairs = closest_competitors([r for r in rows if r["context"] == T])
+        if pairs:
+            lines += [f"Each RDR point against the baseline with the lowest ΔPPL at the same or more "
+                      f"bytes; the ΔPPL difference is paired by window (mean ± standard error; "
+                      f"negative: RDR lower):", "",
+                      "| RDR point | ΔPPL % | KL | closest baseline | bytes % | ΔPPL % | KL | "
+                      "difference | windows RDR lower |",
+                      "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+            for p in pairs:
+                a, b = p["rdr"], p["baseline"]
+                lines.append(f"| {a['method']} | {a['delta_ppl_pct']:.2f} | {a['kl_nats']:.4f} | "
+                             f"{b['method']} | {100 * b['bytes_fraction']:.1f} | "
+                             f"{b['delta_ppl_pct']:.2f} | {b['kl_nats']:.4f} | "
+                             f"{p['diff']:+.2f} ± {p['se']:.2f} | {p['lower']}/{p['windows']} |")
+            lines.append("")
     (out / "evaluate.md").write_text("\n".join(lines))
     plot(rows, out / "pareto.png")
+
+
+def closest_competitors(rows) -> list[dict]:
+    """For each RDR point of one context length (budgets 10-50 %), the other method with the
+    lowest ΔPPL among those at the same or more bytes, and the window-paired ΔPPL difference
+    (RDR − it): mean, standard error and the number of windows where RDR is lower. Rows
+    without per-window ΔPPLs (older runs) give nothing."""
+    out = []
+    for a in rows:
+        if a["family"] != "skv-rdr" or not 0.1 <= (a["budget_fraction"] or 0) <= 0.5:
+            continue
+        rivals = [b for b in rows if b["family"] not in ("skv-rdr", "dense")
+                  and b["bytes_fraction"] >= a["bytes_fraction"] - 1e-3]
+        if not rivals or "delta_ppl_windows" not in a:
+            continue
+        b = min(rivals, key=lambda r: r["delta_ppl_pct"])
+        d = np.array(a["delta_ppl_windows"]) - np.array(b["delta_ppl_windows"])
+        out.append({"rdr": a, "baseline": b, "diff": float(d.mean()), "windows": len(d),
+                    "se": float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan"),
+                    "lower": int(np.sum(d < 0))})
+    return out
 
 
 def plot(rows, path: Path) -> None:
