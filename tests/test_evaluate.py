@@ -117,21 +117,26 @@ def test_greedy_margin_error_is_the_change_of_the_decision_margin():
     assert E.greedy_on_dense_path(dense, ref, gaps)["margin_err"] < 1e-12
 
 
-def test_closest_competitor_is_the_best_baseline_at_the_same_or_more_bytes():
-    """Each RDR point meets the lowest-ΔPPL non-RDR row with at least its bytes, and the
-    difference is paired window by window."""
+def test_each_baseline_meets_the_rdr_point_with_the_most_bytes_not_above_its_own():
+    """The point-by-point check of "RDR below every baseline at the same or more bytes":
+    a baseline meets the largest 10-50 % RDR point within its bytes, paired window by window."""
     def row(method, family, budget, nbytes, windows):
         return {"method": method, "family": family, "budget_fraction": budget,
                 "bytes_fraction": nbytes, "delta_ppl_pct": float(np.mean(windows)),
                 "delta_ppl_windows": windows, "kl_nats": 0.0}
-    rows = [row("skv-rdr@25%", "skv-rdr", 0.25, 0.25, [0.1, 0.3, 0.2]),
+    rows = [row("skv-rdr@25%", "skv-rdr", 0.25, 0.2499, [0.1, 0.3, 0.2]),
+            row("skv-rdr@20%", "skv-rdr", 0.20, 0.20, [0.2, 0.4, 0.3]),
+            row("skv-rdr@80%", "skv-rdr", 0.8, 0.8, [0.0, 0.0, 0.0]),   # outside 10-50 %
             row("kivi4", "kivi", None, 0.32, [0.0, 0.5, 0.4]),
-            row("fixed", "skv-fixed", None, 0.27, [0.3, 0.2, 0.6]),
-            row("cheap", "kivi", None, 0.20, [-1.0, -1.0, -1.0]),      # fewer bytes: not a rival
-            row("dense-bf16", "dense", None, 1.0, [0.0, 0.0, 0.0]),
-            row("skv-rdr@80%", "skv-rdr", 0.8, 0.8, [0.0, 0.0, 0.0])]  # outside 10-50 %
-    (p,) = E.closest_competitors(rows)
-    assert p["baseline"]["method"] == "kivi4"
+            row("h2o@25%", "h2o", 0.25, 0.25, [3.0, 2.0, 1.0]),
+            row("kivi2", "kivi", None, 0.194, [9.0, 9.0, 9.0]),          # under every RDR point
+            row("dense-bf16", "dense", None, 1.0, [0.0, 0.0, 0.0])]
+    got = {p["baseline"]["method"]: p for p in E.rdr_against_baselines(rows)}
+    assert set(got) == {"kivi4", "h2o@25%"}
+    assert got["kivi4"]["rdr"]["method"] == "skv-rdr@25%"
+    assert got["h2o@25%"]["rdr"]["method"] == "skv-rdr@25%"
     d = np.array([0.1, -0.2, -0.2])
+    p = got["kivi4"]
     assert abs(p["diff"] - d.mean()) < 1e-12 and p["lower"] == 2 and p["windows"] == 3
     assert abs(p["se"] - d.std(ddof=1) / np.sqrt(3)) < 1e-12
+    assert got["h2o@25%"]["lower"] == 3
