@@ -581,7 +581,8 @@ def plot(rows, path: Path, metrics=PARETO_METRICS) -> None:
                 ax.set_yscale(scale)
             if ref is not None:
                 ax.axhline(ref, color="k", ls=":", lw=1)
-            top = max(100 * r["bytes_fraction"] for r in rows if r["context"] == T)
+            top = max(100 * r["bytes_fraction"] for r in rows
+                      if r["context"] == T and r["family"] != "dense")
             ticks = [t for t in (10, 15, 20, 25, 30, 40, 50, 65, 80, 100) if t <= top + 1]
             ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.set_xlabel("cache bytes, % of bf16 (all overheads counted)")
