@@ -140,3 +140,27 @@ def test_each_baseline_meets_the_rdr_point_with_the_most_bytes_not_above_its_own
     assert abs(p["diff"] - d.mean()) < 1e-12 and p["lower"] == 2 and p["windows"] == 3
     assert abs(p["se"] - d.std(ddof=1) / np.sqrt(3)) < 1e-12
     assert got["h2o@25%"]["lower"] == 3
+
+
+def test_greedy_oracle_default_is_the_evaluation_rdr_and_the_oracle_sees_the_greedy_queries(runner):
+    """validation.greedy_oracle: its "default" variant builds the evaluation's own RDR store
+    (same margins along the dense greedy path), and the oracle variants estimate attention
+    from the greedy run's queries, so they keep different states."""
+    from types import SimpleNamespace
+    from validation import greedy_oracle as O
+    E._WORKER.clear()
+    E._WORKER.update(runner=runner, cfg=runner.model.config)
+    try:
+        ids = np.random.default_rng(7).integers(0, 101, 400)
+        args = SimpleNamespace(budgets=[0.5], generate=12)
+        got = O._unit((320, 0, 40, args, ids))["results"]
+        pre = runner.prefill(ids[40:360])
+        ref, gaps = runner.greedy(E._exact_store(pre), pre, 12, margins=True)
+        (rdr,) = [m for m in E.lineup(runner.cfg, [0.5]) if m.name == "skv-rdr@50%"]
+        want = E.greedy_on_dense_path(runner.logprobs(rdr.build(pre)[0], pre, ref), ref, gaps)
+    finally:
+        E._WORKER.clear()
+    assert set(got) == {"default@50%", "oracle@50%", "oracle-no-prior@50%"}
+    assert abs(got["default@50%"]["margin_err"] - want["margin_err"]) < 1e-9
+    assert got["oracle-no-prior@50%"]["margin_err"] != got["default@50%"]["margin_err"]
+    assert all(r["bytes"] <= 0.5 for r in got.values())
