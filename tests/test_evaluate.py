@@ -152,7 +152,8 @@ def test_greedy_oracle_default_is_the_evaluation_rdr_and_the_oracle_sees_the_gre
     E._WORKER.update(runner=runner, cfg=runner.model.config)
     try:
         ids = np.random.default_rng(7).integers(0, 101, 400)
-        args = SimpleNamespace(budgets=[0.5], generate=12)
+        args = SimpleNamespace(budgets=[0.5], generate=12,
+                               variants=["default", "oracle", "oracle-no-prior", "last128"])
         got = O._unit((320, 0, 40, args, ids))["results"]
         pre = runner.prefill(ids[40:360])
         ref, gaps = runner.greedy(E._exact_store(pre), pre, 12, margins=True)
@@ -160,7 +161,7 @@ def test_greedy_oracle_default_is_the_evaluation_rdr_and_the_oracle_sees_the_gre
         want = E.greedy_on_dense_path(runner.logprobs(rdr.build(pre)[0], pre, ref), ref, gaps)
     finally:
         E._WORKER.clear()
-    assert set(got) == {"default@50%", "oracle@50%", "oracle-no-prior@50%"}
+    assert set(got) == {"default@50%", "oracle@50%", "oracle-no-prior@50%", "last128@50%"}
     assert abs(got["default@50%"]["margin_err"] - want["margin_err"]) < 1e-9
     assert got["oracle-no-prior@50%"]["margin_err"] != got["default@50%"]["margin_err"]
     assert all(r["bytes"] <= 0.5 for r in got.values())

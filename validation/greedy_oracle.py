@@ -7,7 +7,8 @@ greedy run itself. This script gives RDR exactly those queries (every position o
 dense greedy run, recorded through the exact cache) as its observation window, which no
 deployable cache can know, and measures the greedy margin error, the flip rate and the
 greedy agreement against the default estimate, on the windows of the evaluation
-(``--contexts``/``--windows`` pick the same windows as ``validation.evaluate``).
+(``--context``/``--windows`` pick the same windows as ``validation.evaluate``). The
+``last*`` variants are deployable: more of the trailing prefill queries, other priors.
 
     python -m validation.greedy_oracle --windows 16 --budgets 0.20 0.25
 
@@ -27,10 +28,14 @@ import numpy as np
 
 from validation import evaluate as E
 
-VARIANTS = {                       # name: (window of the estimate, prior, oracle queries)
-    "default": (E.OBSERVE, 0.2, False),
-    "oracle": (None, 0.2, True),
-    "oracle-no-prior": (None, 0.0, True),
+VARIANTS = {   # name: (queries of the estimate, how many (None: all), prior)
+    "default": ("observed", E.OBSERVE, 0.2),     # the evaluation's RDR: last 32 prefill queries
+    "oracle": ("greedy", None, 0.2),             # the greedy run's own queries
+    "oracle-no-prior": ("greedy", None, 0.0),
+    "last128": ("prefill", 128, 0.2),            # deployable: more trailing prefill queries
+    "last512": ("prefill", 512, 0.2),
+    "last512-p0.05": ("prefill", 512, 0.05),
+    "last512-p0": ("prefill", 512, 0.0),
 }
 
 
@@ -42,12 +47,16 @@ def _unit(job) -> dict:
     ref, gaps = runner.greedy(E._exact_store(pre), pre, args.generate, margins=True)
     rec = E._RecordingStore(E._exact_store(pre))
     runner.logprobs(rec, pre, ref)
-    greedy_q = [q[0] for _, q in sorted(rec.queries.items())]        # (Hq, G - 1, d) per layer
+    sources = {"observed": pre.queries,
+               "greedy": [q[0] for _, q in sorted(rec.queries.items())]}  # (Hq, G - 1, d) per layer
+    if any(VARIANTS[v][0] == "prefill" for v in args.variants):
+        from validation.model import capture_qkv
+        sources["prefill"] = capture_qkv(runner.model, ids[s:s + T]).queries
     out = {"w": w, "results": {}}
-    for name, (window, prior, oracle) in VARIANTS.items():
-        queries = greedy_q if oracle else pre.queries
-        policy = dataclasses.replace(E._rdr_policy(), prior=prior,
-                                     window=window or queries[0].shape[1])
+    for name in args.variants:
+        source, count, prior = VARIANTS[name]
+        queries = [q[:, -count:] if count else q for q in sources[source]]
+        policy = dataclasses.replace(E._rdr_policy(), prior=prior, window=queries[0].shape[1])
         for b in args.budgets:
             H, _, d = pre.keys[0].shape
             dense = 2 * len(pre.keys) * H * T * d * 2
@@ -100,6 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", type=float, nargs="+", default=[0.20])
     p.add_argument("--continuation", type=int, default=256, help="as in validation.evaluate (window spacing)")
     p.add_argument("--generate", type=int, default=128)
+    p.add_argument("--variants", nargs="+", default=["default", "oracle", "oracle-no-prior"],
+                   choices=sorted(VARIANTS))
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", type=Path, default=E.RESULTS / "greedy_oracle.json")
     args = p.parse_args(argv)
