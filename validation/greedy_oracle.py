@@ -76,7 +76,7 @@ def run(args) -> list[dict]:
     T = args.context
     ids, _ = E.corpus_tokens(tok, (T + args.continuation) * (args.windows + 1))
     starts = np.linspace(0, len(ids) - T - args.continuation - 1, args.windows + 2)[1:-1].astype(int)
-    jobs = [(T, w, int(s), args, ids) for w, s in enumerate(starts)]
+    jobs = [(T, w, int(s), args, ids) for w, s in enumerate(starts)][:args.first]
     if args.jobs <= 1:
         E._worker_setup(None)
         units = [_unit(j) for j in E._progress(jobs, desc="windows")]
@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--windows", type=int, default=16)
+    p.add_argument("--first", type=int, default=None,
+                   help="only the first N of the --windows windows (same windows, less time)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.20])
     p.add_argument("--continuation", type=int, default=256, help="as in validation.evaluate (window spacing)")
     p.add_argument("--generate", type=int, default=128)
