@@ -68,6 +68,13 @@ class Prefill:
     stats: object
     last_logits: np.ndarray
     length: int
+    trailing_queries: Optional[list] = None     # more of the last queries, when asked for
+
+    @property
+    def dense_bytes(self) -> int:
+        """The dense bf16 cache of the prefill: keys and values, 2 bytes a coordinate."""
+        H, T, d = self.keys[0].shape
+        return 2 * len(self.keys) * H * T * d * 2
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -140,9 +147,7 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,)):
     for b in sorted(set(budgets) | set(rdr_extra), reverse=True):
         for i, recent in enumerate(rdr_recent):
             def build(pre, b=b, recent=recent, protect=()):
-                H, T, d = pre.keys[0].shape
-                dense = 2 * len(pre.keys) * H * T * d * 2
-                return _spherical_store(pre, cfg, TierLadder(), b * dense, protect=protect,
+                return _spherical_store(pre, cfg, TierLadder(), b * pre.dense_bytes, protect=protect,
                                         policy=_rdr_policy(recent))
             name = f"skv-rdr@{round(b * 100)}%" + (f"+r{recent}" if i else "")
             methods.append(Method(name, "skv-rdr", b, build, protects=True))
@@ -162,7 +167,9 @@ class Runner:
         use_spherical_attention(model)
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
 
-    def prefill(self, ids: np.ndarray, stats_stride: int = 4) -> Prefill:
+    def prefill(self, ids: np.ndarray, stats_stride: int = 4, trailing: int = 0) -> Prefill:
+        """The dense prefill of ``ids``; ``trailing``: also keep that many of the last
+        queries of every layer (``Prefill.trailing_queries``, (num_q_heads, n, d) float32)."""
         from spherical_kv_ref.hf import SphericalCache
         from validation.baselines import attention_stats
         from validation.model import capture_qkv
@@ -176,7 +183,8 @@ class Runner:
         stats = attention_stats(qkv.queries, qkv.keys, window=OBSERVE, query_stride=stats_stride)
         return Prefill([k.astype(np.float32) for k in keys], [v.astype(np.float32) for v in values],
                        [q.astype(np.float64) for q in cache.observed], stats,
-                       logits.double().numpy(), len(ids))
+                       logits.double().numpy(), len(ids),
+                       [q[:, -trailing:] for q in qkv.queries] if trailing else None)
 
     def _cache(self, store, length):
         from spherical_kv_ref.hf import SphericalCache
@@ -341,12 +349,11 @@ def _unit(job) -> dict:
         ref_tokens, ref_gaps = runner.greedy(_exact_store(pre), pre, args.generate, margins=True)
         out["dense_gaps"] = [float(g) for g in ref_gaps]
     out["dense_nll"] = float(-dense_lp[np.arange(len(cont)), cont].mean())
-    dense_bytes = 2 * cfg.num_hidden_layers * pre.keys[0].shape[0] * T * pre.keys[0].shape[2] * 2
     for m in _progress(methods, desc=f"T={T} window {w + 1}", leave=False, position=position):
         r = out["methods"][m.name] = {}
         store, nbytes = m.build(pre)
         fresh = copy.deepcopy(store) if args.generate else None   # scoring appends
-        r["bytes"] = nbytes / dense_bytes
+        r["bytes"] = nbytes / pre.dense_bytes
         r["err"] = attention_error(store, pre, future_q)
         lp = runner.logprobs(store, pre, cont)
         r["nll"] = float(-lp[np.arange(len(cont)), cont].mean())
@@ -396,18 +403,38 @@ def _gap_summary(gaps: np.ndarray) -> dict:
             "smallest": [float(g) for g in np.sort(gaps)[:8]]}
 
 
-def _pool_run(jobs, procs: int):
-    """Run the units, in ``procs`` worker processes of one thread each (two processes on
-    two cores beat one process of two threads: numpy's BLAS and torch's threads fight)."""
+def _main_setup(procs: int):
+    """(model config, tokenizer) for the main process of a run. With one process the units
+    run here too, so the model is loaded once, for them as well; with more, the workers load
+    their own and this process keeps only the config and the tokenizer."""
     if procs <= 1:
         _worker_setup(None)
-        return [_unit(j) for j in jobs]
+        return _WORKER["cfg"], _WORKER["tok"]
+    from validation.model import load_model
+    model, tok = load_model()
+    return model.config, tok
+
+
+def window_starts(num_ids: int, T: int, continuation: int, windows: int) -> np.ndarray:
+    """Where the ``windows`` windows of T context + ``continuation`` tokens start: evenly
+    over the corpus tokens, neither end included."""
+    return np.linspace(0, num_ids - T - continuation - 1, windows + 2)[1:-1].astype(int)
+
+
+def _pool_run(jobs, procs: int, unit=None):
+    """Run ``unit`` (default ``_unit``) over the jobs, in ``procs`` worker processes of one
+    thread each (two processes on two cores beat one process of two threads: numpy's BLAS
+    and torch's threads fight)."""
+    unit = _unit if unit is None else unit
+    if procs <= 1:
+        _worker_setup(None)
+        return [unit(j) for j in jobs]
     import multiprocessing as mp
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     os.environ.update({k: "1" for k in saved})          # the workers' BLAS reads this at import
     try:
         with mp.get_context("spawn").Pool(procs, initializer=_worker_setup, initargs=(1,)) as pool:
-            return list(_progress(pool.imap_unordered(_unit, jobs), total=len(jobs),
+            return list(_progress(pool.imap_unordered(unit, jobs), total=len(jobs),
                                   desc="(context, window) units", position=procs))
     finally:
         for k, v in saved.items():
@@ -419,20 +446,13 @@ def _pool_run(jobs, procs: int):
 
 def run(args) -> list[dict]:
     t0 = time.time()
-    if args.jobs <= 1:            # the units run here: load the model once, for them too
-        _worker_setup(None)
-        cfg, tok = _WORKER["cfg"], _WORKER["tok"]
-    else:                         # the workers load their own; this process needs cfg and tokenizer
-        from validation.model import load_model
-        model, tok = load_model()
-        cfg = model.config
-        del model
+    cfg, tok = _main_setup(args.jobs)
     need = max(args.contexts) + args.continuation
     ids, source = corpus_tokens(tok, need * (args.windows + 1))
     methods = _methods(cfg, args)
     jobs = []
     for T in args.contexts:
-        starts = np.linspace(0, len(ids) - T - args.continuation - 1, args.windows + 2)[1:-1].astype(int)
+        starts = window_starts(len(ids), T, args.continuation, args.windows)
         jobs += [(T, w, int(s), args, ids) for w, s in enumerate(starts)]
         jobs.append((T, "probe", int(starts[0]), args, ids))
     # longest first (a window costs about three probes), so the two processes end together

@@ -43,49 +43,37 @@ def _unit(job) -> dict:
     """One window: dense prefill and greedy run, then every (variant, budget) store."""
     T, w, s, args, ids = job
     runner, cfg = E._WORKER["runner"], E._WORKER["cfg"]
-    pre = runner.prefill(ids[s:s + T])
+    trailing = max((VARIANTS[v][1] for v in args.variants if VARIANTS[v][0] == "prefill"), default=0)
+    pre = runner.prefill(ids[s:s + T], trailing=trailing)
     ref, gaps = runner.greedy(E._exact_store(pre), pre, args.generate, margins=True)
     rec = E._RecordingStore(E._exact_store(pre))
     runner.logprobs(rec, pre, ref)
     sources = {"observed": pre.queries,
                "greedy": [q[0] for _, q in sorted(rec.queries.items())]}  # (Hq, G - 1, d) per layer
-    if any(VARIANTS[v][0] == "prefill" for v in args.variants):
-        from validation.model import capture_qkv
-        sources["prefill"] = capture_qkv(runner.model, ids[s:s + T]).queries
+    if trailing:
+        sources["prefill"] = pre.trailing_queries
     out = {"w": w, "results": {}}
     for name in args.variants:
         source, count, prior = VARIANTS[name]
         queries = [q[:, -count:] if count else q for q in sources[source]]
         policy = dataclasses.replace(E._rdr_policy(), prior=prior, window=queries[0].shape[1])
         for b in args.budgets:
-            H, _, d = pre.keys[0].shape
-            dense = 2 * len(pre.keys) * H * T * d * 2
             store, nbytes = E._spherical_store(dataclasses.replace(pre, queries=queries), cfg,
-                                               E.TierLadder(), b * dense, policy=policy)
+                                               E.TierLadder(), b * pre.dense_bytes, policy=policy)
             r = E.greedy_on_dense_path(runner.logprobs(store, pre, ref), ref, gaps)
-            r["bytes"] = nbytes / dense
+            r["bytes"] = nbytes / pre.dense_bytes
             out["results"][f"{name}@{round(b * 100)}%"] = r
     return out
 
 
 def run(args) -> list[dict]:
     t0 = time.time()
-    from validation.model import load_model
-    model, tok = load_model()
-    del model
+    _, tok = E._main_setup(args.jobs)
     T = args.context
     ids, _ = E.corpus_tokens(tok, (T + args.continuation) * (args.windows + 1))
-    starts = np.linspace(0, len(ids) - T - args.continuation - 1, args.windows + 2)[1:-1].astype(int)
+    starts = E.window_starts(len(ids), T, args.continuation, args.windows)
     jobs = [(T, w, int(s), args, ids) for w, s in enumerate(starts)][:args.first]
-    if args.jobs <= 1:
-        E._worker_setup(None)
-        units = [_unit(j) for j in E._progress(jobs, desc="windows")]
-    else:
-        import multiprocessing as mp
-        import os
-        os.environ.update({k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")})
-        with mp.get_context("spawn").Pool(args.jobs, initializer=E._worker_setup, initargs=(1,)) as pool:
-            units = list(E._progress(pool.imap_unordered(_unit, jobs), total=len(jobs), desc="windows"))
+    units = E._pool_run(jobs, args.jobs, unit=_unit)
     units.sort(key=lambda u: u["w"])
     rows = []
     for key in units[0]["results"]:
