@@ -306,7 +306,9 @@ class SphericalCache(Cache):
     """A transformers ``Cache`` backed by a context store (batch 1).
 
     config: the model config (num_hidden_layers, num_attention_heads, num_key_value_heads,
-    head_dim). observe: how many trailing prefill queries per layer to record for RDR.
+    head_dim). observe: how many of the latest queries per layer to record for RDR's
+    attention estimate: the prefill's last ones, rolled on by any tokens run before
+    ``compress`` (so compressing after a few dense decode steps estimates from them).
     Keyword arguments go to ``SphericalKVCache`` when ``compress`` builds it."""
 
     def __init__(self, config, observe: int = 32, **cache_kwargs):
@@ -372,9 +374,11 @@ def spherical_attention(module, query, key, value, attention_mask, scaling=None,
     owner, layer, mode = handle
     scale = float(scaling) if scaling is not None else 1.0 / np.sqrt(query.shape[-1])
     if mode == "dense":
-        w = min(owner.observe, query.shape[2])
-        if w:
-            owner.observed[layer] = query[0, :, -w:].detach().double().numpy()
+        if owner.observe:         # the latest queries, across chunks (a prefill, then decode steps)
+            new = query[0, :, -owner.observe:].detach().double().numpy()
+            old = owner.observed[layer]
+            owner.observed[layer] = new if old is None else \
+                np.concatenate([old, new], axis=1)[:, -owner.observe:]
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     q = query[0].detach().double().numpy()                       # (nq, T, d)

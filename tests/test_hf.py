@@ -64,6 +64,21 @@ def test_generate_runs_on_compressed_state_and_matches_dense_at_full_budget(tiny
     assert torch.equal(out[0, 40:], dense[0, 40:])
 
 
+def test_observed_queries_roll_on_through_dense_decode_steps(tiny_model):
+    # compressing after a few dense decode steps: the estimate holds their queries, as
+    # if the prefill had covered them
+    model, ids, _ = tiny_model
+    stepped, whole = SphericalCache(model.config, observe=8), SphericalCache(model.config, observe=8)
+    with torch.no_grad():
+        model(ids[:, :40], past_key_values=stepped)
+        for t in range(40, 43):
+            model(ids[:, t:t + 1], past_key_values=stepped)
+        model(ids[:, :43], past_key_values=whole)
+    for a, b in zip(stepped.observed, whole.observed):
+        assert a.shape == b.shape == (4, 8, 16)
+        assert np.allclose(a, b, atol=1e-5)
+
+
 def test_batch_above_one_is_refused(tiny_model):
     model, ids, _ = tiny_model
     cache = SphericalCache(model.config)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -108,9 +109,10 @@ def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(),
     # room for the context and the tokens scoring/generation append (at the top tier)
     per_page = max(1, page_bytes // ladder.bytes_per_state(ladder.top, d))
     pool = (L * H * ((T + extra_tokens) // per_page + len(ladder) + 2) + 16) * page_bytes
+    policy = policy or _rdr_policy()      # its estimate: every query the prefill observed
+    policy = dataclasses.replace(policy, window=max(policy.window, prefill.queries[0].shape[1]))
     kv = SphericalKVCache(L, H, d, ladder, page_bytes=page_bytes, pool_bytes=pool, seed=seed,
-                          num_q_heads=cfg.num_attention_heads, centre=centre,
-                          policy=policy or _rdr_policy())
+                          num_q_heads=cfg.num_attention_heads, centre=centre, policy=policy)
     seq = fill_cache(kv, prefill.keys, prefill.values, prefill.queries, protect)
     if budget_bytes is not None:
         kv.compress(seq, int(budget_bytes))
@@ -167,20 +169,23 @@ class Runner:
         use_spherical_attention(model)
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
 
-    def prefill(self, ids: np.ndarray, stats_stride: int = 4, trailing: int = 0) -> Prefill:
-        """The dense prefill of ``ids``; ``trailing``: also keep that many of the last
-        queries of every layer (``Prefill.trailing_queries``, (num_q_heads, n, d) float32)."""
+    def prefill(self, ids: np.ndarray, stats_stride: int = 4, trailing: int = 0,
+                observe: int = OBSERVE) -> Prefill:
+        """The dense prefill of ``ids``; ``observe``: how many of the last queries make the
+        attention estimates (RDR's, and the evicting baselines' statistics); ``trailing``:
+        also keep that many of the last queries of every layer (``Prefill.trailing_queries``,
+        (num_q_heads, n, d) float32)."""
         from spherical_kv_ref.hf import SphericalCache
         from validation.baselines import attention_stats
         from validation.model import capture_qkv
         torch = self.torch
-        cache = SphericalCache(self.cfg, observe=OBSERVE)
+        cache = SphericalCache(self.cfg, observe=observe)
         with torch.no_grad():
             logits = self.model(torch.as_tensor(ids)[None], past_key_values=cache).logits[0, -1]
         L = self.cfg.num_hidden_layers
         keys, values = zip(*[cache.dense_kv(l) for l in range(L)])
         qkv = capture_qkv(self.model, ids)
-        stats = attention_stats(qkv.queries, qkv.keys, window=OBSERVE, query_stride=stats_stride)
+        stats = attention_stats(qkv.queries, qkv.keys, window=observe, query_stride=stats_stride)
         return Prefill([k.astype(np.float32) for k in keys], [v.astype(np.float32) for v in values],
                        [q.astype(np.float64) for q in cache.observed], stats,
                        logits.double().numpy(), len(ids),
@@ -346,13 +351,19 @@ def _unit(job) -> dict:
     # the scored tokens' own queries (every 8th): what later decoding asks of the context
     future_q = [q[0][:, ::8] for _, q in sorted(rec.queries.items())]
     if args.generate:
-        ref_tokens, ref_gaps = runner.greedy(_exact_store(pre), pre, args.generate, margins=True)
+        gpre = pre
+        if args.defer:      # compress after the first ``defer`` tokens, generated densely
+            first = runner.greedy(_exact_store(pre), pre, args.defer)
+            gpre = runner.prefill(np.concatenate([ctx, first]), observe=args.defer)
+        ref_tokens, ref_gaps = runner.greedy(_exact_store(gpre), gpre, args.generate, margins=True)
         out["dense_gaps"] = [float(g) for g in ref_gaps]
     out["dense_nll"] = float(-dense_lp[np.arange(len(cont)), cont].mean())
     for m in _progress(methods, desc=f"T={T} window {w + 1}", leave=False, position=position):
         r = out["methods"][m.name] = {}
         store, nbytes = m.build(pre)
-        fresh = copy.deepcopy(store) if args.generate else None   # scoring appends
+        fresh = None                                    # the greedy run's store
+        if args.generate:
+            fresh = m.build(gpre)[0] if args.defer else copy.deepcopy(store)   # scoring appends
         r["bytes"] = nbytes / pre.dense_bytes
         r["err"] = attention_error(store, pre, future_q)
         lp = runner.logprobs(store, pre, cont)
@@ -360,7 +371,7 @@ def _unit(job) -> dict:
         r["kl"] = float(np.mean(np.sum(np.exp(dense_lp) * (dense_lp - lp), axis=1)))
         r["top1"] = float(np.mean(lp.argmax(axis=1) == dense_lp.argmax(axis=1)))
         if args.generate:
-            r.update(greedy_on_dense_path(runner.logprobs(fresh, pre, ref_tokens), ref_tokens, ref_gaps))
+            r.update(greedy_on_dense_path(runner.logprobs(fresh, gpre, ref_tokens), ref_tokens, ref_gaps))
     return out
 
 
@@ -489,7 +500,7 @@ def run(args) -> list[dict]:
     print(f"{len(methods)} methods x {len(units)} units (context x (windows + probe)) done "
           f"({time.time() - t0:.0f} s)", file=sys.stderr)
     meta = {"model": "SmolLM2-135M-Instruct", "corpus": source, "continuation": args.continuation,
-            "generate": args.generate, "probe_tokens": args.probe, "seed": args.seed,
+            "generate": args.generate, "defer": args.defer, "probe_tokens": args.probe, "seed": args.seed,
             "windows": args.windows, "processes": args.jobs, "seconds": round(time.time() - t0, 1)}
     if args.generate:     # how close to a tie the dense greedy runs come (their top-2 logit gaps)
         meta["dense_greedy_gaps"] = {
@@ -631,6 +642,10 @@ def parse(argv):
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--continuation", type=int, default=256)
     p.add_argument("--generate", type=int, default=128)
+    p.add_argument("--defer", type=int, default=64,
+                   help="greedy protocol: every method compresses after the first N tokens, "
+                        "generated on the dense cache, its estimate from their queries; the "
+                        "next --generate tokens are compared (0: compress right after the prefill)")
     p.add_argument("--probe", type=int, default=32)
     p.add_argument("--methods", nargs="*", default=None, help="name prefixes to keep")
     p.add_argument("--seed", type=int, default=0)
@@ -641,7 +656,7 @@ def parse(argv):
     if a.quick:
         a.contexts = a.contexts or [512]
         a.budgets, a.rdr_extra = [0.25], []
-        a.windows, a.continuation, a.generate, a.probe = 2, 32, 8, 16
+        a.windows, a.continuation, a.generate, a.probe, a.defer = 2, 32, 8, 16, min(a.defer, 8)
         a.out = a.out or Path(os.environ.get("SPHERICAL_KV_RESULTS", "results-quick"))
     a.contexts = a.contexts or ([2048, 4096] + ([8192] if a.long else []))
     if max(a.continuation, a.generate, a.probe) > 512:
