@@ -165,3 +165,30 @@ def test_greedy_oracle_default_is_the_evaluation_rdr_and_the_oracle_sees_the_gre
     assert abs(got["default@50%"]["margin_err"] - want["margin_err"]) < 1e-9
     assert got["oracle-no-prior@50%"]["margin_err"] != got["default@50%"]["margin_err"]
     assert all(r["bytes"] <= 0.5 for r in got.values())
+
+
+def test_deferred_greedy_protocol_compresses_after_the_dense_lookahead(runner):
+    """``--defer N``: the greedy run is measured after N tokens generated on the dense cache,
+    every method compressing the context + those N with their queries as its estimate; the
+    evaluation's RDR point then equals greedy_oracle's defer variant, and differs from
+    compressing right after the prefill."""
+    from types import SimpleNamespace
+    from validation import greedy_oracle as O
+    E._WORKER.clear()
+    E._WORKER.update(runner=runner, cfg=runner.model.config)
+    try:
+        ids = np.random.default_rng(8).integers(0, 101, 500)
+        common = dict(budgets=[0.5], rdr_extra=[], rdr_recent=[32], methods=["skv-rdr"],
+                      continuation=16, generate=12, probe=16, seed=0)
+        deferred = E._unit((320, 0, 40, SimpleNamespace(defer=32, **common), ids, 0))
+        at_prefill = E._unit((320, 0, 40, SimpleNamespace(defer=0, **common), ids, 0))
+        oracle = O._unit((320, 0, 40, SimpleNamespace(budgets=[0.5], generate=12, variants=["defer32"]),
+                          ids))["results"]["defer32@50%"]
+    finally:
+        E._WORKER.clear()
+    got, before = deferred["methods"]["skv-rdr@50%"], at_prefill["methods"]["skv-rdr@50%"]
+    assert abs(got["margin_err"] - oracle["margin_err"]) < 1e-9 and got["agree"] == oracle["agree"]
+    assert got["margin_err"] != before["margin_err"]
+    # the scoring side is the same in both protocols
+    assert got["nll"] == before["nll"] and got["bytes"] == before["bytes"]
+    assert deferred["dense_gaps"] != at_prefill["dense_gaps"]

@@ -642,10 +642,10 @@ def parse(argv):
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--continuation", type=int, default=256)
     p.add_argument("--generate", type=int, default=128)
-    p.add_argument("--defer", type=int, default=64,
+    p.add_argument("--defer", type=int, default=0,
                    help="greedy protocol: every method compresses after the first N tokens, "
                         "generated on the dense cache, its estimate from their queries; the "
-                        "next --generate tokens are compared (0: compress right after the prefill)")
+                        "next --generate tokens are compared (default 0: right after the prefill)")
     p.add_argument("--probe", type=int, default=32)
     p.add_argument("--methods", nargs="*", default=None, help="name prefixes to keep")
     p.add_argument("--seed", type=int, default=0)
@@ -656,7 +656,7 @@ def parse(argv):
     if a.quick:
         a.contexts = a.contexts or [512]
         a.budgets, a.rdr_extra = [0.25], []
-        a.windows, a.continuation, a.generate, a.probe, a.defer = 2, 32, 8, 16, min(a.defer, 8)
+        a.windows, a.continuation, a.generate, a.probe = 2, 32, 8, 16
         a.out = a.out or Path(os.environ.get("SPHERICAL_KV_RESULTS", "results-quick"))
     a.contexts = a.contexts or ([2048, 4096] + ([8192] if a.long else []))
     if max(a.continuation, a.generate, a.probe) > 512:

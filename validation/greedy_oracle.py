@@ -75,7 +75,7 @@ def _unit(job) -> dict:
     ref, gaps = runner.greedy(E._exact_store(pre), pre, max([args.generate] + defers), margins=True)
     shifted = {}     # N: (prefill of the context + the first N dense greedy tokens, its greedy run)
     for n in defers:
-        pre_n = runner.prefill(np.concatenate([ids[s:s + T], ref[:n]]), trailing=n)
+        pre_n = runner.prefill(np.concatenate([ids[s:s + T], ref[:n]]), observe=n)
         shifted[n] = (pre_n, *runner.greedy(E._exact_store(pre_n), pre_n, args.generate, margins=True))
     ref, gaps = ref[:args.generate], gaps[:args.generate]
     rec = E._RecordingStore(E._exact_store(pre))
@@ -90,7 +90,7 @@ def _unit(job) -> dict:
         p, r_ref, r_gaps = pre, ref, gaps
         if source.startswith("defer"):
             p, r_ref, r_gaps = shifted[count]
-            queries = p.trailing_queries if source == "defer" else sources["observed"]
+            queries = p.queries if source == "defer" else sources["observed"]
         elif source == "greedy":
             queries = [q[:, :count] for q in sources["greedy"]]
         elif source == "observed+greedy":
