@@ -517,7 +517,9 @@ def write_reports(rows, meta, out: Path) -> None:
     corpus = ("Jane Austen's novels" if meta["corpus"].startswith("debian:")
               else f"fallback text ({meta['corpus']})")
     lines = [f"# Spherical KV vs baselines — {meta['model']}, {corpus}",
-             "", f"Next {meta['continuation']} tokens scored; greedy {meta['generate']} tokens; "
+             "", f"Next {meta['continuation']} tokens scored; greedy {meta['generate']} tokens"
+             + (f" after {meta['defer']} generated on the dense cache (compression deferred to then)"
+                if meta.get("defer") else "") + "; "
              f"probe of {meta['probe_tokens']} planted tokens; run took {meta['seconds']} s.", ""]
     for T in sorted({r["context"] for r in rows}):
         lines += [f"## Context {T} tokens", "",
