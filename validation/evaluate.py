@@ -17,11 +17,14 @@ chunk, merged exactly):
 * greedy agreement: common prefix of G greedy tokens with dense, over G, averaged over
   the windows (one prompt per window), read off one teacher-forced pass along the dense
   greedy tokens (``greedy_on_dense_path``), with the share of those G positions where the
-  method picks dense's token (tie-robust);
+  method picks dense's token (tie-robust) and the RMS change of the greedy margin; with
+  ``--defer N`` every method compresses only after N tokens generated on the dense cache
+  (its estimate from their queries) and the G tokens after those are compared;
 * attention-output relative error over the context, for the queries of the C scored
   tokens (queries the compression never saw; every 4th position), averaged over layers.
 
-Writes ``evaluate.json``, ``evaluate.md`` and ``pareto.png`` under ``--out``.
+Writes ``evaluate.json``, ``evaluate_meta.json``, ``evaluate.md``, ``pareto.png`` and
+``greedy.png`` under ``--out``.
 """
 from __future__ import annotations
 
