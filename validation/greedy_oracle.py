@@ -8,7 +8,13 @@ dense greedy run, recorded through the exact cache) as its observation window, w
 deployable cache can know, and measures the greedy margin error, the flip rate and the
 greedy agreement against the default estimate, on the windows of the evaluation
 (``--context``/``--windows`` pick the same windows as ``validation.evaluate``). The
-``last*`` variants are deployable: more of the trailing prefill queries, other priors.
+``last*`` and ``default-p*`` variants are deployable at the prefill: more of the trailing
+prefill queries, other priors. ``lookahead*`` estimate from the first N greedy tokens'
+queries (generated on the dense cache, then regenerated through the compressed one: partly
+the oracle). ``defer*`` compress after the first N greedy tokens, from their queries, and
+measure the G tokens after them (``validation.evaluate --defer N`` for every method);
+``defer64-est-default`` is their control (the same store, the prefill's estimate). Each row
+carries the dense near-tie statistics of the windows it is measured on.
 
     python -m validation.greedy_oracle --windows 16 --budgets 0.20 0.25
 
