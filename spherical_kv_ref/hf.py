@@ -21,6 +21,7 @@ torch and transformers are imported here only; the core reference never needs th
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -29,7 +30,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .cache import SphericalKVCache
+from .cache import CompressPolicy, SphericalKVCache
 from .rotation import KEY_SALT, VALUE_SALT
 
 ATTENTION_NAME = "spherical_kv"
@@ -347,6 +348,10 @@ class SphericalCache(Cache):
         kw = dict(self.cache_kwargs)
         if ladder is not None:
             kw["ladder"] = ladder
+        # RDR's estimate reads every observed query (the policy's window would otherwise
+        # keep only its own last few of them)
+        policy = kw.get("policy") or CompressPolicy()
+        kw["policy"] = dataclasses.replace(policy, window=max(policy.window, self.observe))
         n = self.layers[0].length
         if "pool_bytes" not in kw:
             kw["pool_bytes"] = max(4 << 20, 2 * self.num_layers * self.num_kv_heads * n * 4 * self.head_dim)

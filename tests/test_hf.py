@@ -84,3 +84,22 @@ def test_batch_above_one_is_refused(tiny_model):
     cache = SphericalCache(model.config)
     with pytest.raises(ValueError, match="batch 1"), torch.no_grad():
         model(ids[:, :5].repeat(2, 1), past_key_values=cache)
+
+
+def test_deferred_compression_generates_on_after_the_dense_tokens(tiny_model):
+    # generate a few tokens on the dense cache, compress then (the estimate from their
+    # queries), generate on: at a budget that keeps everything it is the dense run
+    model, ids, _ = tiny_model
+    prompt = ids[:, :40]
+    with torch.no_grad():
+        dense = model.generate(prompt, max_new_tokens=10, do_sample=False)
+        cache = SphericalCache(model.config, observe=12, page_bytes=512)
+        first = model.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        held = cache.layers[0].length
+        cache.compress(budget_bytes=10 ** 8)
+        out = model.generate(first, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    assert held == 43                      # the prompt and three of the four new tokens
+    # RDR read all 12 observed queries (the prompt's last 9, the 3 dense steps), not the
+    # policy's default window of 8
+    assert cache.kv.policy.window == 12 and all(o.shape == (4, 12, 16) for o in cache.observed)
+    assert torch.equal(out, dense)
