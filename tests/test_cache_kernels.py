@@ -45,9 +45,10 @@ def filled_cache(dim=128, codebook="uniform", centre=True, lengths=(300, 517), s
     return cache, seqs, q
 
 
-def error_scale(cache, seq, layer, q):
+def error_scale(cache, seq, layer, q, values=True):
     """Per query head: (1 + 2 softmax_scale |q| max r_K) max |v_hat - mu_V| over the row's
-    kept states (the scale of the kernel's fp16 rounding error)."""
+    kept states (the scale of the kernel's fp16 rounding error); without ``values`` the
+    first factor alone (the logits' and the log-sum-exp's)."""
     from cupy_kernels.cases import stored_radii
     G = cache.group_size
     out = np.zeros(cache.num_q_heads)
@@ -57,7 +58,7 @@ def error_scale(cache, seq, layer, q):
                  for t, (ke, ve, _) in cache.paged.gather((seq, layer, h)).items()]
         rk, vmax = stored_radii(parts)
         qn = np.linalg.norm(q[h * G:(h + 1) * G], axis=1)
-        out[h * G:(h + 1) * G] = (1 + 2 * cache.softmax_scale * qn * rk) * vmax
+        out[h * G:(h + 1) * G] = (1 + 2 * cache.softmax_scale * qn * rk) * (vmax if values else 1.0)
     return out
 
 
