@@ -233,6 +233,14 @@ class SphericalStore(ContextStore):
         return self.kv.bytes_in_use(self.seq)
 
 
+def observing(policy: Optional[CompressPolicy], observe: int) -> CompressPolicy:
+    """``policy`` (None: the default) with a query window of at least ``observe``, so that
+    RDR's estimate reads every one of the ``observe`` queries ``fill_cache`` records (the
+    window would otherwise keep only its own last few of them)."""
+    policy = policy or CompressPolicy()
+    return dataclasses.replace(policy, window=max(policy.window, int(observe)))
+
+
 def fill_cache(kv: SphericalKVCache, keys, values, queries=None, protect=()) -> int:
     """Put a dense prefill into a new sequence of ``kv`` and return its id.
 
@@ -348,10 +356,7 @@ class SphericalCache(Cache):
         kw = dict(self.cache_kwargs)
         if ladder is not None:
             kw["ladder"] = ladder
-        # RDR's estimate reads every observed query (the policy's window would otherwise
-        # keep only its own last few of them)
-        policy = kw.get("policy") or CompressPolicy()
-        kw["policy"] = dataclasses.replace(policy, window=max(policy.window, self.observe))
+        kw["policy"] = observing(kw.get("policy"), self.observe)
         n = self.layers[0].length
         if "pool_bytes" not in kw:
             kw["pool_bytes"] = max(4 << 20, 2 * self.num_layers * self.num_kv_heads * n * 4 * self.head_dim)

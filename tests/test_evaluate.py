@@ -19,6 +19,15 @@ def runner(tiny_llama):
     return E.Runner(tiny_llama(512), tokenizer=None)
 
 
+@pytest.fixture
+def worker(runner):
+    """The runner installed as a worker process's (what the units read), removed after."""
+    E._WORKER.clear()
+    E._WORKER.update(runner=runner, cfg=runner.model.config)
+    yield runner
+    E._WORKER.clear()
+
+
 def test_exact_store_scores_zero_and_a_lossy_store_does_not(runner):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 101, 200)
@@ -142,50 +151,41 @@ def test_each_baseline_meets_the_rdr_point_with_the_most_bytes_not_above_its_own
     assert got["h2o@25%"]["lower"] == 3
 
 
-def test_greedy_oracle_default_is_the_evaluation_rdr_and_the_oracle_sees_the_greedy_queries(runner):
+def test_greedy_oracle_default_is_the_evaluation_rdr_and_the_oracle_sees_the_greedy_queries(worker):
     """validation.greedy_oracle: its "default" variant builds the evaluation's own RDR store
     (same margins along the dense greedy path), and the oracle variants estimate attention
     from the greedy run's queries, so they keep different states."""
     from types import SimpleNamespace
     from validation import greedy_oracle as O
-    E._WORKER.clear()
-    E._WORKER.update(runner=runner, cfg=runner.model.config)
-    try:
-        ids = np.random.default_rng(7).integers(0, 101, 400)
-        args = SimpleNamespace(budgets=[0.5], generate=12,
-                               variants=["default", "oracle", "oracle-no-prior", "last128"])
-        got = O._unit((320, 0, 40, args, ids))["results"]
-        pre = runner.prefill(ids[40:360])
-        ref, gaps = runner.greedy(E._exact_store(pre), pre, 12, margins=True)
-        (rdr,) = [m for m in E.lineup(runner.cfg, [0.5]) if m.name == "skv-rdr@50%"]
-        want = E.greedy_on_dense_path(runner.logprobs(rdr.build(pre)[0], pre, ref), ref, gaps)
-    finally:
-        E._WORKER.clear()
+    runner = worker
+    ids = np.random.default_rng(7).integers(0, 101, 400)
+    args = SimpleNamespace(budgets=[0.5], generate=12,
+                           variants=["default", "oracle", "oracle-no-prior", "last128"])
+    got = O._unit((320, 0, 40, args, ids))["results"]
+    pre = runner.prefill(ids[40:360])
+    ref, gaps = runner.greedy(E._exact_store(pre), pre, 12, margins=True)
+    (rdr,) = [m for m in E.lineup(runner.cfg, [0.5]) if m.name == "skv-rdr@50%"]
+    want = E.greedy_on_dense_path(runner.logprobs(rdr.build(pre)[0], pre, ref), ref, gaps)
     assert set(got) == {"default@50%", "oracle@50%", "oracle-no-prior@50%", "last128@50%"}
     assert abs(got["default@50%"]["margin_err"] - want["margin_err"]) < 1e-9
     assert got["oracle-no-prior@50%"]["margin_err"] != got["default@50%"]["margin_err"]
     assert all(r["bytes"] <= 0.5 for r in got.values())
 
 
-def test_deferred_greedy_protocol_compresses_after_the_dense_lookahead(runner):
+def test_deferred_greedy_protocol_compresses_after_the_dense_lookahead(worker):
     """``--defer N``: the greedy run is measured after N tokens generated on the dense cache,
     every method compressing the context + those N with their queries as its estimate; the
     evaluation's RDR point then equals greedy_oracle's defer variant, and differs from
     compressing right after the prefill."""
     from types import SimpleNamespace
     from validation import greedy_oracle as O
-    E._WORKER.clear()
-    E._WORKER.update(runner=runner, cfg=runner.model.config)
-    try:
-        ids = np.random.default_rng(8).integers(0, 101, 500)
-        common = dict(budgets=[0.5], rdr_extra=[], rdr_recent=[32], methods=["skv-rdr"],
-                      continuation=16, generate=12, probe=16, seed=0)
-        deferred = E._unit((320, 0, 40, SimpleNamespace(defer=32, **common), ids, 0))
-        at_prefill = E._unit((320, 0, 40, SimpleNamespace(defer=0, **common), ids, 0))
-        oracle = O._unit((320, 0, 40, SimpleNamespace(budgets=[0.5], generate=12, variants=["defer32"]),
-                          ids))["results"]["defer32@50%"]
-    finally:
-        E._WORKER.clear()
+    ids = np.random.default_rng(8).integers(0, 101, 500)
+    common = dict(budgets=[0.5], rdr_extra=[], rdr_recent=[32], methods=["skv-rdr"],
+                  continuation=16, generate=12, probe=16, seed=0)
+    deferred = E._unit((320, 0, 40, SimpleNamespace(defer=32, **common), ids, 0))
+    at_prefill = E._unit((320, 0, 40, SimpleNamespace(defer=0, **common), ids, 0))
+    oracle = O._unit((320, 0, 40, SimpleNamespace(budgets=[0.5], generate=12, variants=["defer32"]),
+                      ids))["results"]["defer32@50%"]
     got, before = deferred["methods"]["skv-rdr@50%"], at_prefill["methods"]["skv-rdr@50%"]
     assert abs(got["margin_err"] - oracle["margin_err"]) < 1e-9 and got["agree"] == oracle["agree"]
     assert got["margin_err"] != before["margin_err"]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import math
 import os
@@ -106,16 +105,15 @@ def _rdr_policy(recent: int = 32) -> CompressPolicy:
 
 def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(), centre=True,
                      policy=None, page_bytes=2048, seed=0, extra_tokens=512):
-    from spherical_kv_ref.hf import SphericalStore, fill_cache
+    from spherical_kv_ref.hf import SphericalStore, fill_cache, observing
     L = len(prefill.keys)
     H, T, d = prefill.keys[0].shape
     # room for the context and the tokens scoring/generation append (at the top tier)
     per_page = max(1, page_bytes // ladder.bytes_per_state(ladder.top, d))
     pool = (L * H * ((T + extra_tokens) // per_page + len(ladder) + 2) + 16) * page_bytes
-    policy = policy or _rdr_policy()      # its estimate: every query the prefill observed
-    policy = dataclasses.replace(policy, window=max(policy.window, prefill.queries[0].shape[1]))
     kv = SphericalKVCache(L, H, d, ladder, page_bytes=page_bytes, pool_bytes=pool, seed=seed,
-                          num_q_heads=cfg.num_attention_heads, centre=centre, policy=policy)
+                          num_q_heads=cfg.num_attention_heads, centre=centre,
+                          policy=observing(policy or _rdr_policy(), prefill.queries[0].shape[1]))
     seq = fill_cache(kv, prefill.keys, prefill.values, prefill.queries, protect)
     if budget_bytes is not None:
         kv.compress(seq, int(budget_bytes))

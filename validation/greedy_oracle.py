@@ -104,7 +104,7 @@ def _unit(job) -> dict:
                        for o, g in zip(sources["observed"], sources["greedy"])]
         else:
             queries = [q[:, -count:] if count else q for q in sources[source]]
-        policy = dataclasses.replace(E._rdr_policy(), prior=prior, window=queries[0].shape[1])
+        policy = dataclasses.replace(E._rdr_policy(), prior=prior)   # its window: all the queries
         for b in args.budgets:
             store, nbytes = E._spherical_store(dataclasses.replace(p, queries=queries), cfg,
                                                E.TierLadder(), b * p.dense_bytes, policy=policy)
