@@ -14,96 +14,77 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _pdl
-from ._module import cupy, kernel
+from ._module import constants, cupy, kernel
 from .pages import KernelTables, as_device, device_tables
 
-THREADS = 128          # 4 warps, csrc/ada_decode.cuh DEC_WARPS
-MAX_GROUP = 8          # query heads per kv-head served by one mma tile
-CTAS_PER_SM = 3        # residency of the table kernel (ptxas: <= 168 registers, ~72 KiB smem)
-CTAS_PER_SM_UNIFORM = 3   # v5 affine kernel: <= 168 registers (DEC_UNI5_CTAS), ~34 KiB smem
-CTAS_PER_SM_UNIFORM_V4 = 4   # v4 affine kernel: <= 128 registers (DEC_UNI_CTAS)
-CTAS_PER_SM_UNIFORM_V6 = 4   # v6 affine kernel: <= 128 registers (DEC_UNI6_CTAS)
-CTAS_PER_SM_UNIFORM_V7 = 4   # v7 affine kernel: <= 128 registers, no spills (DEC7_CTAS)
-CTAS_PER_SM_UNIFORM_V8 = 4   # v8 affine kernel: <= 128 registers (DEC8_CTAS)
-VERSIONS = (4, 5, 6, 7, 8)   # kernel generations (docs/PERF_NOTES.md); v7 and v8 change only the
-# affine path (on the table path versions 7 and 8 run the v6 table kernel)
-# v7's split count: CTAs = floor(WAVES_V7 * resident CTAs / rows) * rows, i.e. the grid fills
-# whole waves instead of spilling a few CTAs into an extra one (v6: ceil, 2.06 waves at 8 x 32K).
-# One wave measured fastest (device run 1: 8 x 32K 4/4 121.7 us vs 131.6 at two waves, 1 x 128K
-# 95.0 vs 151.0: half the splits halve the per-CTA prologue/epilogue and the merge work).
-WAVES_V7 = 1
-# v7 merges split-K partials with ada_merge_v7_kernel (one CTA per head and row, the splits
-# summed by four thread groups) when num_splits <= MERGE7_MAX_SPLITS, else with v6's merge.
-MERGE_V7 = True
-MERGE7_MAX_SPLITS = 256   # csrc MERGE7_MAX_SPLITS
-# The v7 merge starts as a programmatic dependent launch of the decode (cupy_kernels/_pdl.py):
-# once every v7 CTA has finished its pages (csrc DEC7_PDL), the merge's CTAs take the SMs the
-# decode leaves and wait there for the whole decode grid, instead of launching after its last
-# CTA. Same arithmetic, same output; 1-2 % off a step (docs/PERF_NOTES.md).
-MERGE_PDL = True
-STAGES_V7 = 2   # page buffers per warp of the v7 affine kernel (csrc DEC7_STAGES)
-# The v7 module (DEC7_GEOM_PRE = 1, the default) reads SKV_GEOM_PRE_ROWS geometry rows at entry:
-# the launcher passes the table padded with zero rows to that many (0: as is, for a build with
-# DEC7_GEOM_PRE = 0). Measured 0.1-1.3 % faster on six shapes (docs/PERF_NOTES.md).
-GEOM_ROWS_V7 = 16
-STAGES_V8 = 3   # v8: page i + 1 in flight, page i (logits) and page i - 1 (values) staged
-# (csrc DEC8_STAGES)
-# Each path defaults to its fastest generation measured on one H200 (docs/PERF_NOTES.md): the
-# affine path v7 (v7 run: faster than v6 on the 16 shape x tier rows, see PERF_NOTES); the table
-# path v4 (v6 is 5-13 % faster at 4/4 and 2/2 but 3-21 % slower at 3/3 and on the RDR mix, and
-# slower summed over all rows; v7 does not change the table path). v8 (the 4/4 fast path
-# pipelined across pages) was measured 2-5 % faster than v7 on the four 4/4 rows but equal or
-# up to 1.7 % slower on the other twelve uniform rows (3/3, 2/2, RDR mix): v7 stays the default.
-DEFAULT_VERSION_AFFINE = 7
-DEFAULT_VERSION_TABLE = 4
-LUT_BYTES = 37888      # csrc/spherical_common.cuh LUT_BYTES (replicated look-up tables)
+_C = constants()
+THREADS = 32 * _C["DEC_WARPS"]       # threads per decode CTA
+MAX_GROUP = _C["DEC_HEADS"]          # query heads per kv-head served by one mma tile
+LUT_BYTES = _C["LUT_BYTES"]          # the table path's replicated look-up tables (shared memory)
+MERGE_HEAD_MAX_SPLITS = _C["MERGE_HEAD_MAX_SPLITS"]   # ada_merge_per_head_kernel's limit
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    """How one codebook path decodes (csrc/ada_decode.cuh), the launch side of its kernel.
+
+    kernel: the decode kernel; ctas_per_sm: its residency (its __launch_bounds__); waves,
+    fit: the default split count fills ``waves`` waves of resident CTAs, rounding the splits
+    per row down (fit: whole waves) or up; stages: page buffers per warp; query_apart: the
+    rotated query is staged past the page buffers (which fill while it is built); geom_rows:
+    the geometry table is padded with zero rows to this many (the kernel reads them at
+    entry; 0: as is); per_head_merge: split-K partials merge with ada_merge_per_head_kernel
+    (up to MERGE_HEAD_MAX_SPLITS splits, a programmatic dependent launch) instead of
+    ada_merge_kernel; mean_out_of_logits: the kernel leaves q . mu_K out of the logits (the
+    merge adds it back into the log-sum-exp)."""
+    name: str
+    kernel: str
+    ctas_per_sm: int
+    waves: int
+    fit: bool
+    stages: int
+    query_apart: bool
+    geom_rows: int
+    per_head_merge: bool
+    mean_out_of_logits: bool
+
+
+# Any codebook (Lloyd–Max, the default): look-up tables in shared memory.
+TABLE_PATH = DecodePath("table", "ada_decode_table_kernel", ctas_per_sm=_C["TABLE_CTAS"],
+                        waves=2, fit=False, stages=2, query_apart=False, geom_rows=0,
+                        per_head_merge=False, mean_out_of_logits=False)
+# The uniform codebook: codes are affine in the level, no tables; one wave of CTAs (half the
+# splits of two waves halve the per-CTA prologue and epilogue and the merge's work).
+AFFINE_PATH = DecodePath("affine", "ada_decode_affine_kernel", ctas_per_sm=_C["AFF_CTAS"],
+                         waves=1, fit=True, stages=_C["AFF_STAGES"], query_apart=True,
+                         geom_rows=_C["SKV_GEOM_PRE_ROWS"], per_head_merge=True,
+                         mean_out_of_logits=True)
+
+
+def decode_path(tables: KernelTables) -> DecodePath:
+    """The uniform codebook decodes on the affine path (no look-up tables); any other codebook
+    (Lloyd–Max, the default) on the table path. The pool's codebook decides."""
+    return AFFINE_PATH if tables.codebook == "uniform" else TABLE_PATH
 
 
 def uses_affine_path(tables: KernelTables) -> bool:
-    """The uniform codebook decodes on the affine path (no look-up tables); any other codebook
-    (Lloyd–Max, the default) on the table path. The pool's codebook decides."""
-    return tables.codebook == "uniform"
+    return decode_path(tables) is AFFINE_PATH
 
 
-def default_version(tables: KernelTables) -> int:
-    """The kernel generation ``ada_decode`` uses for this pool when none is asked for."""
-    return DEFAULT_VERSION_AFFINE if uses_affine_path(tables) else DEFAULT_VERSION_TABLE
-
-
-def ctas_per_sm(tables: KernelTables, version: int | None = None) -> int:
-    """Residency of the decode kernel that ``ada_decode`` picks for this pool and version."""
-    version = default_version(tables) if version is None else version
-    _check_version(version)
-    if not uses_affine_path(tables):
-        return CTAS_PER_SM
-    return {4: CTAS_PER_SM_UNIFORM_V4, 5: CTAS_PER_SM_UNIFORM, 6: CTAS_PER_SM_UNIFORM_V6,
-            7: CTAS_PER_SM_UNIFORM_V7, 8: CTAS_PER_SM_UNIFORM_V8}[version]
-
-
-def splits_for(tables: KernelTables, version: int | None, rows: int, total_pages: int) -> int:
+def splits_for(tables: KernelTables, rows: int, total_pages: int) -> int:
     """The split count ``ada_decode`` uses when none is given (shapes only, no device read)."""
-    version = default_version(tables) if version is None else version
-    if uses_affine_path(tables) and version >= 7:
-        return choose_splits(rows, total_pages, ctas_per_sm=ctas_per_sm(tables, version),
-                             waves=WAVES_V7, fit=True)
-    return choose_splits(rows, total_pages, ctas_per_sm=ctas_per_sm(tables, version))
+    path = decode_path(tables)
+    return choose_splits(rows, total_pages, ctas_per_sm=path.ctas_per_sm, waves=path.waves,
+                         fit=path.fit)
 
 
-def _check_version(version) -> None:
-    if version not in VERSIONS:
-        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
-
-
-def decode_smem_bytes(dim: int, page_bytes: int, uniform: bool = False, stages: int = 2,
-                      query_apart: bool = False) -> int:
+def decode_smem_bytes(dim: int, page_bytes: int, path: DecodePath) -> int:
     """Dynamic shared memory of the decode kernel: tables (table path only) + max(``stages``
-    page buffers per warp, the merge tiles) (csrc/ada_decode.cuh decode_region_bytes).
-    query_apart (v7 affine kernel, csrc DEC7_EARLY): the rotated query (MAX_GROUP rows of
-    dim + dim / 32 float32, csrc qs_at) is staged past the page buffers, which fill while it is
-    built."""
-    query = MAX_GROUP * (dim + dim // 32) * 4 if query_apart else 0
-    return (0 if uniform else LUT_BYTES) + max(4 * stages * page_bytes + query,
-                                               4 * MAX_GROUP * dim * 4)
+    page buffers per warp [+ the rotated query staged past them: MAX_GROUP rows of dim +
+    dim / 32 float32, csrc qs_at], the merge tiles) (csrc/ada_decode.cuh decode_region_bytes)."""
+    query = MAX_GROUP * (dim + dim // 32) * 4 if path.query_apart else 0
+    tables = LUT_BYTES if path is TABLE_PATH else 0
+    return tables + max(4 * path.stages * page_bytes + query, 4 * MAX_GROUP * dim * 4)
 
 
 @dataclass
@@ -141,11 +122,12 @@ def _allow_smem(fn, nbytes: int) -> None:
 
 
 def choose_splits(rows: int, total_pages: int, min_pages_per_split: int = 8,
-                  ctas_per_sm: int = CTAS_PER_SM, waves: int = 2, fit: bool = False) -> int:
+                  ctas_per_sm: int = TABLE_PATH.ctas_per_sm, waves: int = 2,
+                  fit: bool = False) -> int:
     """Split count that gives ~``waves`` waves of CTAs, from shapes only (no device read).
-    ctas_per_sm: the kernel's residency (CTAS_PER_SM_UNIFORM for a uniform-codebook pool).
-    fit: round the splits per row down, so that the CTAs fill whole waves (v7), instead of
-    up (v4-v6: up to rows - 1 CTAs in a further, nearly empty wave)."""
+    ctas_per_sm: the kernel's residency (DecodePath.ctas_per_sm). fit: round the splits per
+    row down, so that the CTAs fill whole waves, instead of up (up to rows - 1 CTAs in a
+    further, nearly empty wave)."""
     target = waves * ctas_per_sm * _sm_count()
     avg = max(1, total_pages // max(1, rows))
     per_row = target // max(1, rows) if fit else math.ceil(target / max(1, rows))
@@ -203,7 +185,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
                sigma_k, sigma_v, *, num_kv_heads: int, mean_k=None, mean_v=None,
                softmax_scale: float | None = None, num_splits: int | None = None,
                out=None, workspace: DecodeWorkspace | None = None, validate: bool = True,
-               version: int | None = None, lse=None):
+               lse=None):
     """o (batch, num_q_heads, d) float32 = ADA attention over the paged, encoded cache.
 
     q: (batch, Hq, d) float (any strides; copied to float32 only if it is not float32 with a
@@ -211,14 +193,9 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     page_bytes/4). page_tier, page_count: int32 (num_pages,). indptr: int32 (rows+1,),
     indices: int32, rows = batch * num_kv_heads in (sequence, kv-head) order. sigma_k,
     sigma_v: float32 (num_kv_heads, d) rotation signs. mean_k, mean_v: float32 (rows, d)
-    or None. version: 5 (32-state softmax steps, lop3 + fma affine decode), 4 (16-state steps),
-    6 (P' transposed in registers, a lazy running maximum, the query fragment re-read from
-    shared memory; 4 CTAs per SM on the affine path), 7 (affine path: full 4/4 pages on a fast
-    path with one lop3 per code pair and no predication, full 3/3, 2/2, 8/8 and 16/16 pages on
-    theirs (d = 128), the rest as v6; splits that fill whole waves, each taking a row's pages
-    interleaved (d = 128); on the table path 7 runs v6), 8 (v7 with the fast path pipelined across
-    pages: page i's logits next to page i - 1's values; on the table path v6) or None (``default_version``: the fastest
-    measured per path). validate (default): before the launch, one host sync checks the page
+    or None. The pool's codebook picks the path (``decode_path``): the uniform codebook the
+    affine kernel, any other the table kernel. num_splits: split-K partitions of each row's
+    pages (None: ``splits_for``). validate (default): before the launch, one host sync checks the page
     table and that q, mean_k and mean_v hold no NaN or Inf (ValueError, ``out`` untouched);
     pass False inside a CUDA graph, where nothing checks them (non-finite input then gives an
     undefined output, not always NaN). lse: a contiguous float32 (batch, num_q_heads) array
@@ -227,8 +204,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     this attention with another (prefix sharing, chunked prefill); it needs the split-K merge,
     so the call takes at least 2 splits (a workspace of 1 split is a ValueError). Returns a
     CuPy array (a torch tensor if q is one)."""
-    version = default_version(tables) if version is None else version
-    _check_version(version)
+    path = decode_path(tables)
     cp = cupy()
     if type(q).__module__.startswith("torch") and getattr(q, "dtype", None) is not None \
             and str(q.dtype) != "torch.float32":
@@ -288,7 +264,6 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     if qa.dtype != np.float32 or qa.strides[2] != 4:
         qa = qa.astype(cp.float32)   # (batch, Hq, d): a few KiB, never O(tokens * d)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    uniform = uses_affine_path(tables)
     if not math.isfinite(scale):
         raise ValueError("softmax_scale must be finite")
     if lse is not None:
@@ -306,7 +281,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
         if splits > 1 and workspace.part_o.shape != (splits, rows, group, d):
             raise ValueError("workspace shape does not match this call")
     else:
-        splits = (splits_for(tables, version, rows, ix.shape[0])
+        splits = (splits_for(tables, rows, ix.shape[0])
                   if num_splits is None else int(num_splits))
         if splits < 1:
             raise ValueError("num_splits must be >= 1")
@@ -331,24 +306,18 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     mv = means[1] if means[1] is not None else null
     po = workspace.part_o if splits > 1 else null
     pl = workspace.part_lse if splits > 1 else null
-    name = "ada_decode_uniform_kernel" if uniform else "ada_decode_kernel"
-    kversion = 6 if (version >= 7 and not uniform) else version   # v7, v8: affine path only
-    if kversion != 5:
-        name = name.replace("_kernel", f"_v{kversion}_kernel")
-    kern = kernel(name, d)
-    stages = {7: STAGES_V7, 8: STAGES_V8}.get(version, 2) if uniform else 2
-    smem = decode_smem_bytes(d, tables.page_bytes, uniform, stages,
-                             query_apart=uniform and version == 7)
-    levels = dev["half_steps"] if uniform else dev["levels32"]
+    kern = kernel(path.kernel, d)
+    smem = decode_smem_bytes(d, tables.page_bytes, path)
+    levels = dev["levels32"] if path is TABLE_PATH else dev["half_steps"]
     if smem > 227 * 1024:
         raise ValueError(f"page_bytes={tables.page_bytes} needs {smem} bytes of shared memory "
                          "per block; use pages of at most 24 KiB")
     _allow_smem(kern, smem)
     geom = dev["geom"]
-    if GEOM_ROWS_V7 and uniform and version == 7 and geom.shape[0] < GEOM_ROWS_V7:
-        key = ("geom_padded", GEOM_ROWS_V7)
+    if geom.shape[0] < path.geom_rows:
+        key = ("geom_padded", path.geom_rows)
         if key not in dev:
-            dev[key] = cp.concatenate([geom, cp.zeros((GEOM_ROWS_V7 - geom.shape[0],) + geom.shape[1:],
+            dev[key] = cp.concatenate([geom, cp.zeros((path.geom_rows - geom.shape[0],) + geom.shape[1:],
                                                       geom.dtype)])
         geom = dev[key]
     q_strides = (np.int64(qa.strides[0] // 4), np.int64(qa.strides[1] // 4))   # in floats
@@ -359,15 +328,15 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
           np.float32(scale * math.log2(math.e)), np.int32(splits), out, po, pl),
          shared_mem=smem)
     if splits > 1:
-        # lse: q . mu_K is added back where the kernel left it out of the logits (v6 and later)
-        lk = mk if (lse is not None and kversion >= 6) else null
+        # lse: q . mu_K is added back where the kernel left it out of the logits
+        lk = mk if (lse is not None and path.mean_out_of_logits) else null
         margs = (workspace.part_o, workspace.part_lse, np.int32(splits), np.int32(rows),
                  np.int32(hkv), np.int32(group), sv, mv, out,
                  qa, *q_strides, lk,
                  np.float32(scale), lse if lse is not None else null)
-        if version >= 7 and MERGE_V7 and splits <= MERGE7_MAX_SPLITS:
-            merge = kernel("ada_merge_v7_kernel", d)
-            if not (MERGE_PDL and _pdl.launch(merge, (group, rows), (4 * d,), margs)):
+        if path.per_head_merge and splits <= MERGE_HEAD_MAX_SPLITS:
+            merge = kernel("ada_merge_per_head_kernel", d)
+            if not _pdl.launch(merge, (group, rows), (4 * d,), margs):
                 merge((group, rows), (4 * d,), margs)
         else:
             kernel("ada_merge_kernel", d)((rows,), (d,), margs)

@@ -226,3 +226,103 @@ def synthetic_layout(batch: int, num_kv_heads: int, context: int, tables: Kernel
     tier_of_state = np.tile(np.repeat(tiers, counts), rows)
     return SyntheticLayout(tables, page_tier, page_count, indptr, ids.reshape(-1).copy(),
                            dst_page, dst_slot, state_head, tier_of_state)
+
+# ------------------------------------------------------------------ benchmark pools
+
+# One Llama-3.1-8B layer (32 query heads, 8 kv-heads, d = 128) and the benchmark's ladder: the
+# shapes validation/decode_bench.py and the asv benchmarks time.
+BENCH_HQ, BENCH_HKV, BENCH_D = 32, 8, 128
+BENCH_LADDER = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
+BENCH_TIERS = {"4/4": 3, "3/3": 2, "2/2": 1}   # tier sets of one tier: name -> tier
+
+
+def rdr_mix(context: int) -> dict:
+    """An RDR-style allocation: 4 sinks + 256 recent at the top tier, 2 % at 8/8, then
+    40 % 4/4, 30 % 3/3, the rest 2/2 (fractions of the remaining states)."""
+    top = min(context, 260)
+    rest = context - top
+    t8 = int(0.02 * rest)
+    t4 = int(0.40 * rest)
+    t3 = int(0.30 * rest)
+    return {5: top, 4: t8, 3: t4, 2: t3, 1: rest - t8 - t4 - t3}
+
+
+def bench_layout(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None):
+    """The page table of (batch, context) states per kv-head row at one tier set (a name of
+    BENCH_TIERS, or "rdr-mix")."""
+    counts = rdr_mix(context) if tiers_name == "rdr-mix" else {BENCH_TIERS[tiers_name]: context}
+    return synthetic_layout(batch, BENCH_HKV, context, tables, counts, seed=seed, order=order,
+                            last_page_at=last_page_at)
+
+
+def encode_inputs(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None):
+    """(layout, inputs) of an encode of every state of (batch, context, tiers) into a pool
+    (``order``: synthetic_layout's, shuffled by default): the page tiers, key and value
+    rotation signs (seeded), heads, destinations and random rows, on the GPU."""
+    from ._module import cupy
+    cp = cupy()
+    lay = bench_layout(batch, context, tiers_name, tables, seed, order, last_page_at)
+    rng = np.random.default_rng(seed)
+    sig = [cp.asarray((1 - 2 * rng.integers(0, 2, (BENCH_HKV, BENCH_D))).astype(np.float32)) for _ in "kv"]
+    head, dpg, dsl = (cp.asarray(a) for a in (lay.state_head, lay.dst_page, lay.dst_slot))
+    x = cp.random.standard_normal((lay.dst_page.size, BENCH_D), dtype=cp.float32)
+    return lay, dict(page_tier=cp.asarray(lay.page_tier), sig=sig, head=head, dst_page=dpg,
+                     dst_slot=dsl, x=x)
+
+
+def encode_keys_values(inp, tables, pages, status):
+    """Keys and values of ``encode_inputs``' rows (the same rows, each part its own signs) into
+    ``pages`` by ``encode_kv_into_pages`` (one launch; no sync, status not read)."""
+    from .encode import encode_kv_into_pages
+    sk, sv = inp["sig"]
+    encode_kv_into_pages(inp["x"], inp["x"], pages, inp["page_tier"], tables, sk, sv, inp["head"],
+                         inp["dst_page"], inp["dst_slot"], check=False, status=status)
+
+
+def encoded_pool(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None):
+    """A page pool of ``bench_layout``'s states with random keys and values encoded into it
+    by the encode kernel (checked: ValueError on a bad status). Returns (state, encode,
+    status): the state dict ``ada_step`` takes (with the layout), the encode call that wrote
+    the pool (rerunnable: the same bytes, no sync, status not read) and its status word."""
+    from ._module import cupy
+    from .encode import raise_status
+    cp = cupy()
+    lay, inp = encode_inputs(batch, context, tiers_name, tables, seed, order, last_page_at)
+    pages = cp.zeros((lay.page_tier.size, tables.page_bytes), cp.uint8)
+    status = cp.zeros(1, cp.int32)
+
+    def encode():
+        encode_keys_values(inp, tables, pages, status)
+    encode()
+    raise_status(status)
+    sig_k, sig_v = inp["sig"]
+    state = dict(layout=lay, pages=pages, page_tier=inp["page_tier"],
+                 page_count=cp.asarray(lay.page_count), indptr=cp.asarray(lay.indptr),
+                 indices=cp.asarray(lay.indices), sigma_k=sig_k, sigma_v=sig_v)
+    return state, encode, status
+
+
+def ada_step(state, tables, q, batch):
+    """A captured CUDA graph of one decode step; returns (replay fn, output)."""
+    from ._module import cupy
+    from .ada_decode import ada_decode, make_workspace, splits_for
+    cp = cupy()
+    rows = batch * BENCH_HKV
+    splits = splits_for(tables, rows, int(state["indices"].size))
+    ws = make_workspace(rows, BENCH_HQ // BENCH_HKV, BENCH_D, splits)
+    out = cp.empty((batch, BENCH_HQ, BENCH_D), cp.float32)
+    kw = dict(num_kv_heads=BENCH_HKV, out=out, workspace=ws)
+    args = (q, state["pages"], state["page_tier"], state["page_count"], state["indptr"],
+            state["indices"], tables, state["sigma_k"], state["sigma_v"])
+    ada_decode(*args, **kw)                      # validates once, compiles
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        ada_decode(*args, validate=False, **kw)
+        graph = stream.end_capture()
+    cp.cuda.Device().synchronize()
+    null = cp.cuda.Stream.null
+
+    def run():
+        graph.launch(null)
+    return run, out, splits

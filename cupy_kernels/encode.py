@@ -13,12 +13,11 @@ other vectors of that call are written).
 ``check=False`` keeps the call free of host syncs (graph capture): the caller guarantees
 the indices.
 
-Three kernel generations (docs/PERF_NOTES.md, "Encode"): ``version=3`` (default) finds each
-cell without a search (the uniform codebook: an affine function of t, rounded; any other: one
-bucket look-up and one compare, tables from ``v3_tables``) and streams the next vector's row
-while it encodes the current one; ``version=2`` runs eight lanes per vector in float32 with a
-binary search; both send vectors near a cell or fp16 boundary through a float64 pipeline;
-``version=1`` is that pipeline alone, one warp per vector. All write the reference's bytes.
+The kernels (docs/PERF_NOTES.md, "Encode") find each cell without a search: on the uniform
+codebook (``encode_affine_kernel``) an affine function of t, rounded; on any other
+(``encode_table_kernel``) one bucket look-up and one compare, tables from ``cell_tables``.
+Vectors near a cell or fp16 boundary go through a float64 pipeline, so every byte equals the
+reference's.
 """
 from __future__ import annotations
 
@@ -26,29 +25,27 @@ import functools
 
 import numpy as np
 
-from ._module import cupy, kernel
+from ._module import constants, cupy, kernel
 from .pages import KernelTables, as_device, device_tables, pool_views
 
-THREADS = 256
-ENCODE_VERSIONS = (1, 2, 3)
-DEFAULT_ENCODE_VERSION = 3   # 1.5-2.1x v2 on one H200, same bytes (docs/PERF_NOTES.md)
-V2_BLOCKS_PER_SM = 4      # __launch_bounds__(256, 4) of encode_v2_kernel and the v3 kernels
-KV_ONE_LAUNCH = True      # encode_kv_into_pages on v3: both parts in one launch (False: two)
+_C = constants()
+THREADS = _C["ENC_THREADS"]          # threads per encode block (and per re-tier block)
+BLOCKS_PER_SM = _C["ENC_CTAS"]       # __launch_bounds__ of the encode kernels
 
-# v3 table blob (csrc/encode.cuh, ENC3_*): per bit row (1, 2, 3, 4, 8 bits) 8 parameters; then
-# (codebooks other than uniform) the float32 squared levels, and per row Enc3Row<b>::G
-# buckets: the midpoint inside each (float32, or V3_NO_MID) and the cell below it (int32).
-V3_PRM = 8
-V3_BUCKETS = {1: 8, 2: 32, 3: 64, 4: 128, 8: 768}
-V3_LEV2 = 5 * V3_PRM
-V3_BM = V3_LEV2 + 5 * 256
-V3_NB = sum(V3_BUCKETS.values())
-V3_WORDS = V3_BM + 2 * V3_NB
-V3_NO_MID = np.float32(3.0e38)
-V3_MAGIC_BITS = 0x4B400000   # bits of 1.5 * 2^23 (ENC3_MAGIC_BITS)
+# Cell table blob (csrc/encode.cuh, ENC_*): per bit row (1, 2, 3, 4, 8 bits) CELL_PRM
+# parameters; then (codebooks other than uniform) the float32 squared levels, and per row
+# EncRow<b>::G buckets: the midpoint inside each (float32, or NO_MID) and the cell below it (int32).
+CELL_PRM = _C["ENC_PRM"]
+BUCKETS = {b: _C[f"EncRow<{b}>::G"] for b in (1, 2, 3, 4, 8)}
+CELL_LEV2 = _C["ENC_LEV2"]
+CELL_BM = _C["ENC_BM"]
+CELL_NB = _C["ENC_NB"]
+CELL_WORDS = _C["ENC_WORDS"]
+MAGIC_BITS = _C["ENC_MAGIC_BITS"]   # bits of 1.5 * 2^23
+NO_MID = np.float32(3.0e38)
 # float32 ulps between the scale and an fp16 rounding boundary below which the float64
-# pipeline decides the scale: about twice the float32 error bound (csrc/encode.cuh, "v3")
-V3_SCALE_GUARD = {"table": 64, "uniform": 48}
+# pipeline decides the scale: about twice the float32 error bound (csrc/encode.cuh)
+SCALE_GUARD = {"table": 64, "uniform": 48}
 _U = 2.0 ** -24
 _STATUS = ((1, "an input vector contains NaN or Inf"),
            (2, "a vector norm is too large for an fp16 scale (max 65504)"),
@@ -114,15 +111,15 @@ def _index(a, name, n):
     return arr if arr.flags.c_contiguous else arr.copy()
 
 
-def v3_margin(bits: int, dim: int, mids: np.ndarray) -> float:
-    """Distance in t (float64) within which the float32 path of encode v3 defers a coordinate
-    to the float64 pipeline: 2 (L + 1) u sqrt(d) + 48 u M (u = 2^-24, L = log2 d, M the
-    largest |midpoint|): at least twice the float32 error of t (csrc/encode.cuh, "v3")."""
+def cell_margin(bits: int, dim: int, mids: np.ndarray) -> float:
+    """Distance in t (float64) within which the float32 path of the encode kernels defers a
+    coordinate to the float64 pipeline: 2 (L + 1) u sqrt(d) + 48 u M (u = 2^-24, L = log2 d,
+    M the largest |midpoint|): at least twice the float32 error of t (csrc/encode.cuh)."""
     m = float(np.max(np.abs(mids))) if mids.size else 0.0
     return 2.0 * (np.log2(dim) + 1.0) * _U * np.sqrt(dim) + 48.0 * _U * m
 
 
-def _v3_uniform_row(lev: np.ndarray, mids: np.ndarray, dim: int) -> np.ndarray:
+def _uniform_row(lev: np.ndarray, mids: np.ndarray, dim: int) -> np.ndarray:
     """Parameters of the affine cell A = (t - mid0)/step + 1/2, code = clamp(rint(A)), with
     the threshold on |A - rint(A)| that keeps every code equal to the float64 count of
     midpoints below t."""
@@ -134,14 +131,14 @@ def _v3_uniform_row(lev: np.ndarray, mids: np.ndarray, dim: int) -> np.ndarray:
     big = float(np.max(np.abs(mids)))
     # the float32 error of t, the midpoints' distance from the exact grid, and the rounding of
     # A (its constants, the fma.sat, times 2^b - 1), in units of A
-    mar = ((v3_margin(int(np.log2(n)), dim, mids) + dev) / step
+    mar = ((cell_margin(int(np.log2(n)), dim, mids) + dev) / step
            + 4.0 * _U * (big / step + n) + 2.0 ** -20)
     if not mar < 0.25:
-        raise ValueError("encode v3: the uniform codebook's cells are too narrow for float32")
+        raise ValueError("encode: the uniform codebook's cells are too narrow for float32")
     thr = np.float32(0.5 - mar)
     if float(thr) > 0.5 - mar:                      # round the threshold down
         thr = np.nextafter(thr, np.float32(0))
-    row = np.zeros(V3_PRM, np.float64)
+    row = np.zeros(CELL_PRM, np.float64)
     row[0] = 1.0 / (step * (n - 1))
     row[1] = (0.5 - mid0 / step) / (n - 1)
     row[2] = n - 1
@@ -149,16 +146,16 @@ def _v3_uniform_row(lev: np.ndarray, mids: np.ndarray, dim: int) -> np.ndarray:
     row[4] = np.sqrt(dim / 2.0) / hs
     out = row.astype(np.float32)
     out[3] = thr
-    out[5:6].view(np.int32)[0] = V3_SCALE_GUARD["uniform"]
+    out[5:6].view(np.int32)[0] = SCALE_GUARD["uniform"]
     return out
 
 
-def _v3_bucket_row(bits: int, mids: np.ndarray, dim: int, g: int):
+def _bucket_row(bits: int, mids: np.ndarray, dim: int, g: int):
     """(parameters, midpoints, cells) of the bucket table of one row: bucket b = rint((t - lo)/w)
     covers [lo + (b - 1/2) w, lo + (b + 1/2) w]; widened by delta (more than the float32 error
     of t and of the index) it holds at most one midpoint, whose float32 value the bucket
-    stores (V3_NO_MID if none), with the count of midpoints below the widened bucket."""
-    margin = v3_margin(bits, dim, mids)
+    stores (NO_MID if none), with the count of midpoints below the widened bucket."""
+    margin = cell_margin(bits, dim, mids)
     if bits <= 4:    # no clamp: |t| <= sqrt(d) (1 + 2^-18) whenever the radius is in range
         t_max = np.sqrt(dim) + 0.5
         lo, w = -t_max, 2.0 * t_max / (g - 1)
@@ -175,69 +172,63 @@ def _v3_bucket_row(bits: int, mids: np.ndarray, dim: int, g: int):
     upto = np.searchsorted(mids, ext_hi, side="right")          # midpoints <= ext_hi
     inside = upto - below
     if np.any(inside > 1):
-        raise ValueError(f"encode v3: {g} buckets are too coarse for the {bits}-bit codebook")
-    m = np.where(inside == 1, mids[np.minimum(below, mids.size - 1)].astype(np.float32), V3_NO_MID)
-    prm = np.zeros(V3_PRM, np.float32)
+        raise ValueError(f"encode: {g} buckets are too coarse for the {bits}-bit codebook")
+    m = np.where(inside == 1, mids[np.minimum(below, mids.size - 1)].astype(np.float32), NO_MID)
+    prm = np.zeros(CELL_PRM, np.float32)
     prm[0] = 1.0 / w
     prm[1] = -lo / w
     prm[2] = g - 1
     prm[3] = margin
     prm[4] = np.sqrt(dim / 2.0)
-    prm[5:6].view(np.int32)[0] = V3_SCALE_GUARD["table"]
-    prm[6:7].view(np.uint32)[0] = (-4 * V3_MAGIC_BITS) % 2 ** 32   # the kernel's table offset
+    prm[5:6].view(np.int32)[0] = SCALE_GUARD["table"]
+    prm[6:7].view(np.uint32)[0] = (-4 * MAGIC_BITS) % 2 ** 32   # the kernel's table offset
     return prm, m.astype(np.float32), below.astype(np.int32)
 
 
-_V3_CACHE: dict = {}
+_CELL_CACHE: dict = {}
 
 
-def v3_tables(tables: KernelTables) -> np.ndarray:
-    """float32 (V3_WORDS,) blob of the v3 kernels for ``tables`` (cached per tables object)."""
+def cell_tables(tables: KernelTables) -> np.ndarray:
+    """float32 (CELL_WORDS,) cell-table blob of the encode kernels for ``tables`` (cached per
+    tables object)."""
     key = id(tables)
-    hit = _V3_CACHE.get(key)
+    hit = _CELL_CACHE.get(key)
     if hit is not None and hit[0] is tables:
         return hit[1]
     from .pages import LEVEL_BITS
-    blob = np.zeros(V3_WORDS, np.float32)
+    blob = np.zeros(CELL_WORDS, np.float32)
     ints = blob.view(np.int32)
-    off = V3_BM
+    off = CELL_BM
     for r, bits in enumerate(LEVEL_BITS):
         n = 2 ** bits
         lev = tables.levels64[r, :n]
         mids = tables.mids64[r, :n - 1]
         if tables.codebook == "uniform":
-            blob[r * V3_PRM:(r + 1) * V3_PRM] = _v3_uniform_row(lev, mids, tables.dim)
+            blob[r * CELL_PRM:(r + 1) * CELL_PRM] = _uniform_row(lev, mids, tables.dim)
         else:
-            g = V3_BUCKETS[bits]
-            prm, m, c0 = _v3_bucket_row(bits, mids, tables.dim, g)
-            blob[r * V3_PRM:(r + 1) * V3_PRM] = prm
-            blob[V3_LEV2 + 256 * r:V3_LEV2 + 256 * r + n] = (lev * lev).astype(np.float32)
+            g = BUCKETS[bits]
+            prm, m, c0 = _bucket_row(bits, mids, tables.dim, g)
+            blob[r * CELL_PRM:(r + 1) * CELL_PRM] = prm
+            blob[CELL_LEV2 + 256 * r:CELL_LEV2 + 256 * r + n] = (lev * lev).astype(np.float32)
             blob[off:off + g] = m
-            ints[off + V3_NB:off + V3_NB + g] = c0
+            ints[off + CELL_NB:off + CELL_NB + g] = c0
             off += g
-    _V3_CACHE[key] = (tables, blob)
+    _CELL_CACHE[key] = (tables, blob)
     return blob
 
 
-_V3_DEVICE: dict = {}
+_CELL_DEVICE: dict = {}
 
 
-def _v3_device(tables: KernelTables):
-    """The v3 blob on the current device, uploaded once per (tables, device)."""
+def _cell_device(tables: KernelTables):
+    """The cell-table blob on the current device, uploaded once per (tables, device)."""
     cp = cupy()
     key = (id(tables), cp.cuda.Device().id)
-    hit = _V3_DEVICE.get(key)
+    hit = _CELL_DEVICE.get(key)
     if hit is None or hit[0] is not tables:
-        hit = (tables, cp.asarray(v3_tables(tables)))
-        _V3_DEVICE[key] = hit
+        hit = (tables, cp.asarray(cell_tables(tables)))
+        _CELL_DEVICE[key] = hit
     return hit[1]
-
-
-def _version(version):
-    version = DEFAULT_ENCODE_VERSION if version is None else version
-    if version not in ENCODE_VERSIONS:
-        raise ValueError(f"encode version must be one of {ENCODE_VERSIONS}, got {version!r}")
-    return version
 
 
 def _rows(x, tables: KernelTables, name: str):
@@ -279,38 +270,36 @@ def _args(tables: KernelTables, n: int, part: int, rows, mi, dests, pg, pt):
             np.int32(tables.num_tiers), dev["levels64"], dev["mids64"])
 
 
-def _launch_v3(tables: KernelTables, n: int, part: int, first, second, mi, dests, pg, pt, status):
-    """One launch of encode v3: ``first`` = (x, signs, means) as part ``part``, and with
-    ``second`` (the values' (x, signs, means), part 0) a second row of blocks as part 1."""
+def _launch(tables: KernelTables, n: int, part: int, first, second, mi, dests, pg, pt, status):
+    """One encode launch: ``first`` = (x, signs, means) as part ``part``, and with ``second``
+    (the values' (x, signs, means), part 0) a second row of blocks as part 1."""
     x2, s2, m2 = second if second is not None else first
     parts = 1 if second is None else 2
-    name = "encode_v3_uniform_kernel" if tables.codebook == "uniform" else "encode_v3_kernel"
-    kernel(name, tables.dim)((_v3_blocks(n, parts), parts), (THREADS,),
+    name = "encode_affine_kernel" if tables.codebook == "uniform" else "encode_table_kernel"
+    kernel(name, tables.dim)((_blocks(n, parts), parts), (THREADS,),
                              _args(tables, n, part, first, mi, dests, pg, pt) +
-                             (_v3_device(tables), status, x2, np.int64(x2.strides[0] // 4), s2, m2))
+                             (_cell_device(tables), status, x2, np.int64(x2.strides[0] // 4), s2, m2))
 
 
-def _v3_blocks(n: int, parts: int) -> int:
-    """Blocks per part of a v2/v3 launch: enough for four vectors per warp, at most one wave
-    of resident blocks over all parts (the rest walked by the grid stride)."""
+def _blocks(n: int, parts: int) -> int:
+    """Blocks per part of an encode launch: enough for four vectors per warp, at most one
+    wave of resident blocks over all parts (the rest walked by the grid stride)."""
     cp = cupy()
     return max(1, min(-(-n * 8 // THREADS),
-                      V2_BLOCKS_PER_SM * _sm_count(cp.cuda.Device().id) // parts))
+                      BLOCKS_PER_SM * _sm_count(cp.cuda.Device().id) // parts))
 
 
 def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, dst_page, dst_slot,
                       *, part: str = "key", mean=None, mean_index=None, check: bool = True,
-                      status=None, version: int | None = None):
+                      status=None):
     """x (n, d) float (rows may be strided); sigma float32 (H, d) rotation signs of the
     kv-heads; head int32 (n,) which sigma row each vector uses; dst_page, dst_slot int32
     (n,); mean float32 (R, d) with mean_index int32 (n,) (centring) or None. Writes into
-    ``pages`` (uint8 (num_pages, page_bytes) or uint32) in place. ``version``: the kernel
-    generation (1, 2 or 3; None: the default, DEFAULT_ENCODE_VERSION). Keys and values of the
+    ``pages`` (uint8 (num_pages, page_bytes) or uint32) in place. Keys and values of the
     same states: ``encode_kv_into_pages`` (one launch)."""
     cp = cupy()
     if part not in ("key", "value"):
         raise ValueError(f"part must be 'key' or 'value', got {part!r}")
-    version = _version(version)
     xa = _rows(x, tables, "x")
     n, d = xa.shape
     pg, pt = pool_views(pages, page_tier, tables)
@@ -327,15 +316,8 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
     if status is None:
         status = cp.zeros(1, cp.int32)
     p = 0 if part == "key" else 1
-    if n and version == 3:
-        _launch_v3(tables, n, p, (xa, sg, mn), None, mi, dests, pg, pt, status)
-    elif n:
-        args = _args(tables, n, p, (xa, sg, mn), mi, dests, pg, pt)
-        if version == 2:   # four vectors per warp, a grid of resident blocks walking the rest
-            kernel("encode_v2_kernel", d)((_v3_blocks(n, 1),), (THREADS,), args + (status,))
-        else:
-            blocks = max(1, min(-(-n * 32 // THREADS), 132 * 16))
-            kernel("encode_kernel", d)((blocks,), (THREADS,), args + (status,))
+    if n:
+        _launch(tables, n, p, (xa, sg, mn), None, mi, dests, pg, pt, status)
     if check:
         raise_status(status)
     return status
@@ -343,14 +325,12 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
 
 def encode_kv_into_pages(k, v, pages, page_tier, tables: KernelTables, sigma_k, sigma_v, head,
                          dst_page, dst_slot, *, mean_k=None, mean_v=None, mean_index=None,
-                         check: bool = True, status=None, version: int | None = None):
+                         check: bool = True, status=None):
     """Keys k and values v (n, d) of the same n states into their pages: as
     ``encode_into_pages`` with part="key" on k and part="value" on v (same bytes), in one
-    launch on the default kernel (version 3: two rows of blocks, keys and values side by side;
-    versions 1 and 2: two launches). sigma_k, sigma_v: the rotation signs of each part;
+    launch (two rows of blocks, keys and values side by side). sigma_k, sigma_v: the rotation signs of each part;
     mean_k, mean_v: each part's mean rows (either may be None), indexed by mean_index."""
     cp = cupy()
-    version = _version(version)
     ka, va = _rows(k, tables, "k"), _rows(v, tables, "v")
     if ka.shape != va.shape:
         raise ValueError(f"k and v must have the same shape, got {ka.shape} and {va.shape}")
@@ -365,23 +345,10 @@ def encode_kv_into_pages(k, v, pages, page_tier, tables: KernelTables, sigma_k, 
     mi = _index(mean_index, "mean_index", n) if mean_index is not None else np.uint64(0)
     if check:
         check_inputs(*_dest_ranges(dests, pt, (sk, sv), mi, (mk, mv)), finite=(ka, va))
-    if version != 3 or not KV_ONE_LAUNCH:
-        hd, dp, ds = dests
-        st = encode_into_pages(ka, pg, pt, tables, sk, hd, dp, ds, part="key",
-                               mean=None if mean_k is None else mk,
-                               mean_index=None if mean_k is None else mi, check=False,
-                               status=status, version=version)
-        encode_into_pages(va, pg, pt, tables, sv, hd, dp, ds, part="value",
-                          mean=None if mean_v is None else mv,
-                          mean_index=None if mean_v is None else mi, check=False, status=st,
-                          version=version)
-        if check:
-            raise_status(st)
-        return st
     if status is None:
         status = cp.zeros(1, cp.int32)
     if n:
-        _launch_v3(tables, n, 0, (ka, sk, mk), (va, sv, mv), mi, dests, pg, pt, status)
+        _launch(tables, n, 0, (ka, sk, mk), (va, sv, mv), mi, dests, pg, pt, status)
     if check:
         raise_status(status)
     return status

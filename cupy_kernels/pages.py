@@ -10,7 +10,9 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-GEOM_STRIDE = 8          # must match SKV_GEOM_STRIDE in csrc/spherical_common.cuh
+from ._module import constants
+
+GEOM_STRIDE = constants()["SKV_GEOM_STRIDE"]   # int32 per geometry row (csrc/spherical_common.cuh)
 LEVEL_BITS = (1, 2, 3, 4, 8)   # rows of the (5, 256) level tables
 
 

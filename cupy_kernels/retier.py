@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._module import cupy, kernel
-from .encode import THREADS, _index, check_inputs, raise_status
+from ._module import constants, cupy, kernel
+from .encode import _index, check_inputs, raise_status
 from .pages import KernelTables, as_device, device_tables, pool_views
+
+THREADS = constants()["RETIER_THREADS"]
 
 
 def retier(pages, page_tier, tables: KernelTables, src_page, src_slot, dst_page, dst_slot,

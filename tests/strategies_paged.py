@@ -1,4 +1,5 @@
-"""Hypothesis strategies and small builders shared by test_paged.py and test_cache.py."""
+"""Hypothesis strategies and small builders shared by test_paged.py and test_cache.py, and
+the read-back of stored states that test_encode.py and test_retier.py share."""
 import copy
 
 import numpy as np
@@ -74,3 +75,16 @@ def assert_cache_same(a, b):
             for u, w in zip(qa, qb):
                 np.testing.assert_array_equal(u, w)
     assert a[2:] == b[2:]
+
+
+def read_back_states(tables, pages, tier, page_ids, slots):
+    """(key codes, key scales, value codes, value scales) of states at (page, slot)."""
+    kb, vb, p, kw, vw, voff, ksoff, vsoff = (int(x) for x in tables.geom[tier])
+    words = pages.view(np.uint32)
+    kc = np.stack([words[pg, s * kw:(s + 1) * kw] for pg, s in zip(page_ids, slots)])
+    vc = np.stack([words[pg, voff + s * vw:voff + (s + 1) * vw] for pg, s in zip(page_ids, slots)])
+    ks = np.array([pages[pg, ksoff + 2 * s:ksoff + 2 * s + 2].view(np.float16)[0] if ksoff >= 0
+                   else np.float16(1) for pg, s in zip(page_ids, slots)])
+    vs = np.array([pages[pg, vsoff + 2 * s:vsoff + 2 * s + 2].view(np.float16)[0] if vsoff >= 0
+                   else np.float16(1) for pg, s in zip(page_ids, slots)])
+    return kc, ks, vc, vs

@@ -30,12 +30,19 @@ def _check(case, out, softmax_scale=None):
     assert float(np.mean(err / scale)) <= BOUND / 8
 
 
-def _check_against_v6(case, splits, version, softmax_scale):
-    """One decode of ``version`` against v6 on the same pool (same codes, other fp16
-    roundings: within the error budget) and against the reference."""
+def _as_table_path(case):
+    """The same uniform-codebook case decoded on the table path (which decodes any codebook)."""
+    import dataclasses
+    return dataclasses.replace(case, tables=dataclasses.replace(case.tables, codebook="uniform-table"))
+
+
+def _check_against_table_path(case, splits, softmax_scale):
+    """One affine-path decode of a uniform-codebook case against the table path's decode of
+    the same pool (same codes, other fp16 roundings: within the error budget) and against
+    the reference."""
     from cupy_kernels.cases import run_case
-    a = run_case(case, num_splits=splits, version=version, softmax_scale=softmax_scale)
-    b = run_case(case, num_splits=splits, version=6, softmax_scale=softmax_scale).get()
+    a = run_case(case, num_splits=splits, softmax_scale=softmax_scale)
+    b = run_case(_as_table_path(case), num_splits=splits, softmax_scale=softmax_scale).get()
     diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
     assert float(np.max(diff / case.error_scale(softmax_scale))) <= BOUND
     _check(case, a, softmax_scale)
@@ -57,12 +64,11 @@ def decode_shapes(draw):
 
 
 @settings(max_examples=40, deadline=None)
-@given(shape=decode_shapes(), splits=st.sampled_from([None, 1, 2, 5]),
-       version=st.sampled_from([8, 7, 6, 5, 4]))
-def test_matches_reference(shape, splits, version):
+@given(shape=decode_shapes(), splits=st.sampled_from([None, 1, 2, 5]))
+def test_matches_reference(shape, splits):
     from cupy_kernels.cases import build_case, run_case
     case = build_case(**shape)
-    _check(case, run_case(case, num_splits=splits, version=version))
+    _check(case, run_case(case, num_splits=splits))
 
 
 @pytest.mark.parametrize("codebook", ["lloyd-max", "uniform"])
@@ -74,79 +80,68 @@ def test_long_rows_split_k_and_softmax_scale(codebook):
     _check(case, run_case(case))
 
 
-@pytest.mark.parametrize("version", [8, 7, 6, 5, 4])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_uniform_every_bit_width(dim, version):
+def test_uniform_every_bit_width(dim):
     """The affine path at every bit width (1, 2, 3, 4, 8 and the fp16 top tier), one tier per
     case, with partial pages (read in place) and full pages (staged)."""
     from cupy_kernels.cases import build_case, run_case
     for tier in range(1, len(WIDE_LADDER) + 1):
         case = build_case(2, 2, 8, dim, [700, 129, 33, 410], WIDE_LADDER, [tier], seed=tier,
                           centred=tier % 2 == 0, codebook="uniform")
-        _check(case, run_case(case, num_splits=1, version=version))
-        _check(case, run_case(case, num_splits=3, version=version))
+        _check(case, run_case(case, num_splits=1))
+        _check(case, run_case(case, num_splits=3))
 
 
-@pytest.mark.parametrize("version", [8, 7, 6, 5])
-@pytest.mark.parametrize("codebook", ["lloyd-max", "uniform"])
-def test_versions_agree_with_v4(codebook, version):
-    """v5 (32-state softmax steps; on the affine path u = c - 2^(B-1) plus the per-head
-    corrections), v6 (P' transposed in registers, lazy running maximum, q . mu_K left out)
-    and v4 decode the same pool to the kernels' rounding scale, on tiers of every width,
-    with partial pages, one split and several."""
-    from cupy_kernels.cases import build_case, run_case
-    case = build_case(2, 2, 4, 128, [1000, 37, 515, 300], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
-                      seed=31, centred=True, codebook=codebook)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_affine_and_table_paths_agree_on_every_width(dim):
+    """The affine path (u = c - 2^(B-1) plus the per-head corrections, lazy running maximum,
+    q . mu_K left out) and the table path decode the same uniform pool to the kernels'
+    rounding scale, on tiers of every width, with partial pages, one split and several."""
+    from cupy_kernels.cases import build_case
+    case = build_case(2, 2, 4, dim, [1000, 37, 515, 300], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
+                      seed=31, centred=True, codebook="uniform")
     for splits in (1, 4):
-        a = run_case(case, num_splits=splits, version=version)
-        b = run_case(case, num_splits=splits, version=4).get()
-        diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
-        assert float(np.max(diff / case.error_scale())) <= BOUND
-        _check(case, a)
+        _check_against_table_path(case, splits, None)
 
 
 @pytest.mark.parametrize("codebook", ["lloyd-max", "uniform"])
 def test_peaked_softmax_lazy_maximum(codebook):
     """A softmax scale 45x the usual one spreads the logits over hundreds of log2 units, so
-    the running maximum keeps moving by more than v6's lazy slack deep into each row (every
+    the running maximum keeps moving by more than the affine path's lazy slack deep into each row (every
     such step rescales the accumulators) and p = 2^(z - m) spans the whole fp32 range."""
     from cupy_kernels.cases import build_case, run_case
     case = build_case(1, 2, 8, 128, [2500, 900], WIDE_LADDER, [2, 3, 4, 5, 6], seed=41,
                       centred=True, codebook=codebook)
-    for version in (8, 7, 6, 5, 4):
-        for splits in (1, 3):
-            _check(case, run_case(case, num_splits=splits, softmax_scale=4.0, version=version),
-                   softmax_scale=4.0)
+    for splits in (1, 3):
+        _check(case, run_case(case, num_splits=splits, softmax_scale=4.0), softmax_scale=4.0)
 
 
-@pytest.mark.parametrize("version", [7, 8])
 @pytest.mark.parametrize("softmax_scale", [None, 4.0])
-def test_v7_fast_path_and_domain_changes(softmax_scale, version):
-    """v7 decodes full 4/4 pages on its fast path (codes as fp16 subnormals, accumulators in
-    the "F domain"), full 3/3 and 2/2 pages on theirs (the "F2" domain) and every other page as
-    v6 does; pages of 4/4, 2/2, 3/3, 8/8 and the fp16 tier interleave in each row (many
-    chunks, shuffled page order), so the accumulators change
-    domain many times, next to long pure-4/4 rows (one split and several). Against the
-    reference and against v6 (same codes, other fp16 roundings). v8: the same with each fast
-    page's values one page late (flushed before every other page kind and at the end)."""
+def test_affine_fast_44_pages_and_domain_changes(softmax_scale):
+    """The affine kernel decodes full 4/4 pages on their fast path (codes as fp16 subnormals,
+    accumulators in the "F domain"), full 3/3 and 2/2 pages on theirs (the "F2" domain) and
+    every other page on decode_page; pages of 4/4, 2/2, 3/3, 8/8 and the fp16 tier interleave
+    in each row (many chunks, shuffled page order), so the accumulators change domain many
+    times, next to long pure-4/4 rows (one split and several). Against the reference and
+    against the table path (same codes, other fp16 roundings)."""
     from cupy_kernels.cases import build_case
     case = build_case(2, 2, 8, 128, [1300, 640, 31, 2000], WIDE_LADDER, [2, 3, 4, 5, 6],
                       seed=57, centred=True, codebook="uniform", chunks_per_row=12)
     pure = build_case(1, 2, 4, 128, [3100, 62], WIDE_LADDER, [4], seed=58, codebook="uniform")
     for c in (case, pure):
         for splits in (1, 2, 7, 40):
-            _check_against_v6(c, splits, version, softmax_scale)
+            _check_against_table_path(c, splits, softmax_scale)
 
 
 @pytest.mark.parametrize("softmax_scale", [None, 4.0])
-def test_v7_fast_33_and_22_pages(softmax_scale):
-    """v7 decodes full 3/3 and 2/2 pages (D = 128) on their own fast path (page_f2: 2-bit fields
+def test_affine_fast_33_and_22_pages(softmax_scale):
+    """The affine kernel decodes full 3/3 and 2/2 pages (D = 128) on their own fast path (page_f2: 2-bit fields
     as fp16 subnormals, the 3-bit plane bit merged into the field; accumulators in the "F2"
     domain; 40 and 60 states per page, the last sub-tile partly empty): rows whose pages of
     every tier of the wide ladder (1/1, 8/8, 16/16 generic; 4/4 on its own fast path, another
     domain) and partial pages interleave, and pure 3/3 and 2/2 rows of many full pages and one
-    partial page, at 1, 2, 7 and 40 splits. Against the reference and against v6 (same codes,
-    other fp16 roundings). Page padding is random, so a read of a non-state slot that were not
+    partial page, at 1, 2, 7 and 40 splits. Against the reference and against the table path
+    (same codes, other fp16 roundings). Page padding is random, so a read of a non-state slot that were not
     masked would show."""
     from cupy_kernels.cases import build_case
     mixed = build_case(2, 2, 8, 128, [1500, 700, 41, 2400], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
@@ -156,19 +151,19 @@ def test_v7_fast_33_and_22_pages(softmax_scale):
     pure2 = build_case(1, 2, 8, 128, [6000, 61], WIDE_LADDER, [2], seed=63, codebook="uniform")
     for c in (mixed, pure3, pure2):
         for splits in (1, 2, 7, 40):
-            _check_against_v6(c, splits, 7, softmax_scale)
+            _check_against_table_path(c, splits, softmax_scale)
 
 
 @pytest.mark.parametrize("softmax_scale", [None, 4.0])
-def test_v7_fast_88_and_1616_pages(softmax_scale):
-    """v7 decodes full 8/8 pages (page_f8: bytes as fp16 subnormals, accumulators in the 4/4
+def test_affine_fast_88_and_1616_pages(softmax_scale):
+    """The affine kernel decodes full 8/8 pages (page_f8: bytes as fp16 subnormals, accumulators in the 4/4
     path's F44 domain, the odd blocks' operands times 16) and full 16/16 pages (page_f16: the
     fp16 words straight into the mma, generic domain) on their own fast paths (D = 128): rows
     where pages of every tier of the wide ladder and partial pages interleave (shuffled page
     order: the accumulators change domain often), rows of 4/4, 8/8 and 16/16 pages only
     (4/4 and 8/8 share a domain), pure 8/8 and 16/16 rows of many full pages and one partial
     page, and a row in chunk order (pages ordered as the cache lays them), at 1, 2, 3, 7 and 40
-    splits. Against the reference and against v6 (same codes, other fp16 roundings). Page
+    splits. Against the reference and against the table path (same codes, other fp16 roundings). Page
     padding is random: a read of a non-state slot that were not masked would show."""
     from cupy_kernels.cases import build_case
     mixed = build_case(2, 2, 8, 128, [1500, 900, 37, 2600], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
@@ -182,25 +177,25 @@ def test_v7_fast_88_and_1616_pages(softmax_scale):
                          codebook="uniform", chunks_per_row=10, shuffle=False)
     for c in (mixed, wide, pure8, pure16, ordered):
         for splits in (1, 2, 3, 7, 40):
-            _check_against_v6(c, splits, 7, softmax_scale)
+            _check_against_table_path(c, splits, softmax_scale)
 
 
-def test_v7_ladder_longer_than_the_geometry_lanes():
-    """v7 holds geometry rows 0-15 in lanes at kernel entry (DEC7_GEOM_PRE) and reads the row of
+def test_affine_ladder_longer_than_the_geometry_lanes():
+    """The affine kernel holds geometry rows 0-15 in lanes at kernel entry and reads the row of
     a page of a higher tier from the table: the longest ladder (18 tiers, one per state size)
     with pages of tiers 1, 4, 7 (4/4, fast path), 12 (8/8), 15, 16, 17 and 18 (16/16, fast path)
-    interleaved, at 1, 3 and 40 splits, against the reference and v6."""
+    interleaved, at 1, 3 and 40 splits, against the reference and the table path."""
     from cupy_kernels.cases import build_case
     ladder = [(1, 1), (1, 2), (1, 3), (1, 4), (2, 4), (3, 4), (4, 4), (1, 8), (2, 8), (3, 8),
               (4, 8), (8, 8), (1, 16), (2, 16), (3, 16), (4, 16), (8, 16), (16, 16)]
     case = build_case(2, 2, 8, 128, [1300, 2100, 57, 900], ladder, [1, 4, 7, 12, 15, 16, 17, 18],
                       seed=91, centred=True, codebook="uniform", chunks_per_row=16)
     for splits in (1, 3, 40):
-        _check_against_v6(case, splits, 7, None)
+        _check_against_table_path(case, splits, None)
 
 
-def test_v7_split_partition_covers_every_page_once():
-    """v7's splits take a row's pages interleaved (warp w of split s: pages 4s + w + 4Sk): at
+def test_affine_split_partition_covers_every_page_once():
+    """The affine kernel's splits take a row's pages interleaved (warp w of split s: pages 4s + w + 4Sk): at
     any split count the CTAs together decode every page exactly once. Compared with one split
     (every page in one CTA) far more tightly than the error budget: the outputs differ only by
     fp32 summation order and the fp16 rounding of P' against other running maxima (~2e-4 of a
@@ -214,60 +209,48 @@ def test_v7_split_partition_covers_every_page_once():
              build_case(1, 2, 4, 128, [2500, 400], WIDE_LADDER, [3, 4, 5], seed=82,
                         codebook="uniform", chunks_per_row=4, shuffle=False)]
     for c in cases:
-        one = run_case(c, num_splits=1, version=7).get().astype(np.float64)
+        one = run_case(c, num_splits=1).get().astype(np.float64)
         for splits in (2, 3, 5, 17, 64, 130):
-            got = run_case(c, num_splits=splits, version=7).get().astype(np.float64)
+            got = run_case(c, num_splits=splits).get().astype(np.float64)
             rel = np.linalg.norm(got - one, axis=-1) / np.linalg.norm(one, axis=-1)
             assert float(np.max(rel)) <= 5e-3, (splits, float(np.max(rel)))
 
 
-def test_v7_splits_fill_whole_waves():
-    """v7's default split count rounds down to whole waves of resident CTAs (v6 rounds up)."""
+def test_default_splits_per_path():
+    """The affine path's default split count rounds down to whole waves of resident CTAs
+    (one wave); the table path's rounds up to about two waves."""
+    import math
     from cupy_kernels import kernel_tables
-    from cupy_kernels.ada_decode import WAVES_V7, _sm_count, choose_splits, splits_for
-    tables = kernel_tables(LADDER, 128, codebook="uniform")
-    slots = WAVES_V7 * 4 * _sm_count()
+    from cupy_kernels.ada_decode import AFFINE_PATH, TABLE_PATH, _sm_count, splits_for
+    uniform = kernel_tables(LADDER, 128, codebook="uniform")
+    table = kernel_tables(LADDER, 128)
     for rows, pages in ((64, 64 * 1058), (256, 256 * 265), (16, 16 * 4229), (8, 8 * 4229)):
-        s7 = splits_for(tables, 7, rows, pages)
-        assert rows * s7 <= slots < rows * (s7 + 1)
-        assert splits_for(tables, 8, rows, pages) == s7
-        assert s7 == choose_splits(rows, pages, ctas_per_sm=4, waves=WAVES_V7, fit=True)
+        slots = AFFINE_PATH.waves * AFFINE_PATH.ctas_per_sm * _sm_count()
+        s = splits_for(uniform, rows, pages)
+        assert rows * s <= slots < rows * (s + 1)
+        target = TABLE_PATH.waves * TABLE_PATH.ctas_per_sm * _sm_count()
+        assert splits_for(table, rows, pages) == min(math.ceil(target / rows), pages // rows // 8, 256)
 
 
 @pytest.mark.parametrize("codebook", ["lloyd-max", "uniform"])
-def test_v7_merge_many_splits(codebook):
-    """v7's merge (one CTA per head and row, splits in four groups) with more splits than
-    pages (empty splits: lse = -inf), and beyond its 256-split limit (v6's merge)."""
+def test_merge_many_splits(codebook):
+    """The merges (the affine path's one CTA per head and row, splits in four groups; the
+    table path's one CTA per row) with more splits than pages (empty splits: lse = -inf),
+    and beyond the per-head merge's 256-split limit (then the per-row merge)."""
     from cupy_kernels.cases import build_case, run_case
     case = build_case(1, 2, 8, 128, [3100, 300], WIDE_LADDER, [2, 4], seed=59, centred=True,
                       codebook=codebook)
     for splits in (5, 64, 256, 300):
-        _check(case, run_case(case, num_splits=splits, version=7))
-        _check(case, run_case(case, num_splits=splits, version=8))
-
-
-def test_bad_version_rejected():
-    from cupy_kernels.cases import build_case, run_case
-    case = build_case(1, 1, 4, 64, [20], LADDER, [5], seed=1)
-    for bad in (3, 9):
-        with pytest.raises(ValueError):
-            run_case(case, version=bad)
+        _check(case, run_case(case, num_splits=splits))
 
 
 def test_uniform_and_table_paths_agree_on_uniform_codes():
     """The table path decodes any codebook: on a uniform pool it must agree with the affine
     path to the kernels' rounding scale (different fp16 roundings, same attention)."""
-    import dataclasses
-    from cupy_kernels.cases import build_case, run_case
+    from cupy_kernels.cases import build_case
     case = build_case(1, 2, 4, 128, [900, 300], LADDER, [1, 2, 3, 5, 7], seed=21,
                       codebook="uniform")
-    affine_dev = run_case(case, num_splits=2)
-    affine = affine_dev.get()
-    table = dataclasses.replace(case, tables=dataclasses.replace(case.tables, codebook="uniform-table"))
-    tabled = run_case(table, num_splits=2).get()
-    diff = np.linalg.norm(affine.astype(np.float64) - tabled, axis=-1)
-    assert float(np.max(diff / case.error_scale())) <= BOUND
-    _check(case, affine_dev)
+    _check_against_table_path(case, 2, None)
 
 
 def test_affine_path_rejects_non_affine_levels():
@@ -417,9 +400,8 @@ def _reference_lse(case, softmax_scale=None):
                                                         ("lloyd-max", 64, 4, False)])
 def test_lse_matches_reference(codebook, dim, group, centred):
     """ada_decode(lse=...) writes each head's log-sum-exp of its scaled logits (q . mu_K
-    included), within the logits' error budget of the reference's, for every version the
-    path has, at the default split count and at 2 and 5 splits; the outputs are those of a
-    call without lse."""
+    included), within the logits' error budget of the reference's, at the default split count
+    and at 2 and 5 splits; the outputs are those of a call without lse."""
     import cupy as cp
     from cupy_kernels.ada_decode import splits_for
     from cupy_kernels.cases import build_case, run_case, to_device
@@ -427,17 +409,14 @@ def test_lse_matches_reference(codebook, dim, group, centred):
                       centred=centred, codebook=codebook)
     dev = to_device(case)
     want, scale = _reference_lse(case, 0.2)
-    versions = (4, 5, 6, 7, 8) if codebook == "uniform" else (4, 6)
-    for version in versions:
-        for splits in (None, 2, 5):
-            lse = cp.full((2, 2 * group), 7.0, cp.float32)
-            out = run_case(case, dev, num_splits=splits, version=version, lse=lse,
-                           softmax_scale=0.2)
-            err = np.abs(lse.get() - want) / scale
-            assert np.max(err) <= BOUND, (version, splits, float(np.max(err)))
-            ns = splits or max(2, splits_for(case.tables, version, 4, int(dev["indices"].size)))
-            plain = run_case(case, dev, num_splits=ns, version=version, softmax_scale=0.2)
-            assert bool(cp.all(out == plain)), (version, splits)
+    for splits in (None, 2, 5):
+        lse = cp.full((2, 2 * group), 7.0, cp.float32)
+        out = run_case(case, dev, num_splits=splits, lse=lse, softmax_scale=0.2)
+        err = np.abs(lse.get() - want) / scale
+        assert np.max(err) <= BOUND, (splits, float(np.max(err)))
+        ns = splits or max(2, splits_for(case.tables, 4, int(dev["indices"].size)))
+        plain = run_case(case, dev, num_splits=ns, softmax_scale=0.2)
+        assert bool(cp.all(out == plain)), splits
     with pytest.raises(ValueError, match="lse must be"):
         run_case(case, dev, lse=cp.zeros((2, 3), cp.float32))
     with pytest.raises(ValueError, match="split-K merge"):
@@ -493,15 +472,14 @@ def test_cuda_graph_capture_replays():
 
 
 @pytest.mark.parametrize("splits", [2, 66])
-def test_v7_merge_as_programmatic_launch(splits, monkeypatch):
-    """The v7 merge launched as a programmatic dependent of the decode (MERGE_PDL: its CTAs may
-    start while the decode's last CTAs run and wait for the whole grid) writes the same bytes as
-    a plain launch, on a stream and replayed from a CUDA graph, and matches the reference."""
-    import importlib
+def test_per_head_merge_as_programmatic_launch(splits, monkeypatch):
+    """The affine path's merge launched as a programmatic dependent of the decode (its CTAs
+    may start while the decode's last CTAs run and wait for the whole grid) writes the same
+    bytes as a plain launch (``_pdl.launch`` made to decline), on a stream and replayed from
+    a CUDA graph, and matches the reference."""
     import cupy as cp
     from cupy_kernels import _pdl
     from cupy_kernels.ada_decode import make_workspace
-    ad = importlib.import_module("cupy_kernels.ada_decode")   # the module, not the function
     from cupy_kernels.cases import build_case, run_case, to_device
     assert _pdl._launch_ex() is not None, "the driver has no cuLaunchKernelEx"
     case = build_case(2, 2, 4, 128, [3000, 45, 2500, 700], WIDE_LADDER, [3, 4], seed=17,
@@ -509,16 +487,17 @@ def test_v7_merge_as_programmatic_launch(splits, monkeypatch):
     dev = to_device(case)
     ws = make_workspace(4, 4, 128, splits)
     outs = {}
+    programmatic = _pdl.launch
     for pdl in (False, True):
-        monkeypatch.setattr(ad, "MERGE_PDL", pdl)
+        monkeypatch.setattr(_pdl, "launch", programmatic if pdl else (lambda *a, **k: False))
         out = cp.full((2, 8, 128), np.nan, cp.float32)
-        run_case(case, dev, out=out, workspace=ws, validate=False, version=7)
+        run_case(case, dev, out=out, workspace=ws, validate=False)
         cp.cuda.Device().synchronize()
         outs[pdl] = out.get()
         stream = cp.cuda.Stream(non_blocking=True)
         with stream:
             stream.begin_capture()
-            run_case(case, dev, out=out, workspace=ws, validate=False, version=7)
+            run_case(case, dev, out=out, workspace=ws, validate=False)
             graph = stream.end_capture()
         for _ in range(3):
             out.fill(np.nan)

@@ -81,26 +81,3 @@ def test_synthetic_layout_moves_the_last_page():
         assert np.array_equal(np.sort(lay.page_count), np.sort(base.page_count))
     with pytest.raises(ValueError, match="last_page_at"):
         synthetic_layout(2, 2, 3 * per + 5, tables, {3: 3 * per + 5}, last_page_at=4)
-
-
-def test_decode_floor_table_and_picture(tmp_path):
-    """The committed floor table (validation/decode_floor.py on the H200): every page reader
-    read each page once (its XOR equals the pool's), no decode step is faster than the reader
-    of the same pages through the same grid, and the picture is drawn from it."""
-    from validation.decode_floor import plot
-    from validation.plot_decode import RESULTS
-    data = json.loads((RESULTS / "decode_floor_h200.json").read_text())
-    cases = {}
-    for r in data["rows"]:
-        cases.setdefault((r["batch"], r["context"], r["tiers"]), {})[r["method"]] = r
-        if r["method"].startswith("read_"):
-            assert r["xor_ok"] is True, r
-    assert len(cases) == 5
-    for got in cases.values():
-        assert got["v7_step"]["us"] > got["read_static"]["us"] > 0
-    png = tmp_path / "floor.png"
-    plot(data, png)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(ValueError, match="no v7_step rows"):
-        plot(dict(copy_gbps=1.0, rows=[r for r in data["rows"] if r["method"] != "v7_step"]),
-             tmp_path / "none.png")

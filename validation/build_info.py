@@ -5,11 +5,100 @@ version can differ from the nvcc that CI uses, so a kernel that is spill-free in
 touch local memory on the device (docs/PERF_NOTES.md, v7).
 
     PYTHONPATH=. python3 validation/build_info.py --out build_info.json
+
+``offline_build`` compiles the same module without a GPU (NVRTC 13 from the nvidia-cuda-nvrtc
+wheel, for sm_90): tests/test_cuh_compile.py reads its ptxas log, lab/kernel_identity.py its
+machine code.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import glob
 import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+
+def nvrtc_library():
+    """The NVRTC 13 library (the nvidia-cuda-nvrtc wheel), its builtins loaded first so that
+    it finds them without LD_LIBRARY_PATH; None where it is not installed."""
+    try:
+        import nvidia   # namespace package of NVIDIA's wheels
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        lib = os.path.join(root, "cu13", "lib", "libnvrtc.so.13")
+        builtins = sorted(glob.glob(os.path.join(root, "cu13", "lib", "libnvrtc-builtins.so.13.*")))
+        if os.path.exists(lib) and builtins:
+            ctypes.CDLL(builtins[0], mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(lib)
+    return None
+
+
+def cuda_include():
+    """The CUDA headers (cuda_fp16.h, for NVRTC) of the toolkit whose nvcc is on PATH, else of
+    a /usr/local/cuda* toolkit; None where there are none."""
+    nvcc = shutil.which("nvcc")
+    tops = []
+    if nvcc:
+        res = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True)
+        m = re.search(r"^#\$ TOP=(\S+)", res.stdout + res.stderr, re.M)
+        tops = [os.path.join(m.group(1), "include")] if m else []
+    for inc in tops + sorted(glob.glob("/usr/local/cuda*/include")):
+        if os.path.exists(os.path.join(inc, "cuda_fp16.h")):
+            return inc
+    return None
+
+
+@dataclass
+class OfflineBuild:
+    rc: int          # nvrtcCompileProgram's result (0: compiled)
+    log: str         # the compiler's log (ptxas -v lines with --ptxas-options=-v)
+    cubin: bytes     # the sm_90 binary (empty unless rc is 0)
+    lowered: dict    # name expression -> mangled kernel name
+
+
+def offline_build(source: str, names, options, arch: str = "sm_90") -> OfflineBuild:
+    """``source`` with the kernel instances ``names`` (NVRTC name expressions) compiled by
+    NVRTC for ``arch`` with ``options`` plus the CUDA headers: no GPU needed."""
+    lib = nvrtc_library()
+    inc = cuda_include()
+    if lib is None or inc is None:
+        raise RuntimeError("offline builds need NVRTC 13 (pip install nvidia-cuda-nvrtc==13.0.*) "
+                           "and the CUDA headers")
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"skv.cu", 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    try:
+        for n in names:
+            if lib.nvrtcAddNameExpression(prog, n.encode()):
+                raise RuntimeError(f"nvrtcAddNameExpression failed for {n}")
+        opts = list(options) + [f"-I{inc}", f"-arch={arch}"]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, buf)
+        log = buf.value.decode(errors="replace")
+        if rc:
+            return OfflineBuild(rc, log, b"", {})
+        lowered = {}
+        for n in names:
+            p = ctypes.c_char_p()
+            lib.nvrtcGetLoweredName(prog, n.encode(), ctypes.byref(p))
+            lowered[n] = p.value.decode()
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+        return OfflineBuild(rc, log, cubin.raw, lowered)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
 def kernel_rows(mod, names, build: str) -> list:

@@ -3,14 +3,14 @@ FlashInfer paged decode (bf16, fp8 e4m3) and the "decompress to HBM, then attend
 
 Shapes of one Llama-3.1-8B layer (32 query heads, 8 kv-heads, d = 128). Every timing is the
 median of CUDA-event timings with the L2 flushed (a 256 MiB memset) before each repetition.
-Writes a list of rows (method, version, batch, context, tiers, codebook, us, bytes_read, gbps,
-copy_gbps, speedup_vs_sdpa_bf16; on ADA rows also the speedups against FlashInfer bf16 and fp8
-measured in the same process, and whether the version is ``ada_decode``'s default) as JSON,
-and prints a table. ADA and encode rows are
+Writes a list of rows (method, batch, context, tiers, codebook, us, bytes_read, gbps,
+copy_gbps, speedup_vs_sdpa_bf16; on ADA rows also the decode path, the split count and the
+speedups against FlashInfer bf16 and fp8 measured in the same process) as JSON, and prints a
+table. ADA and encode rows are
 repeated per codebook (``--codebooks``): Lloyd–Max decodes on the table path, uniform on
 the affine path (cupy_kernels/csrc/ada_decode.cuh).
 
-    PYTHONPATH=. python3 validation/decode_bench.py --out validation/results/decode_h200.json
+    PYTHONPATH=. python3 validation/decode_bench.py --out validation/results/kernels/decode_h200.json
     PYTHONPATH=. python3 validation/decode_bench.py --quality   # CPU only: codebook quality
 """
 from __future__ import annotations
@@ -24,21 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-HQ, HKV, D = 32, 8, 128
+from cupy_kernels.cases import (BENCH_D as D, BENCH_HKV as HKV, BENCH_HQ as HQ,
+                                BENCH_LADDER as LADDER, BENCH_TIERS as TIERS, ada_step,
+                                encode_inputs, encode_keys_values, encoded_pool, rdr_mix)
+
 SHAPES = [(32, 8192), (8, 32768), (2, 131072), (1, 131072)]
-LADDER = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
-TIERS = {"4/4": 3, "3/3": 2, "2/2": 1}
-
-
-def rdr_mix(context: int) -> dict:
-    """An RDR-style allocation: 4 sinks + 256 recent at the top tier, 2 % at 8/8, then
-    40 % 4/4, 30 % 3/3, the rest 2/2 (fractions of the remaining states)."""
-    top = min(context, 260)
-    rest = context - top
-    t8 = int(0.02 * rest)
-    t4 = int(0.40 * rest)
-    t3 = int(0.30 * rest)
-    return {5: top, 4: t8, 3: t4, 2: t3, 1: rest - t8 - t4 - t3}
 
 
 class Timer:
@@ -87,42 +77,11 @@ def copy_bandwidth(timer) -> float:
     return 2 * n / (us * 1e-6) / 1e9
 
 
-def _layout(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None):
-    from cupy_kernels.cases import synthetic_layout
-    counts = rdr_mix(context) if tiers_name == "rdr-mix" else {TIERS[tiers_name]: context}
-    return synthetic_layout(batch, HKV, context, tables, counts, seed=seed, order=order,
-                            last_page_at=last_page_at)
-
-
 def encode_bytes(lay) -> int:
     """Bytes an encode of keys and values moves: x read twice (float32), codes and scales
     written, head / page / slot indices read twice."""
     n = lay.dst_page.size
     return 2 * n * D * 4 + lay.cache_bytes + 3 * n * 4 * 2
-
-
-def encode_inputs(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None):
-    """(layout, inputs) of an encode of every state of (batch, context, tiers) into a pool
-    (``order``: synthetic_layout's, shuffled by default): the page tiers, key and value
-    rotation signs (seeded), heads, destinations and random rows, on the GPU."""
-    import cupy as cp
-    lay = _layout(batch, context, tiers_name, tables, seed, order, last_page_at)
-    rng = np.random.default_rng(seed)
-    sig = [cp.asarray((1 - 2 * rng.integers(0, 2, (HKV, D))).astype(np.float32)) for _ in "kv"]
-    head, dpg, dsl = (cp.asarray(a) for a in (lay.state_head, lay.dst_page, lay.dst_slot))
-    x = cp.random.standard_normal((lay.dst_page.size, D), dtype=cp.float32)
-    return lay, dict(page_tier=cp.asarray(lay.page_tier), sig=sig, head=head, dst_page=dpg,
-                     dst_slot=dsl, x=x)
-
-
-def encode_keys_values(inp, tables, pages, status, version=None):
-    """Keys and values of ``encode_inputs``' rows (the same rows, each part its own signs) into
-    ``pages`` by ``encode_kv_into_pages`` (one launch on v3; no sync, status not read)."""
-    from cupy_kernels import encode_kv_into_pages
-    sk, sv = inp["sig"]
-    encode_kv_into_pages(inp["x"], inp["x"], pages, inp["page_tier"], tables, sk, sv, inp["head"],
-                         inp["dst_page"], inp["dst_slot"], check=False, status=status,
-                         version=version)
 
 
 def build_ada(batch, context, tiers_name, tables, seed=0, timer=None, order="shuffled",
@@ -132,86 +91,40 @@ def build_ada(batch, context, tiers_name, tables, seed=0, timer=None, order="shu
     ``timer`` (median of its repetitions, L2 flushed, the same bytes rewritten), or None
     without a timer. (A single launch timed right after a synchronize also counts the
     launcher's host-side work, 0.1-0.3 ms: the GPU waits for it.)"""
+    from cupy_kernels.encode import raise_status
+    state, encode, status = encoded_pool(batch, context, tiers_name, tables, seed, order,
+                                         last_page_at)
+    enc_us = timer(encode) if timer is not None else None
+    raise_status(status)
+    return state, (enc_us, encode_bytes(state["layout"]))
+
+
+def encode_rows(shapes, tiers_list, codebooks, timer, copy_gbps, all_tables, note=None):
+    """Encode-only timing: keys then values of every state of each (shape, tiers, codebook)
+    into a shuffled pool (median of the timer's reps, L2 flushed)."""
     import cupy as cp
     from cupy_kernels.encode import raise_status
-    lay, inp = encode_inputs(batch, context, tiers_name, tables, seed, order, last_page_at)
-    pages = cp.zeros((lay.page_tier.size, tables.page_bytes), cp.uint8)
-    st = cp.zeros(1, cp.int32)
-
-    def encode():
-        encode_keys_values(inp, tables, pages, st)
-    encode()   # the real write
-    raise_status(st)
-    enc_us = timer(encode) if timer is not None else None
-    raise_status(st)
-    sig_k, sig_v = inp["sig"]
-    return dict(layout=lay, pages=pages, page_tier=inp["page_tier"],
-                page_count=cp.asarray(lay.page_count), indptr=cp.asarray(lay.indptr),
-                indices=cp.asarray(lay.indices), sigma_k=sig_k, sigma_v=sig_v), \
-        (enc_us, encode_bytes(lay))
-
-
-def encode_rows(shapes, tiers_list, codebooks, versions, timer, copy_gbps, all_tables, note=None):
-    """Encode-only timing: keys then values of every state of each (shape, tiers, codebook)
-    into a shuffled pool, each kernel version in ``versions`` (median of the timer's reps, L2
-    flushed), and whether each version's pool bytes equal the first version's."""
-    import cupy as cp
     rows = []
     for (batch, context), tiers_name, cb in [(s, t, c) for s in shapes for t in tiers_list
                                              for c in codebooks]:
         tables = all_tables[cb]
         lay, inp = encode_inputs(batch, context, tiers_name, tables)
         nbytes = encode_bytes(lay)
-        first = None
-        for ver in versions:
-            pages = cp.zeros((lay.page_tier.size, tables.page_bytes), cp.uint8)
-            st = cp.zeros(1, cp.int32)
-            us = timer(lambda: encode_keys_values(inp, tables, pages, st, ver))
-            from cupy_kernels.encode import raise_status
-            raise_status(st)
-            same = None
-            if first is None:
-                first = pages
-            else:
-                same = bool(cp.array_equal(pages, first))
-            r = dict(method="ada_encode", version=ver, batch=batch, context=context,
-                     tiers=tiers_name, codebook=cb, us=round(us, 2), bytes_read=int(nbytes),
-                     gbps=round(nbytes / (us * 1e-6) / 1e9, 1), copy_gbps=round(copy_gbps, 1),
-                     pct_copy=round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbps, 1))
-            r["bytes_equal_to_v%d" % versions[0]] = same
-            if note:
-                r["run"] = note
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-        del inp, pages, first
+        pages = cp.zeros((lay.page_tier.size, tables.page_bytes), cp.uint8)
+        st = cp.zeros(1, cp.int32)
+        us = timer(lambda: encode_keys_values(inp, tables, pages, st))
+        raise_status(st)
+        r = dict(method="ada_encode", batch=batch, context=context,
+                 tiers=tiers_name, codebook=cb, us=round(us, 2), bytes_read=int(nbytes),
+                 gbps=round(nbytes / (us * 1e-6) / 1e9, 1), copy_gbps=round(copy_gbps, 1),
+                 pct_copy=round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbps, 1))
+        if note:
+            r["run"] = note
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        del inp, pages
         cp.get_default_memory_pool().free_all_blocks()
     return rows
-
-
-def ada_step(state, tables, q, batch, version=None):
-    """A captured CUDA graph of one decode step; returns (replay fn, output)."""
-    import cupy as cp
-    from cupy_kernels import ada_decode, make_workspace
-    from cupy_kernels.ada_decode import splits_for
-    rows = batch * HKV
-    splits = splits_for(tables, version, rows, int(state["indices"].size))
-    ws = make_workspace(rows, HQ // HKV, D, splits)
-    out = cp.empty((batch, HQ, D), cp.float32)
-    kw = dict(num_kv_heads=HKV, out=out, workspace=ws, version=version)   # None: the default
-    args = (q, state["pages"], state["page_tier"], state["page_count"], state["indptr"],
-            state["indices"], tables, state["sigma_k"], state["sigma_v"])
-    ada_decode(*args, **kw)                      # validates once, compiles
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        ada_decode(*args, validate=False, **kw)
-        graph = stream.end_capture()
-    cp.cuda.Device().synchronize()
-    null = cp.cuda.Stream.null
-
-    def run():
-        graph.launch(null)
-    return run, out, splits
 
 
 def decompress_path(state, tables, tiers_name, batch, context, q_t):
@@ -331,19 +244,14 @@ def quality_table(n: int = 2048, m: int = 32, seed: int = 0):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="validation/results/decode_h200.json")
+    ap.add_argument("--out", default="validation/results/kernels/decode_h200.json")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 32x8192,1x131072")
     ap.add_argument("--tiers", default="4/4,3/3,2/2,rdr-mix")
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--codebooks", default="lloyd-max,uniform")
-    ap.add_argument("--versions", default="7,6,5,4",
-                    help="decode kernel versions to time side by side (rows carry 'version')")
     ap.add_argument("--encode-only", action="store_true",
-                    help="time only the encode kernel (versions --encode-versions); no decode")
-    ap.add_argument("--encode-versions", default="3,2",
-                    help="encode kernel versions timed side by side (--encode-only); the first "
-                         "is the reference for the bytes_equal_to_v* check")
+                    help="time only the encode kernel; no decode")
     ap.add_argument("--run-note", default=None, help="a label stored in every encode row")
     ap.add_argument("--quality", action="store_true",
                     help="CPU only: attention error of the codebooks (no GPU, no timing)")
@@ -356,8 +264,7 @@ def main(argv=None):
     import torch
     import torch.nn.functional as F
     from cupy_kernels import kernel_tables
-    from cupy_kernels.ada_decode import default_version
-    from cupy_kernels.encode import DEFAULT_ENCODE_VERSION
+    from cupy_kernels.ada_decode import decode_path
 
     shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x"))
                                                   for s in args.shapes.split(",")]
@@ -366,12 +273,10 @@ def main(argv=None):
     copy_gbps = copy_bandwidth(timer)
     print(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s", flush=True)
     codebooks = [c for c in args.codebooks.split(",") if c]
-    versions = [int(v) for v in args.versions.split(",") if v]
     all_tables = {c: kernel_tables(LADDER, D, codebook=c) for c in codebooks}
     if args.encode_only:
-        rows = encode_rows(shapes, tiers_list, codebooks,
-                           [int(v) for v in args.encode_versions.split(",") if v], timer,
-                           copy_gbps, all_tables, note=args.run_note)
+        rows = encode_rows(shapes, tiers_list, codebooks, timer, copy_gbps, all_tables,
+                           note=args.run_note)
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
         return 0
@@ -387,8 +292,8 @@ def main(argv=None):
 
         fi_us = {}   # FlashInfer times of this shape, this process
 
-        def row(method, tiers, us, nbytes, codebook=None, version=None):
-            r = dict(method=method, version=version, batch=batch, context=context, tiers=tiers,
+        def row(method, tiers, us, nbytes, codebook=None):
+            r = dict(method=method, batch=batch, context=context, tiers=tiers,
                      codebook=codebook, us=round(us, 2),
                      bytes_read=int(nbytes), gbps=round(nbytes / (us * 1e-6) / 1e9, 1),
                      copy_gbps=round(copy_gbps, 1),
@@ -413,7 +318,7 @@ def main(argv=None):
                     del fn
                 except Exception as e:  # report, never hide: the row says why it is missing
                     print(f"flashinfer {name} unavailable: {type(e).__name__}: {e}"[:400], flush=True)
-                    rows.append(dict(method=f"flashinfer_{name}", version=None, batch=batch,
+                    rows.append(dict(method=f"flashinfer_{name}", batch=batch,
                                      context=context,
                                      tiers=name, us=None, bytes_read=None, gbps=None,
                                      copy_gbps=round(copy_gbps, 1), speedup_vs_sdpa_bf16=None,
@@ -423,25 +328,17 @@ def main(argv=None):
             tables = all_tables[cb]
             state, (enc_us, enc_bytes) = build_ada(batch, context, tiers_name, tables, timer=timer)
             lay = state["layout"]
-            row("ada_encode", tiers_name, enc_us, enc_bytes, cb, DEFAULT_ENCODE_VERSION)
-            outs = {}
-            for ver in versions:
-                run, out, splits = ada_step(state, tables, q_c, batch, ver)
-                meta = (lay.indptr.size + 3 * lay.indices.size) * 4
-                nbytes = lay.cache_bytes + q_c.size * 4 + meta + out.size * 4
-                us = timer(run)
-                row("ada", tiers_name, us, nbytes, cb, ver)
-                rows[-1]["splits"] = splits
-                rows[-1]["cache_bytes"] = lay.cache_bytes
-                rows[-1]["default"] = ver == default_version(tables)
-                outs[ver] = out
-                del run
-            for ver in versions[1:]:   # the versions must agree (same codes, other fp16 roundings)
-                a, b = outs[versions[0]], outs[ver]
-                rel = float(cp.linalg.norm(a - b) / max(float(cp.linalg.norm(b)), 1e-30))
-                rows[-1]["rel_diff_v%d_vs_v%d" % (versions[0], ver)] = rel
-                print(f"  v{versions[0]} vs v{ver}: relative difference {rel:.2e}", flush=True)
-            out = outs[versions[0]]
+            row("ada_encode", tiers_name, enc_us, enc_bytes, cb)
+            run, out, splits = ada_step(state, tables, q_c, batch)
+            meta = (lay.indptr.size + 3 * lay.indices.size) * 4
+            nbytes = lay.cache_bytes + q_c.size * 4 + meta + out.size * 4
+            us = timer(run)
+            row("ada", tiers_name, us, nbytes, cb)
+            rows[-1]["path"] = decode_path(tables).name
+            rows[-1]["splits"] = splits
+            rows[-1]["cache_bytes"] = lay.cache_bytes
+            rows[-1]["default"] = True   # the one kernel of the path (plot_decode reads it)
+            del run
             if tiers_name in TIERS and cb == codebooks[0]:
                 try:
                     fn = decompress_path(state, tables, tiers_name, batch, context, q_t)
@@ -449,7 +346,7 @@ def main(argv=None):
                     del fn
                 except Exception as e:
                     print(f"decompress path failed: {type(e).__name__}: {e}"[:300], flush=True)
-            del state, out, outs
+            del state, out
             with open(args.out, "w") as f:   # rows so far survive a stage time limit
                 json.dump(rows, f, indent=1)
             cp.get_default_memory_pool().free_all_blocks()
@@ -460,7 +357,7 @@ def main(argv=None):
     print(f"{'method':24s} {'B':>3s} {'ctx':>7s} {'tiers':>9s} {'codebook':>12s} {'us':>9s} "
           f"{'GB/s':>7s} {'%copy':>6s} {'x sdpa':>7s} {'x fi16':>7s} {'x fi8':>7s}")
     for r in rows:
-        cb = (r.get("codebook") or "-") + (f" v{r['version']}" if r.get("version") else "")
+        cb = r.get("codebook") or "-"
         if r["us"] is None:
             print(f"{r['method']:24s} {r['batch']:3d} {r['context']:7d} {r['tiers']:>9s} {cb:>12s}  unavailable")
             continue

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
-#   validation/gpu_suite.sh build tests sanitize ncu profile variants floor anatomy encode-variants bench-quick bench-encode bench flashinfer
+#   validation/gpu_suite.sh build tests sanitize ncu profile bench-quick bench-encode bench flashinfer
 # (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
 set -u
@@ -18,8 +18,8 @@ for stage in "$@"; do
       timeout 240 python3 validation/build_info.py --out "$OUT/build_info.json" 2>&1 | tee "$OUT/build_info.log"
       rc=${PIPESTATUS[0]};;
     tests)
-      timeout ${TESTS_LIMIT:-330} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ada_decode.py tests/test_cache_kernels.py tests/test_page_read.py \
-        tests/test_encode_kernel.py > "$OUT/pytest.log" 2>&1
+      timeout ${TESTS_LIMIT:-330} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ada_decode.py tests/test_cache_kernels.py \
+        tests/test_encode.py tests/test_retier.py > "$OUT/pytest.log" 2>&1
       rc=$?; tail -n 25 "$OUT/pytest.log";;
     sanitize)
       rc=0
@@ -31,52 +31,27 @@ for stage in "$@"; do
       done
       cat "$OUT"/sanitizer_*.log > "$OUT/sanitizer.log"; rm -f "$OUT"/sanitizer_*.log;;
     ncu)
-      # NCU_VERSION: decode version (0: the launcher's default per codebook); NCU_CODEBOOKS
-      timeout ${NCU_LIMIT:-300} python3 validation/ncu_bytes.py --out "$OUT/ncu_bytes.json" --tiers 4/4,rdr-mix \
-        --version ${NCU_VERSION:-0} --codebooks ${NCU_CODEBOOKS:-lloyd-max,uniform} 2>&1 | tail -n 20
+      # DRAM bytes of the decode and merge kernels against the cache bytes (NCU_CODEBOOKS)
+      timeout ${NCU_LIMIT:-300} python3 lab/ncu_bytes.py --out "$OUT/ncu_bytes.json" --tiers 4/4,rdr-mix \
+        --codebooks ${NCU_CODEBOOKS:-lloyd-max,uniform} 2>&1 | tail -n 20
       rc=${PIPESTATUS[0]};;
     profile)
-      # counters of the decode kernel at (8, 32K) 4/4, per version (PROFILE_VERSIONS) and
-      # codebook (PROFILE_CODEBOOK: uniform = affine path, lloyd-max = table path)
+      # counters of the decode kernel at (8, 32K) 4/4 per codebook (PROFILE_CODEBOOKS: uniform =
+      # affine path, lloyd-max = table path)
       rc=0
-      for v in ${PROFILE_VERSIONS:-7 6}; do
+      for cb in ${PROFILE_CODEBOOKS:-uniform lloyd-max}; do
         timeout ${PROFILE_LIMIT:-200} ncu --clock-control none --kernel-name regex:ada_decode --launch-count 1 \
           --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
           --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats \
-          python3 validation/ncu_bytes.py --child --tiers 4/4 --codebook ${PROFILE_CODEBOOK:-uniform} \
-          --version $v > "$OUT/ncu_profile_v$v.txt" 2>&1
+          python3 lab/ncu_bytes.py --child --tiers 4/4 --codebook $cb > "$OUT/ncu_profile_$cb.txt" 2>&1
         r=$?; [ $r -ne 0 ] && rc=$r
-        note "profile v$v rc=$r"
-        grep -E "Duration|DRAM Throughput|Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Eligible Warps|Active Warps Per|Executed Instructions  " "$OUT/ncu_profile_v$v.txt" | head -n 16
+        note "profile $cb rc=$r"
+        grep -E "Duration|DRAM Throughput|Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|Eligible Warps|Active Warps Per|Executed Instructions  " "$OUT/ncu_profile_$cb.txt" | head -n 16
       done;;
-    variants)
-      # build-time variants of the v7/v8 affine kernels next to v6, v7 and v8 as built (same pools;
-      # VARIANTS_POOLS: the page orders and seeds each case is timed on)
-      timeout ${VARIANTS_LIMIT:-300} python3 validation/decode_variants.py --out "$OUT/decode_variants.json" \
-        --reps ${VARIANTS_REPS:-20} --cases ${VARIANTS_CASES:-all} --variants ${VARIANTS_NAMES:-all} \
-        --pools ${VARIANTS_POOLS:-shuffled:0} --baselines ${VARIANTS_BASELINES:-v6,v7,v8} 2>&1 | tee "$OUT/variants.log" | tail -n 60
-      rc=${PIPESTATUS[0]};;
-    floor)
-      # what a paged decode can reach at all: a kernel that only reads the pages (v7's grid and
-      # page table, static or claimed pages), copies of the same bytes and the v7 step
-      timeout ${FLOOR_LIMIT:-240} python3 validation/decode_floor.py --out "$OUT/decode_floor.json" \
-        --reps ${FLOOR_REPS:-30} --cases ${FLOOR_CASES:-all} ${FLOOR_ARGS:-} 2>&1 | tee "$OUT/floor.log" | tail -n 40
-      rc=${PIPESTATUS[0]};;
-    anatomy)
-      # per-CTA timeline of the v7 step (DEC7_TRACE build): prologue, pages, epilogue, tail
-      timeout ${ANATOMY_LIMIT:-240} python3 validation/decode_anatomy.py --out "$OUT/decode_anatomy.json" \
-        --reps ${ANATOMY_REPS:-7} ${ANATOMY_CASES:+--cases $ANATOMY_CASES} 2>&1 | tee "$OUT/anatomy.log" | tail -n 20
-      rc=${PIPESTATUS[0]};;
-    encode-variants)
-      # build-time variants of the v3 encode kernels next to the kernels as built (same inputs)
-      timeout ${ENCODE_VARIANTS_LIMIT:-300} python3 validation/encode_variants.py --out "$OUT/encode_variants.json" \
-        --reps ${ENCODE_REPS:-10} --cases ${ENCODE_VARIANTS_CASES:-all} --variants ${ENCODE_VARIANTS_NAMES:-all} \
-        2>&1 | tee "$OUT/encode_variants.log" | tail -n 60
-      rc=${PIPESTATUS[0]};;
     bench-encode)
-      # encode only, v3 and v2 in the same process (ENCODE_VERSIONS) (ENCODE_SHAPES, ENCODE_TIERS, RUN_NOTE)
+      # encode only (ENCODE_SHAPES, ENCODE_TIERS, RUN_NOTE)
       timeout ${ENCODE_LIMIT:-240} python3 validation/decode_bench.py --encode-only \
-        --out "$OUT/encode_bench.json" --reps ${ENCODE_REPS:-10} --encode-versions ${ENCODE_VERSIONS:-3,2} \
+        --out "$OUT/encode_bench.json" --reps ${ENCODE_REPS:-10} \
         --shapes ${ENCODE_SHAPES:-all} --tiers ${ENCODE_TIERS:-4/4,3/3,2/2,rdr-mix} \
         --run-note "${RUN_NOTE:-}" 2>&1 | tee "$OUT/bench_encode.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
@@ -93,7 +68,7 @@ for stage in "$@"; do
           > "$OUT/flashinfer_install.log" 2>&1 && fi_flag=--flashinfer
       fi
       PYTHONPATH=/tmp/site:$PYTHONPATH timeout ${BENCH_LIMIT:-420} python3 validation/decode_bench.py \
-        --out "$OUT/decode_h200.json" --reps ${BENCH_REPS:-20} --versions ${BENCH_VERSIONS:-8,7,6,5,4} \
+        --out "$OUT/decode_h200.json" --reps ${BENCH_REPS:-20} \
         --codebooks ${BENCH_CODEBOOKS:-lloyd-max,uniform} --shapes ${BENCH_SHAPES:-all} \
         --tiers ${BENCH_TIERS:-4/4,3/3,2/2,rdr-mix} $fi_flag 2>&1 | tee "$OUT/bench.log" | tail -n 45
       rc=${PIPESTATUS[0]};;

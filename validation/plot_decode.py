@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "kernels"
 TIERS = ("4/4", "3/3", "2/2", "rdr-mix")
 CODEBOOKS = (("uniform", "ADA, uniform codebook"), ("lloyd-max", "ADA, Lloyd–Max codebook"))
 PEERS = (("sdpa_bf16", "torch SDPA bf16", "k", "-"),

@@ -1,5 +1,7 @@
-"""A small representative run of every kernel (encode v1, v2 and v3, decode on the table and the affine path,
-v8, v7 (every fast page kind), v6, v5 and v4, with and without split-K, merge (with the log-sum-exp output), re-tier/compaction) for compute-sanitizer (memcheck, racecheck, initcheck).
+"""A small representative run of every kernel (encode on both codebooks; decode on the table and
+the affine path, every fast page kind of the affine one, with and without split-K; both merges,
+with the log-sum-exp output; re-tier/compaction) for compute-sanitizer (memcheck, racecheck,
+initcheck).
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 validation/sanitize_run.py
     ... python3 validation/sanitize_run.py --encode-only    # the encode and re-tier part alone
@@ -10,8 +12,7 @@ import numpy as np
 
 
 def encode_part(dim, tables_by_codebook, ladder):
-    """Encode into fresh pages of every tier (v1, v2, v3 on both codebooks), then demote and
-    compact them."""
+    """Encode into fresh pages of every tier (both codebooks), then demote and compact them."""
     import cupy as cp
     from cupy_kernels import encode_into_pages, encode_kv_into_pages, retier
     for codebook, tables in tables_by_codebook.items():
@@ -27,26 +28,22 @@ def encode_part(dim, tables_by_codebook, ladder):
         x = cp.random.standard_normal((n, dim), dtype=cp.float32)
         sig = cp.ones((1, dim), cp.float32)
         head = cp.zeros(n, cp.int32)
-        for version in (1, 2, 3):   # v2 and v3 run their float64 path for the 16-bit tier
-            encode_into_pages(x, pages, tier, tables, sig, head, dpg, dsl, part="key",
-                              version=version)
-            encode_into_pages(x, pages, tier, tables, sig, head, dpg, dsl, part="value",
-                              version=version)
+        # the 16-bit tier runs the float64 path
+        encode_into_pages(x, pages, tier, tables, sig, head, dpg, dsl, part="key")
+        encode_into_pages(x, pages, tier, tables, sig, head, dpg, dsl, part="value")
         lpg = cp.asarray((8 + slots // p_low).astype(np.int32))
         lsl = cp.asarray((slots % p_low).astype(np.int32))
         xz = x.copy()
-        xz[5] = 0.0                 # a zero vector: v3's float64 path on a float32 tier
+        xz[5] = 0.0                 # a zero vector: the float64 path on a float32 tier
         mean = cp.random.standard_normal((1, dim), dtype=cp.float32)
         for part in ("key", "value"):   # float32 paths, 37 vectors (a part-idle warp)
-            encode_into_pages(x[:37], pages, tier, tables, sig, head[:37], lpg[:37], lsl[:37],
-                              part=part, version=2)
             encode_into_pages(xz[:37], pages, tier, tables, sig, head[:37], lpg[:37], lsl[:37],
-                              part=part, version=3)
+                              part=part)
             encode_into_pages(x[:37], pages, tier, tables, sig, head[:37], lpg[:37], lsl[:37],
-                              part=part, version=3, mean=mean, mean_index=head[:37])
+                              part=part, mean=mean, mean_index=head[:37])
         retier(pages, tier, tables, dpg, dsl, lpg, lsl)                        # demotion
         retier(pages, tier, tables, lpg[:5], lsl[:5], lpg[:5] + 4, lsl[:5])    # compaction
-        # v3 over full 4/4 and 8/8 pages of Gaussian rows in one launch (both widths through
+        # full 4/4 and 8/8 pages of Gaussian rows in one launch (both widths through
         # its one cells loop; ~3 % and ~20-27 % of the vectors take the float64 pipeline)
         t4, t8 = ladder.index((4, 4)) + 1, ladder.index((8, 8)) + 1
         p4, p8 = tables.states_per_page(t4), tables.states_per_page(t8)
@@ -60,7 +57,7 @@ def encode_part(dim, tables_by_codebook, ladder):
         ssl = cp.asarray(np.concatenate([k % p4, k % p8]).astype(np.int32))
         for part in ("key", "value"):
             encode_into_pages(xs, spages, stier, tables, sig, cp.zeros(2 * m, cp.int32), spg, ssl,
-                              part=part, version=3)
+                              part=part)
         # keys and values in one launch (two rows of blocks), the values centred
         z2 = cp.zeros(2 * m, cp.int32)
         encode_kv_into_pages(xs, xs[::-1], spages, stier, tables, sig, -sig, z2, spg, ssl,
@@ -83,24 +80,24 @@ def main(argv=None):
                               seed=1, centred=True, fill_random=True, reference_parts=False,
                               codebook=codebook)
             dev = to_device(case)
-            for splits, version in ((1, 8), (3, 8), (1, 7), (3, 7), (1, 6), (3, 6), (1, 5), (3, 5), (3, 4)):
-                # the split runs also write each head's log-sum-exp (both merge kernels)
+            for splits in (1, 3, 300):
+                # the split runs also write each head's log-sum-exp (300 splits: the per-row
+                # merge on the affine path too)
                 lse = cp.empty(case.q.shape[:2], cp.float32) if splits > 1 else None
-                out = run_case(case, dev, num_splits=splits, version=version, lse=lse)
+                out = run_case(case, dev, num_splits=splits, lse=lse)
                 assert bool(cp.all(cp.isfinite(out)))
                 assert lse is None or bool(cp.all(cp.isfinite(lse)))
             tables[codebook] = case.tables
         if not encode_only:
-            # v7's and v8's fast path (full 4/4 pages, swizzled staging; v8 pipelined across
-            # pages) next to partial 4/4 pages and
+            # the affine path's 4/4 fast pages (swizzled staging) next to partial 4/4 pages and
             # other tiers in one row, random filler bytes in the pages' unused tails
             case = build_case(1, 2, group, dim, [200, 75], ladder, [2, 4, 6], seed=2, fill_random=True,
                               reference_parts=False, codebook="uniform", chunks_per_row=6)
             dev = to_device(case)
-            for splits, version in ((1, 7), (2, 7), (1, 8), (2, 8)):
-                out = run_case(case, dev, num_splits=splits, version=version)
+            for splits in (1, 2):
+                out = run_case(case, dev, num_splits=splits)
                 assert bool(cp.all(cp.isfinite(out)))
-            # v7's other fast pages (full 2/2, 3/3, 8/8 and 16/16 pages) with partial pages of
+            # the other fast pages (full 2/2, 3/3, 8/8 and 16/16 pages) with partial pages of
             # every tier, in rows of several pages per tier, split-K interleaved over them
             wide = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
             case = build_case(1, 2, group, dim, [1500, 1100], wide, [1, 2, 3, 4, 5], seed=3,
@@ -108,7 +105,7 @@ def main(argv=None):
                               chunks_per_row=8)
             dev = to_device(case)
             for splits in (1, 2, 3):
-                out = run_case(case, dev, num_splits=splits, version=7)
+                out = run_case(case, dev, num_splits=splits)
                 assert bool(cp.all(cp.isfinite(out)))
         encode_part(dim, tables, ladder)
     cp.cuda.Device().synchronize()

@@ -41,30 +41,7 @@ namespace skv {
 
 constexpr int DEC_WARPS = 4;
 constexpr int DEC_HEADS = 8;   // n of the mma tile: GQA groups up to 8 query heads
-#ifndef DEC_TABLE_SUB
-#define DEC_TABLE_SUB 2         // 16-state sub-tiles per softmax step on the table path (v5)
-#endif
-#ifndef DEC_UNI_SUB
-#define DEC_UNI_SUB 2           // the same on the affine path (v5)
-#endif
-#ifndef DEC_UNI_CTAS
-#define DEC_UNI_CTAS 4          // residency asked of ptxas for the v4 affine kernel (128 regs)
-#endif
-#ifndef DEC_UNI5_CTAS
-#define DEC_UNI5_CTAS 3         // v5 affine kernel: 168 registers (at 128 it spills ~20 B)
-#endif
-#ifndef DEC_UNI6_CTAS
-#define DEC_UNI6_CTAS 4         // v6 affine kernel: <= 128 registers
-#endif
-#ifndef DEC_TABLE6_CTAS
-#define DEC_TABLE6_CTAS 3       // v6 table kernel (72 KiB of shared memory allow 3 anyway)
-#endif
-#ifndef DEC_UNI6_SUB
-#define DEC_UNI6_SUB 2          // v6 affine kernel: 16-state sub-tiles per softmax step (see below)
-#endif
-#ifndef DEC_LAZY_MAX
-#define DEC_LAZY_MAX 4.0f       // v6: log2 slack of the running maximum (see decode_page)
-#endif
+constexpr float DEC_LAZY_MAX = 4.0f;   // log2 slack of the running maximum (affine path, decode_page)
 
 template <int D>
 struct DecodeSmem {   // static part; tables and page buffers are dynamic (see below)
@@ -85,29 +62,29 @@ struct DecodeSmem {   // static part; tables and page buffers are dynamic (see b
 // (page44); the other versions keep DecodeSmem as it was (the table path's 3 CTAs per SM
 // have no 2 KiB to spare).
 template <int D>
-struct DecodeSmem7 : DecodeSmem<D> {
+struct DecodeSmemAffine : DecodeSmem<D> {
   uint2 qfrag7[D / 16][32];          // [chunk][lane], see decode_cta
   __align__(16) float k12[DEC_HEADS][2];   // K1, K2 per head (page44)
 };
 // v7 (not v8, whose three page buffers per warp leave no shared memory for a fourth CTA) adds
 // the query fragment and logit constants of the 3/3 and 2/2 fast pages (page_f2).
 template <int D>
-struct DecodeSmem7F2 : DecodeSmem7<D> {
+struct DecodeSmemFast : DecodeSmemAffine<D> {
   uint2 qfrag2[D / 16][32];                  // [chunk][lane], see decode_cta
   __align__(16) float k12b[2][DEC_HEADS][2];   // K1, K2 per head of the 2/2 [0] and 3/3 [1] tiers
   int pstride;   // pages between two of a warp's pages (interleaved splits: 4 S; decode_pages7)
   uint2 qfrag8[D / 16][32];                  // 8/8 pages (page_f8): [chunk][lane], see decode_cta
   __align__(16) float k12c[2][DEC_HEADS][2];   // K1, K2 per head of the 8/8 [0] and 16/16 [1] tiers
 };
-// Shared address of the page stride of the interleaved splits (DecodeSmem7F2 only).
-__device__ __forceinline__ u32 pstride_at(DecodeSmem7F2<128>& sm) {
+// Shared address of the page stride of the interleaved splits (DecodeSmemFast only).
+__device__ __forceinline__ u32 pstride_at(DecodeSmemFast<128>& sm) {
   return static_cast<u32>(__cvta_generic_to_shared(&sm.pstride));
 }
 template <class SM>
 __device__ __forceinline__ u32 pstride_at(SM&) { return 0u; }
-template <int D, bool V7, bool V8> struct SmemOf { typedef DecodeSmem<D> type; };
-template <int D, bool V8> struct SmemOf<D, true, V8> { typedef DecodeSmem7<D> type; };
-template <> struct SmemOf<128, true, false> { typedef DecodeSmem7F2<128> type; };
+template <int D, bool AFFINE> struct SmemOf { typedef DecodeSmem<D> type; };
+template <int D> struct SmemOf<D, true> { typedef DecodeSmemAffine<D> type; };
+template <> struct SmemOf<128, true> { typedef DecodeSmemFast<128> type; };
 
 // Dynamic shared memory: [LUT_BYTES tables][region], region = max(2 page buffers per warp,
 // the per-warp output tiles of the final merge, which reuse it). v7 (DEC7_EARLY) stages the
@@ -491,7 +468,7 @@ struct PageConsts {
 //     s_V * half step < 65504 / 2^DEC_LAZY_MAX (4094 at 4), far above real value norms;
 //   * q . mu_K is left out of the logits: it is the same for every state of a head (every
 //     warp and split), so the softmax and the output do not see it (only the internal lse).
-template <int D, int PATH, int NSUB, bool V6, bool V7 = false, class R, class QF>
+template <int D, int PATH, int NSUB, class R, class QF>
 __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int count,
                                             const QF& qf, const Luts& lut,
                                             const float* kfac, const float* qmu,
@@ -499,15 +476,16 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
                                             int g, int t, float (&acc)[D / 16][4],
                                             float& m0, float& m1, float& l0, float& l1,
                                             float& ps0, float& ps1) {
-  constexpr bool UNI = PATH != PATH_TABLE;
+  constexpr bool UNI = PATH == PATH_AFFINE;
+  constexpr bool AFFINE = UNI;
   constexpr int TS = 16 * NSUB;        // states per tile (row stride of the P' tile)
   const float top = sqrtf((float)D);   // 16-bit tier: logit = sqrt(D) <q', y>, no scale
   PageConsts pc;
   // v4/v5 read the page's constants once; v6 re-reads them (L1-resident) at every step, so
   // that they do not hold registers across the step (4 CTAs per SM at 128 registers).
-  if constexpr (!V6) pc.template load<UNI, PATH == PATH_AFFINE, false>(gm, kfac, qmu, hstep, qhalf, t);
+  if constexpr (!AFFINE) pc.template load<UNI, PATH == PATH_AFFINE, false>(gm, kfac, qmu, hstep, qhalf, t);
   for (int tile0 = 0; tile0 < count; tile0 += TS) {
-    if constexpr (V6) pc.template load<UNI, PATH == PATH_AFFINE, true>(gm, kfac, qmu, hstep, qhalf, t);
+    if constexpr (AFFINE) pc.template load<UNI, PATH == PATH_AFFINE, true>(gm, kfac, qmu, hstep, qhalf, t);
     const int kbits = pc.kbits, vbits = pc.vbits, kwords = pc.kwords, vwords = pc.vwords;
     const int ksoff = pc.ksoff, vsoff = pc.vsoff;
     const float kf0 = pc.kf0, kf1 = pc.kf1, mu0 = pc.mu0, mu1 = pc.mu1, qk0 = pc.qk0, qk1 = pc.qk1;
@@ -542,7 +520,7 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
     // v4/v5: the exact running maximum (one shuffle reduction per step), accumulators
     // rescaled when some head's maximum moved. v6: the same, only when a logit passed m + lazy.
     bool move;
-    if constexpr (V6) {
+    if constexpr (AFFINE) {
       move = __any_sync(0xffffffffu, x0 > m0 + DEC_LAZY_MAX || x1 > m1 + DEC_LAZY_MAX);
     } else {
       move = true;
@@ -556,7 +534,7 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
       const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: the tile has a state
       // Rescale the accumulators only when some head's running maximum moved (warp-uniform).
       if (__any_sync(0xffffffffu, n0 != m0 || n1 != m1)) {
-        const float al0 = dec_exp2<V7>(m0 - n0), al1 = dec_exp2<V7>(m1 - n1);
+        const float al0 = dec_exp2<AFFINE>(m0 - n0), al1 = dec_exp2<AFFINE>(m1 - n1);
         l0 *= al0; l1 *= al1;
         if (PATH == PATH_AFFINE) { ps0 *= al0; ps1 *= al1; }
 #pragma unroll
@@ -571,8 +549,8 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
     __half2 w[NSUB][2];
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
-      const float p0 = dec_exp2<V7>(z[u][0] - m0), p1 = dec_exp2<V7>(z[u][1] - m1);
-      const float p2 = dec_exp2<V7>(z[u][2] - m0), p3 = dec_exp2<V7>(z[u][3] - m1);
+      const float p0 = dec_exp2<AFFINE>(z[u][0] - m0), p1 = dec_exp2<AFFINE>(z[u][1] - m1);
+      const float p2 = dec_exp2<AFFINE>(z[u][2] - m0), p3 = dec_exp2<AFFINE>(z[u][3] - m1);
       l0 += p0 + p2;
       l1 += p1 + p3;
       w[u][0] = __floats2half2_rn(p0 * sv[u][0], p1 * sv[u][0]);
@@ -586,7 +564,7 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
     // ... to the B fragment of the value mma: pb[u][0] = (head g; states 2t, 2t + 1),
     // pb[u][1] = (head g; states 2t + 8, 2t + 9).
     u32 pb[NSUB][2];
-    if constexpr (V6) {   // in registers
+    if constexpr (AFFINE) {   // in registers
 #pragma unroll
       for (int u = 0; u < NSUB; ++u) {
         pb[u][0] = transpose8x8(h2_as_u32(w[u][0]));
@@ -608,7 +586,7 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
         pb[u][1] = *reinterpret_cast<const u32*>(pt + g * TS + 16 * u + 2 * t + 8);
       }
     }
-    dispatch_values<D, PATH, NSUB, R, V7 ? 1 : 0>(vbits, vbase, vwords, tile0, count, pb, lut, g,
+    dispatch_values<D, PATH, NSUB, R, AFFINE ? 1 : 0>(vbits, vbase, vwords, tile0, count, pb, lut, g,
                                                   t, acc);
   }
 }
@@ -639,24 +617,10 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
 // end (f44_domain). The offset of u = c - 7.5: logits -7.5 * sum(q~) per head (K2), values
 // -7.5 * sum(P') per head through ps (coefficient -15 of the final 0.5 * ps). DEC7_CONV = 1:
 // v6's lop3 + fma per pair (u = c - 8 exact, no domain change), kept as a fallback.
-#ifndef DEC7_CONV
-#define DEC7_CONV 0
-#endif
-#ifndef DEC7_CTAS
-#define DEC7_CTAS 4          // v7 affine kernel: <= 128 registers
-#endif
-#ifndef DEC7_LSPLIT
-#define DEC7_LSPLIT 1        // v7: two accumulators per sub-tile for the fast path's logits
-#endif
-#ifndef DEC7_STAGES
-#define DEC7_STAGES 2        // v7: page buffers per warp (pages in flight + 1); the launcher's
-#endif                       // STAGES_V7 must match (dynamic shared memory)
-#ifndef DEC7_EARLY
-#define DEC7_EARLY 1         // v7: each warp's first header block and page copy start at kernel
-#endif                       // entry, the query is staged past the page buffers (decode_cta):
-// 0 = after the query prologue, as before; 1 = the first page (DEC7_STAGES - 1 pages) at entry;
-// 2 = two pages at entry also with DEC7_STAGES = 2 (the loop's first step stages nothing;
-// measured 0.7-1.9 us slower than 1, docs/PERF_NOTES.md)
+constexpr int TABLE_CTAS = 3;   // table kernel: resident CTAs per SM (its 72 KiB of shared memory allow 3)
+constexpr int AFF_SUB = 2;      // affine kernel: 16-state sub-tiles per softmax step of decode_page
+constexpr int AFF_CTAS = 4;     // affine kernel: resident CTAs per SM asked of ptxas (<= 128 registers)
+constexpr int AFF_STAGES = 2;   // affine kernel: page buffers per warp (pages in flight + 1)
 
 constexpr int F44_WORDS = 1024;   // page words of the fast path (4096-byte pages)
 constexpr u32 F44_VCHUNK = 124;   // 16-byte chunk where the value codes start (1984 / 16)
@@ -674,11 +638,7 @@ __host__ __device__ constexpr u32 f44_code_slot(u32 x) {   // f44_slot for x < 2
 
 template <int POS>
 __device__ __forceinline__ u32 f44_pair(u32 x) {
-#if DEC7_CONV == 0
   return x & ((0xfu << POS) * 0x10001u);
-#else
-  return dq_pair<POS, 4>(x);
-#endif
 }
 
 __device__ __forceinline__ uint4 lds128(u32 a) {
@@ -712,7 +672,6 @@ __device__ __forceinline__ u32 word_of(const uint4& v, int i) {
 // Moves the value accumulators between the generic scale (TO_F = false) and the F domain.
 template <int D>
 __device__ __forceinline__ void f44_domain(float (&acc)[D / 16][4], bool to_f) {
-#if DEC7_CONV == 0
   if (D != 128) return;
   const float even = to_f ? 0x1p-24f : 0x1p24f, odd = to_f ? 0x1p-20f : 0x1p20f;
 #pragma unroll
@@ -720,7 +679,6 @@ __device__ __forceinline__ void f44_domain(float (&acc)[D / 16][4], bool to_f) {
     const float f = (i & 1) ? odd : even;   // acc[4j + p]: field at bit 4 (p & 1)
     acc[i][0] *= f; acc[i][1] *= f; acc[i][2] *= f; acc[i][3] *= f;
   }
-#endif
 }
 
 // Per-lane byte offsets of the fast path inside a staged 4/4 page.
@@ -921,7 +879,7 @@ __device__ __forceinline__ void f44_softmax(u32 buf, const F44Lane& fl, u32 kk, 
                                             u32 (&pb)[2][2], float& m0, float& m1, float& l0,
                                             float& l1, float& ps0, float& ps1) {
   fp_softmax<2, 31>(buf + fl.soff, buf + fl.soff + (F44_VSOFF - F44_KSOFF), kk, hv,
-                    DEC7_CONV == 0 ? -15.0f : 1.0f, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
+                    -15.0f, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
 }
 
 // One full 4/4 page staged at shared address `buf` (swizzled). qf7: shared address of this
@@ -943,10 +901,10 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint2 b = lds64(qf7 + 256u * (2 * i + h));
-      f44_logit_chunk<DEC7_LSPLIT>(s, s1, kw, i, h, b);
+      f44_logit_chunk<true>(s, s1, kw, i, h, b);
     }
   }
-  if (DEC7_LSPLIT) f44_fold(s, s1);
+  f44_fold(s, s1);
   // ---- softmax
   u32 pb[2][2];
   f44_softmax(buf, fl, kk, hv, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
@@ -1021,19 +979,7 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
 // accumulation error is at most 2x v6's (|c| <= 7 against |u| <= 4 at 3 bits), as on the 4/4
 // path, and the offset term is the 4/4 path's with 3.5 or 1.5 instead of 7.5.
 
-#ifndef DEC7_INTERLEAVE
-#define DEC7_INTERLEAVE 1    // v7 (D = 128): splits take a row's pages interleaved (decode_cta)
-#endif
-#ifndef DEC7_GEOM_PRE
-#define DEC7_GEOM_PRE 1      // v7 (EARLY): the geometry table in registers at entry (header_refill)
-#endif
 constexpr int SKV_GEOM_PRE_ROWS = 16;   // DEC7_GEOM_PRE: geometry rows the launcher provides
-#ifndef DEC7_FAST3
-#define DEC7_FAST3 1         // v7: full 3/3 pages on page_f2 (0: v6's generic code, as before)
-#endif
-#ifndef DEC7_FAST2
-#define DEC7_FAST2 1         // v7: full 2/2 pages on page_f2
-#endif
 
 template <int B> struct F2Geo;
 template <> struct F2Geo<3> {
@@ -1255,12 +1201,6 @@ __device__ __forceinline__ void page_f2(u32 buf, u32 qf2, u32 kk, float hv, int 
 // 4/4 path's size in units of the logit (section "Decode v7" of docs/PERF_NOTES.md). 16/16 adds
 // no rounding to decode_page's.
 
-#ifndef DEC7_FAST8
-#define DEC7_FAST8 1         // v7: full 8/8 pages on page_f8 (0: v6's generic code, as before)
-#endif
-#ifndef DEC7_FAST16
-#define DEC7_FAST16 1        // v7: full 16/16 pages on page_f16
-#endif
 
 constexpr u32 F8_VROW = 15, F8_KSOFF = 3840, F8_VSOFF = 3870;
 constexpr u32 F16_VROW = 16;
@@ -1414,7 +1354,7 @@ __device__ __forceinline__ void page_f16(u32 buf, u32 qf, u32 kk, int g, int t,
 // carries 2^(4 (i & 1) - 24); none with DEC7_CONV = 1), 2 = F2 (page_f2: 2^(2 (i & 3) - 24)).
 // Exact power-of-two multiplies.
 __host__ __device__ constexpr int f7_dom_exp(int dom, int i) {
-  return dom == 0 ? 0 : dom == 1 ? (DEC7_CONV == 0 ? 4 * (i & 1) - 24 : 0) : 2 * (i & 3) - 24;
+  return dom == 0 ? 0 : dom == 1 ? 4 * (i & 1) - 24 : 2 * (i & 3) - 24;
 }
 template <int D, int FROM, int TO>
 __device__ __forceinline__ void f7_domain(float (&acc)[D / 16][4]) {
@@ -1443,95 +1383,6 @@ __device__ __forceinline__ void f7_move(float (&acc)[D / 16][4], bool& d44, bool
   d2 = w2;
 }
 
-// ------------------------------------------------------------------------------ v8 ----
-// v8: v7 with the fast path software-pipelined across pages. v7's page44 is one dependent
-// chain per page (shared loads -> 16 logit HMMA -> scale/max -> vote -> MUFU -> pack ->
-// movmatrix -> 16 value HMMA), and 14.5 warps per SM do not hide it (0.42 issued per
-// scheduler-cycle). v8 defers a fast page's value mma to the next page's step: page44_pipe
-// issues page i's logit mma chain and page i - 1's value mma chain (P' of page i - 1 kept in
-// 4 registers, pb) in one block, two independent HMMA chains per warp, then page i's softmax,
-// which leaves its P' in pb. A lazy-maximum rescale in page i's softmax comes after page
-// i - 1's values were added to acc, so acc, l and ps stay on one maximum. Page i - 1 must
-// stay staged while page i is decoded and page i + 1 streams in: three page buffers per warp
-// with one page in flight (the launcher's STAGES_V8). Any other page kind first adds the
-// pending values (f44_values), as does the end of the loop.
-#ifndef DEC8_CTAS
-#define DEC8_CTAS 4          // v8 affine kernel: <= 128 registers
-#endif
-#ifndef DEC8_LSPLIT
-#define DEC8_LSPLIT 0        // v8: two accumulators per logit sub-tile (the value chain already
-#endif                       // gives the warp a second independent chain)
-constexpr int DEC8_STAGES = 3;   // page buffers per warp (launcher STAGES_V8)
-
-// Two of the 16 value mma of a staged fast page: sub-tile u, coordinate block j, fields of
-// byte 0 (hi = 0: acc[4j], acc[4j + 1]) or byte 1 (hi = 1: acc[4j + 2], acc[4j + 3]) of each
-// code half; vw: the four 8-byte code loads of sub-tile u (states 2t, 2t + 1, 2t + 8, 2t + 9).
-__device__ __forceinline__ void f44_value_pair(float (&acc)[8][4], const uint2 (&vw)[4], int j,
-                                               int hi, u32 pb0, u32 pb1) {
-  const u32 w0 = j ? vw[0].y : vw[0].x, w1 = j ? vw[1].y : vw[1].x;
-  const u32 w2 = j ? vw[2].y : vw[2].x, w3 = j ? vw[3].y : vw[3].x;
-  u32 lo01 = __byte_perm(w0, w1, 0x5410u), hi01 = __byte_perm(w0, w1, 0x7632u);
-  u32 lo23 = __byte_perm(w2, w3, 0x5410u), hi23 = __byte_perm(w2, w3, 0x7632u);
-  if (hi) { lo01 >>= 8; hi01 >>= 8; lo23 >>= 8; hi23 >>= 8; }
-  mma_16816(acc[4 * j + 2 * hi], f44_pair<0>(lo01), f44_pair<0>(hi01), f44_pair<0>(lo23),
-            f44_pair<0>(hi23), pb0, pb1);
-  mma_16816(acc[4 * j + 2 * hi + 1], f44_pair<4>(lo01), f44_pair<4>(hi01), f44_pair<4>(lo23),
-            f44_pair<4>(hi23), pb0, pb1);
-}
-
-__device__ __forceinline__ void f44_vload(uint2 (&vw)[4], u32 vbuf, const F44Lane& fl, int u) {
-  vw[0] = lds64(vbuf + fl.voff0 + 1024u * u);          // state 16u + 2t
-  vw[1] = lds64(vbuf + fl.voff1 + 1024u * u);          // 16u + 2t + 1
-  vw[2] = lds64(vbuf + fl.voff0 + 1024u * u + 512u);   // 16u + 2t + 8
-  vw[3] = lds64(vbuf + fl.voff1 + 1024u * u + 512u);   // 16u + 2t + 9
-}
-
-// The value mma of the fast page staged at `vbuf` with its P' (pb), alone (before a page of
-// another kind, and after the last page).
-__device__ __forceinline__ void f44_values(u32 vbuf, const u32 (&pb)[2][2], int g, int t,
-                                           float (&acc)[8][4]) {
-  F44Lane fl;
-  fl.init(g, t);
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    uint2 vw[4];
-    f44_vload(vw, vbuf, fl, u);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) f44_value_pair(acc, vw, k >> 1, k & 1, pb[u][0], pb[u][1]);
-  }
-}
-
-// One pipelined fast-page step: the logits of the page staged at `buf` and the values of the
-// previous fast page (staged at `vbuf`, P' in pb; pb all zero when there is none: vbuf then
-// names any staged buffer, its codes times 0 add exact zeros), then this page's softmax, whose
-// P' replaces pb. Other arguments as page44.
-__device__ __forceinline__ void page44_pipe(u32 buf, u32 vbuf, u32 qf7, u32 kk, float hv, int g,
-                                            int t, float (&acc)[8][4], u32 (&pb)[2][2],
-                                            float& m0, float& m1, float& l0, float& l1,
-                                            float& ps0, float& ps1) {
-  F44Lane fl;
-  fl.init(g, t);
-  float s[2][4], s1[2][4];
-  uint4 kw[2][2];
-  f44_keys(buf, fl, s, s1, kw);
-  uint2 vw[4];
-  // chunk c = 2i + h of the logits (two mma, sub-tiles 0 and 1) next to value mma 2c, 2c + 1
-  // of the previous page (sub-tile c >> 2, block j = (c >> 1) & 1, byte c & 1)
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int c = 2 * i + h, vu = c >> 2;
-      if ((c & 3) == 0) f44_vload(vw, vbuf, fl, vu);
-      const uint2 b = lds64(qf7 + 256u * c);
-      f44_logit_chunk<DEC8_LSPLIT>(s, s1, kw, i, h, b);
-      f44_value_pair(acc, vw, (c >> 1) & 1, c & 1, pb[vu][0], pb[vu][1]);
-    }
-  }
-  if (DEC8_LSPLIT) f44_fold(s, s1);
-  // ---- softmax (acc now holds the previous page's values)
-  f44_softmax(buf, fl, kk, hv, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
-}
 
 // A page of kind 0 or 1 on v6's decode_page inside v7 and v8 (c: its packed header; a partial
 // page re-reads its id from `indices`, a full one is staged at shared address bsh).
@@ -1548,12 +1399,12 @@ __device__ __forceinline__ void decode_generic(const u32* __restrict__ pages, in
   if ((c >> 28) == 1) {
     SharedRow r;
     r.a = bsh;
-    decode_page<D, PATH, NSUB, true, true>(r, gm, count, qsrc, lut, sm.kfac, sm.qmu, sm.hstep,
+    decode_page<D, PATH, NSUB>(r, gm, count, qsrc, lut, sm.kfac, sm.qmu, sm.hstep,
                                            sm.qhalf, pt, g, t, acc, m0, m1, l0, l1, ps0, ps1);
   } else {
     GlobalRow r;
     r.p = pages + (size_t)indices[lds_s32(prange) + pi] * page_words;
-    decode_page<D, PATH, NSUB, true, true>(r, gm, count, qsrc, lut, sm.kfac, sm.qmu, sm.hstep,
+    decode_page<D, PATH, NSUB>(r, gm, count, qsrc, lut, sm.kfac, sm.qmu, sm.hstep,
                                            sm.qhalf, pt, g, t, acc, m0, m1, l0, l1, ps0, ps1);
   }
 }
@@ -1565,9 +1416,9 @@ template <bool F2>
 __device__ __forceinline__ int page_kind(int count, const int4& gq, bool f44ok) {
   if (count != gq.z) return 0;
   if (!f44ok || gq.x != gq.y) return 1;
-  return gq.x == 4 ? 2 : (F2 && DEC7_FAST3 && gq.x == 3) ? 3 : (F2 && DEC7_FAST2 && gq.x == 2) ? 4
-       : (F2 && DEC7_FAST8 && DEC7_CONV == 0 && gq.x == 8) ? 5
-       : (F2 && DEC7_FAST16 && gq.x == 16) ? 6 : 1;
+  return gq.x == 4 ? 2 : (F2 && gq.x == 3) ? 3 : (F2 && gq.x == 2) ? 4
+       : (F2 && gq.x == 8) ? 5
+       : (F2 && gq.x == 16) ? 6 : 1;
 }
 // The CTA's page range as header_refill reads it: beg() = start of the row's list in
 // `indices`, end() = end of the CTA's pages. In the page loop from shared memory (sm.prange: a
@@ -1643,9 +1494,9 @@ __device__ __forceinline__ void stage_page(const u32* src, u32 c, u32 dst, int p
     f44_stage(dst, src, lane);
   } else if (F2 && kind == 4) {
     fp_stage<F2Geo<2>::SW, 16>(dst, src, lane);   // rows 30, 31 (scales) in place
-  } else if (F2 && DEC7_FAST8 && kind == 5) {
+  } else if (F2 && kind == 5) {
     f8_stage(dst, src, lane);
-  } else if (F2 && DEC7_FAST16 && kind == 6) {
+  } else if (F2 && kind == 6) {
     f16_stage(dst, src, lane);
   } else if (kind == 1 || kind == 3) {
     for (int i = lane; i < page_words / 4; i += 32)
@@ -1692,60 +1543,6 @@ __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int 
   }
 }
 
-// DEC7_TRACE (diagnostic builds only, validation/decode_anatomy.py): thread 0 of each CTA
-// stamps %globaltimer at points of the decode kernel into skv_trace[cta][point] (0 entry, 1
-// prologue done, 2 pages done (after the barrier), 3 exit; lane 0 of warp w: 4 + w at the end of
-// its pages; 8: the SM id; v7 with DEC7_EARLY: 9 warp 0's first header block read and first
-// copy issued, 10 its query rotated; 11 the prologue's first barrier passed; lane 0 of warp w:
-// 12 + w before the prologue's last barrier). Off (the default), DEC_TRACE compiles to nothing.
-#ifndef DEC7_TRACE
-#define DEC7_TRACE 0
-#endif
-#if DEC7_TRACE
-// Progress stamps: lane 0 of each warp after every DEC7_TRACE_EVERY-th of its pages (v7's
-// page loop with DEC7_EARLY), into skv_progress[cta][warp][slot] (SKV_PROGRESS_SLOTS slots):
-// the warp's rate over the step, to tell a slow SM from a slow end.
-#ifndef DEC7_TRACE_EVERY
-#define DEC7_TRACE_EVERY 4
-#endif
-constexpr int SKV_TRACE_CTAS = 4096, SKV_TRACE_POINTS = 16, SKV_PROGRESS_SLOTS = 32;
-}  // namespace skv: the buffers at global scope, found by name (RawModule.get_global)
-__device__ unsigned long long skv_trace[skv::SKV_TRACE_CTAS * skv::SKV_TRACE_POINTS];   // unmangled
-__device__ unsigned long long skv_progress[skv::SKV_TRACE_CTAS * skv::DEC_WARPS *
-                                           skv::SKV_PROGRESS_SLOTS];
-namespace skv {
-__device__ __forceinline__ unsigned long long trace_clock() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ int trace_cta() { return blockIdx.y * gridDim.x + blockIdx.x; }
-__device__ __forceinline__ void dec_trace(int point) {
-  const bool per_warp = point == 4 || point == 12;   // lane 0 of each warp: point + warp
-  if (per_warp ? (threadIdx.x & 31) != 0 : threadIdx.x != 0) return;
-  const unsigned long long t = trace_clock();
-  const int cta = trace_cta();
-  if (cta >= SKV_TRACE_CTAS) return;
-  skv_trace[cta * SKV_TRACE_POINTS + point + (per_warp ? (threadIdx.x >> 5) : 0)] = t;
-  if (point == 0) {
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    skv_trace[cta * SKV_TRACE_POINTS + 8] = smid;
-  }
-}
-__device__ __forceinline__ void dec_progress(int k) {   // after the warp's page k (from 0)
-  if ((threadIdx.x & 31) != 0 || (k + 1) % DEC7_TRACE_EVERY != 0) return;
-  const int slot = (k + 1) / DEC7_TRACE_EVERY - 1;
-  const int cta = trace_cta();
-  if (slot >= SKV_PROGRESS_SLOTS || cta >= SKV_TRACE_CTAS) return;
-  skv_progress[(cta * DEC_WARPS + (threadIdx.x >> 5)) * SKV_PROGRESS_SLOTS + slot] = trace_clock();
-}
-#define DEC_TRACE(p) dec_trace(p)
-#define DEC_PROGRESS(k) dec_progress(k)
-#else
-#define DEC_TRACE(p) ((void)0)
-#define DEC_PROGRESS(k) ((void)0)
-#endif
 
 // v7 page loop of one warp: pages pi0, pi0 + 4, ... of the CTA's range (end re-read from
 // shared memory at `prange` + 4, start of the row's list at `prange`, as on v6). Page headers
@@ -1787,7 +1584,7 @@ __device__ __forceinline__ void decode_pages7(
   auto stage = [&](int jb, u32& c, int which) {   // the jb-th page of the block: header, copy
     c = stage_from_block<F2>(pages, page_words, hsh, jb, bufs_sh + 4u * which * page_words, lane);
   };
-  constexpr int NST = DEC7_STAGES;   // page buffers; pages pi + 4, ..., pi + 4 (NST - 1) in flight
+  constexpr int NST = AFF_STAGES;   // page buffers; pages pi + 4, ..., pi + 4 (NST - 1) in flight
   static_assert(NST == 2 || NST == 3, "DEC7_STAGES: 2 or 3");
   bool d44 = false, d2 = false;   // domain of the accumulators (f7_move): generic at first
   // cur_c, mid_c: headers of pages pi and (NST = 3) pi + 4
@@ -1816,11 +1613,11 @@ __device__ __forceinline__ void decode_pages7(
     f7_move<D>(acc, d44, d2, F44 && (cur_kind == 2 || cur_kind == 5), F2 && (cur_kind == 3 || cur_kind == 4));
     if (F2 && cur_kind >= 5) {
       if constexpr (F2) {
-        if (DEC7_FAST8 && (!DEC7_FAST16 || cur_kind == 5)) {
+        if (cur_kind == 5) {
           page_f8(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag8[0][lane])),
                   static_cast<u32>(__cvta_generic_to_shared(&sm.k12c[0][2 * t][0])),
                   lds_f32(sm.hstep + level_row(8), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
-        } else if (DEC7_FAST16) {
+        } else {
           page_f16(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane])),
                    static_cast<u32>(__cvta_generic_to_shared(&sm.k12c[1][2 * t][0])), g, t, acc,
                    m0, m1, l0, l1, ps0, ps1);
@@ -1829,10 +1626,10 @@ __device__ __forceinline__ void decode_pages7(
     } else if (F2 && cur_kind >= 3) {
       if constexpr (F2) {
         const u32 qf2 = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag2[0][lane]));
-        if (DEC7_FAST3 && (!DEC7_FAST2 || cur_kind == 3)) {
+        if (cur_kind == 3) {
           page_f2<3>(bsh, qf2, static_cast<u32>(__cvta_generic_to_shared(&sm.k12b[1][2 * t][0])),
                      lds_f32(sm.hstep + level_row(3), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
-        } else if (DEC7_FAST2) {
+        } else {
           page_f2<2>(bsh, qf2, static_cast<u32>(__cvta_generic_to_shared(&sm.k12b[0][2 * t][0])),
                      lds_f32(sm.hstep + level_row(2), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
         }
@@ -1855,115 +1652,19 @@ __device__ __forceinline__ void decode_pages7(
       mid_c = nxt_c;
     }
   };
-  if constexpr (STARTED) {
-    // k: the warp's pages so far. Page pi = pi0 + k stride sits in buffer k % NST, page
-    // pi + stride (NST - 1) goes to place (k + NST - 1) & 31 of its header block. One counter
-    // instead of a page index, a buffer and a block place (ILV: pi0 = 4 s + w re-read from the
-    // special registers): with the prologue's values of DEC7_EARLY those spill at 128 registers.
-    for (int k = 0;; ++k) {
-      const int pi = (ILV ? DEC_WARPS * ctaid_x() + (tid_x() >> 5) : pi0) + k * stride();
-      if (pi >= lds_s32(prange + 4)) break;
-      step(pi, (k + NST - 1) & 31, k % NST, (k + NST - 1) % NST, AHEAD > NST - 1 && k == 0);
-      DEC_PROGRESS(k);
-    }
-  } else {   // as before DEC7_EARLY (with one counter, this build spills it)
-    int jb = NST - 2, buf = 0;   // jb: place in its header block of the last page staged
-    for (int pi = pi0; pi < lds_s32(prange + 4); pi += stride()) {
-      jb = (jb + 1) & 31;   // ... of page pi + stride (NST - 1), staged now
-      const int nbuf = NST == 2 ? buf ^ 1 : (buf == 0 ? 2 : buf - 1);
-      step(pi, jb, buf, nbuf, false);
-      buf = NST == 2 ? buf ^ 1 : (buf == 2 ? 0 : buf + 1);
-    }
+  // k: the warp's pages so far. Page pi = pi0 + k stride sits in buffer k % NST, page
+  // pi + stride (NST - 1) goes to place (k + NST - 1) & 31 of its header block. One counter
+  // instead of a page index, a buffer and a block place (ILV: pi0 = 4 s + w re-read from the
+  // special registers): with the prologue's values of DEC7_EARLY those spill at 128 registers.
+  for (int k = 0;; ++k) {
+    const int pi = (ILV ? DEC_WARPS * ctaid_x() + (tid_x() >> 5) : pi0) + k * stride();
+    if (pi >= lds_s32(prange + 4)) break;
+    step(pi, (k + NST - 1) & 31, k % NST, (k + NST - 1) % NST, AHEAD > NST - 1 && k == 0);
   }
   cp_async_wait0();
   f7_move<D>(acc, d44, d2, false, false);
 }
 
-// v8 page loop: as decode_pages7 with two buffers' worth of pages decoded at once on the fast
-// path (page44_pipe): page pi + 4 streams into buffer (b + 1) % 3 while page pi (buffer b)
-// has its logits and page pi - 4 (buffer (b + 2) % 3, if it was a fast page) its values.
-template <int D, int PATH, int NSUB, class SM, class QF>
-__device__ __forceinline__ void decode_pages8(
-    const u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
-    const int* __restrict__ page_count, const int* __restrict__ indices,
-    const int* __restrict__ geom, int pi0, u32 prange, u32* bufs, SM& sm, const QF& qsrc,
-    const Luts& lut, __half* pt, int lane, float (&acc)[D / 16][4], float& m0, float& m1,
-    float& l0, float& l1, float& ps0, float& ps1) {
-  static_assert(D == 128, "the v8 fast path is for D = 128");
-  const int g = lane >> 2, t = lane & 3;
-  const bool f44ok = page_words == F44_WORDS;
-  const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
-  const u32 hsh = static_cast<u32>(__cvta_generic_to_shared(pt));   // header block (header_refill)
-  auto refill = [&](int first) {
-    header_refill<false>(hsh, first, lane, RangeSmem{prange}, indices, page_tier, page_count, geom,
-                         f44ok);
-  };
-  // a page's header stays packed (page; count | tier << 16 | kind << 28) across the loop
-  auto header = [&](int jb, int& page, u32& c) {
-    const uint2 v = lds64(hsh + 8u * jb);
-    page = static_cast<int>(v.x);
-    c = v.y;
-  };
-  auto stage = [&](int page, u32 c, u32 dst) {
-    stage_page<false>(pages + (size_t)page * page_words, c, dst, page_words, lane);
-  };
-  const u32 bstride = 4u * page_words;
-  bool fdom = true;    // accumulators in the F domain (all zero: either)
-  bool pend = false;   // the previous page (previous buffer) was a fast page: its values
-  u32 pb[2][2] = {{0u, 0u}, {0u, 0u}};   // are pending, P' in pb (else pb is zero)
-  u32 cur_c = 0;   // the page id is not carried: a partial page re-reads it from `indices`
-  int pi = pi0, jb = 0;
-  if (pi < lds_s32(prange + 4)) {
-    refill(pi);
-    int page;
-    header(0, page, cur_c);
-    stage(page, cur_c, bufs_sh);
-  }
-  cp_async_commit();
-  u32 bsh = bufs_sh;   // buffer of page pi
-  for (; pi < lds_s32(prange + 4); pi += DEC_WARPS) {
-    jb = (jb + 1) & 31;
-    int nxt_page = 0;
-    u32 nxt_c = 0;
-    const u32 nsh = bsh + bstride == bufs_sh + DEC8_STAGES * bstride ? bufs_sh : bsh + bstride;
-    const int npi = pi + DEC_WARPS;
-    if (npi < lds_s32(prange + 4)) {
-      if (jb == 0) refill(npi);
-      header(jb, nxt_page, nxt_c);
-      stage(nxt_page, nxt_c, nsh);
-    }
-    cp_async_commit();
-    cp_async_wait1();   // this lane's copies of page pi are done, ...
-    __syncwarp();       // ... and every other lane's
-    const u32 psh = bsh == bufs_sh ? bufs_sh + (DEC8_STAGES - 1) * bstride : bsh - bstride;
-    const u32 cur_kind = cur_c >> 28;
-    if (cur_kind == 2) {
-      if (!fdom) { f44_domain<D>(acc, true); fdom = true; }
-      page44_pipe(bsh, pend ? psh : bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag7[0][lane])),
-                  static_cast<u32>(__cvta_generic_to_shared(&sm.k12[2 * t][0])),
-                  lds_f32(sm.hstep + level_row(4), true), g, t, acc, pb, m0, m1, l0, l1, ps0,
-                  ps1);
-      pend = true;
-    } else {
-      if (pend) {
-        f44_values(psh, pb, g, t, acc);
-        pb[0][0] = pb[0][1] = pb[1][0] = pb[1][1] = 0u;
-        pend = false;
-      }
-      if (fdom) { f44_domain<D>(acc, false); fdom = false; }
-      decode_generic<D, PATH, NSUB>(pages, page_words, indices, geom, prange, pi, cur_c, bsh, sm,
-                                    qsrc, lut, pt, g, t, acc, m0, m1, l0, l1, ps0, ps1);
-    }
-    __syncwarp();   // every lane is done with page pi - 4's buffer before it is refilled
-    bsh = nsh;
-    cur_c = nxt_c;
-  }
-  if (pend) {   // the last page was a fast page (buffer before bsh); fdom is true
-    f44_values(bsh == bufs_sh ? bufs_sh + (DEC8_STAGES - 1) * bstride : bsh - bstride, pb, g, t, acc);
-  }
-  cp_async_wait0();
-  if (fdom) f44_domain<D>(acc, false);
-}
 
 #define SKV_DECODE_PARAMS                                                                   \
   const float* __restrict__ q, long long q_sb, long long q_sh, const u32* __restrict__ pages,     \
@@ -2001,9 +1702,6 @@ __device__ __forceinline__ CtaPages cta_pages(const int* __restrict__ indptr, in
 // 32 t + c) fall on 32 distinct banks (4 g + t + c mod 32) instead of one (32-way conflicts,
 // with 12 such warps per SM at once: ~3 us of the prologue); the rotation's stores stay
 // conflict-free. Else rows of D floats, as block_fwht needs them.
-#ifndef DEC7_QPAD
-#define DEC7_QPAD 1
-#endif
 // Coordinate 32 blk + off (off < 32) of head h.
 template <int D, bool PAD>
 __device__ __forceinline__ int qs_at(int h, int blk, int off) {
@@ -2082,9 +1780,6 @@ __device__ __forceinline__ void warp_query_rotate(float (&yq)[DEC_WHEADS][D / 32
 // CTA has allowed it, on the SMs the decode's early CTAs leave, and wait in griddepcontrol.wait
 // for the whole decode grid; launched plainly, the instruction does nothing): 1 at the CTA's
 // entry, 2 after its pages (before the cross-warp merge), 0 never.
-#ifndef DEC7_PDL
-#define DEC7_PDL 2   // measured: 2 as fast as 1 on 4/4 pools, 1-2 % faster on the RDR mix
-#endif
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -2098,29 +1793,28 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-template <int D, int PATH, int NSUB, bool V6, bool V7 = false, bool V8 = false>
+template <int D, int PATH>
 __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
-  constexpr bool UNI = PATH != PATH_TABLE;
-  static_assert(!V7 || (V6 && PATH == PATH_AFFINE), "v7 is the affine path on top of v6");
-  static_assert(!V8 || V7, "v8 is v7 with the fast path pipelined across pages");
-  constexpr bool F44 = V7 && D == 128;   // the 4/4 fast path exists for D = 128
-  constexpr bool F2 = F44 && !V8;        // the 3/3 and 2/2 fast paths: v7 only
-  constexpr bool ILV = F2 && DEC7_INTERLEAVE;
-  // EARLY (v7): the page stream starts at kernel entry, the query is staged past the page buffers
-  constexpr bool EARLY = V7 && !V8 && DEC7_EARLY;
-  constexpr int AHEAD7 = (EARLY && DEC7_EARLY == 2) ? 2 : DEC7_STAGES - 1;   // pages7_start
-  constexpr bool QPAD = EARLY && DEC7_QPAD;   // the rotated query's layout (qs_at)
-  __shared__ typename SmemOf<D, V7, V8>::type sm;
+  constexpr bool UNI = PATH == PATH_AFFINE;
+  constexpr bool AFFINE = UNI;
+  constexpr int NSUB = AFFINE ? AFF_SUB : 1;   // 16-state sub-tiles per softmax step
+  constexpr bool F44 = AFFINE && D == 128;   // the fast pages exist for D = 128
+  constexpr bool F2 = F44;                   // ... the 4/4 one and the 3/3, 2/2, 8/8, 16/16 ones
+  constexpr bool ILV = F2;                   // interleaved splits (cta_pages)
+  // EARLY (affine): the page stream starts at kernel entry, the query is staged past the page buffers
+  constexpr bool EARLY = AFFINE;
+  constexpr int AHEAD7 = AFF_STAGES - 1;     // pages in flight at entry (pages7_start)
+  constexpr bool QPAD = EARLY;               // the rotated query's layout (qs_at)
+  __shared__ typename SmemOf<D, AFFINE>::type sm;
   extern __shared__ __align__(16) unsigned char dyn[];
   float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
-  DEC_TRACE(0);
   const int split = blockIdx.x, row = blockIdx.y;
   const int b = row / num_kv_heads, kvh = row % num_kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   __half* pt = &sm.ptile[warp][0][0];
   u32* bufs = reinterpret_cast<u32*>(region) +
-              (size_t)warp * (V8 ? DEC8_STAGES : V7 ? DEC7_STAGES : 2) * page_words;
+              (size_t)warp * (AFFINE ? AFF_STAGES : 2) * page_words;
   const float* qrow = q + (long long)b * q_sb + (long long)(kvh * G) * q_sh;
   const float* sk = sigma_k + (size_t)kvh * D;
   u32 cur_c = 0, mid_c = 0;   // EARLY: headers of the warp's first pages (pages7_start)
@@ -2129,18 +1823,17 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     warp_query_load<D>(qv, qrow, q_sh, sk, G, warp, lane);
     // nothing in shared memory is needed before the first barrier: the range in registers,
     // the header block in the warp's own P' tile, the copies into its own buffers
-    // DEC7_GEOM_PRE: lane l holds geometry row l (kbits, vbits, P), loaded with indptr
-    const int4 gpre = (DEC7_GEOM_PRE && lane < SKV_GEOM_PRE_ROWS)
+    // lane l holds geometry row l (kbits, vbits, P), loaded with indptr
+    const int4 gpre = (lane < SKV_GEOM_PRE_ROWS)
                           ? __ldg(reinterpret_cast<const int4*>(geom + lane * SKV_GEOM_STRIDE))
                           : make_int4(0, 0, 0, 0);
     const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
-    pages7_start<F2, AHEAD7, RangeRegs, DEC7_GEOM_PRE != 0>(pages, page_words, page_tier, page_count,
+    pages7_start<F2, AHEAD7, RangeRegs, true>(pages, page_words, page_tier, page_count,
                      indices, geom, cp.pbeg + warp,
                      RangeRegs{cp.rbeg, cp.pend}, ILV ? DEC_WARPS * num_splits : DEC_WARPS,
                      static_cast<u32>(__cvta_generic_to_shared(bufs)),
                      static_cast<u32>(__cvta_generic_to_shared(pt)), lane,
                      F44 && page_words == F44_WORDS, cur_c, mid_c, gpre);
-    DEC_TRACE(9);
   }
 
   Luts lut = {};
@@ -2154,16 +1847,15 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   // ---- rotated query, once per head: q' = H(sigma_K * q) / D, kept as q'/max|q'| in fp16
   // (EARLY: staged past the page buffers, which are filling already; the launcher's
   // decode_smem_bytes adds the room)
-  float* qs = EARLY ? region + DEC_WARPS * DEC7_STAGES * page_words : region;
+  float* qs = EARLY ? region + DEC_WARPS * AFF_STAGES * page_words : region;
   if constexpr (EARLY) {
     warp_query_rotate<D, QPAD>(qv, qs, warp, lane, scale_log2, sm.qfac, sm.kfac);
-    DEC_TRACE(10);
   } else {
   for (int idx = threadIdx.x; idx < DEC_HEADS * D; idx += blockDim.x) {
     int gg = idx / D, j = idx % D;
     qs[idx] = gg < G ? qrow[gg * q_sh + j] * sk[j] : 0.0f;
   }
-  if (!V6 && threadIdx.x < DEC_HEADS) {   // v6 leaves q . mu_K out (decode_page)
+  if (!AFFINE && threadIdx.x < DEC_HEADS) {   // the affine path leaves q . mu_K out (decode_page)
     float mu = 0.0f;
     if (mean_k && threadIdx.x < G) {
       const float* mk = mean_k + (size_t)row * D;
@@ -2183,7 +1875,6 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
   }
   __syncthreads();
-  DEC_TRACE(11);
   // Q fragment: lane (g, t) holds head g of group 8*(t+4i); k16 chunk (i, h) takes the
   // group's pairs 2h and 2h+1, i.e. coordinates 4h + (0, 1 | 2, 3) on the table path and
   // 2h + (0, 4 | 1, 5) on the affine path (UGroup pairs coordinates p and p + 4). v6 on keeps
@@ -2224,7 +1915,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
     if (warp == QW && t == 0) sm.qhalf[g] = 0.5f * qsum;
   }
-  if (V6 && warp == QW) {
+  if (AFFINE && warp == QW) {
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) sm.qfrag[i][lane] = make_uint2(qf[i][0], qf[i][1]);
   }
@@ -2236,7 +1927,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     // by at most 2^-25 absolute). K1/K2 fold the scales and the code offset (page44).
     if (warp == 0) {
       const float inv = sm.qfac[g] > 0.0f ? 1.0f / (sm.qfac[g] * (float)D) : 0.0f;
-      constexpr float s4 = DEC7_CONV == 0 ? 0.0625f : 1.0f;
+      constexpr float s4 = 0.0625f;
       float asum = 0.0f;   // sum of head g's q' as the mma sees them (times 2^POS)
 #pragma unroll
       for (int c = 0; c < D / 16; ++c) {
@@ -2253,8 +1944,8 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
       asum += __shfl_xor_sync(0xffffffffu, asum, 2);
       if (t == 0) {
         const float kf = sm.kfac[g] * sm.hstep[level_row(4)];   // 2 hs_4 on PATH_AFFINE
-        sm.k12[g][0] = DEC7_CONV == 0 ? kf * 0x1p24f : kf;
-        sm.k12[g][1] = kf * (DEC7_CONV == 0 ? -7.5f : 0.5f) * asum;
+        sm.k12[g][0] = kf * 0x1p24f;
+        sm.k12[g][1] = kf * -7.5f * asum;
       }
     }
   }
@@ -2320,33 +2011,27 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
   QShared qsh;
   qsh.a = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane]));
-  const auto& qsrc = QSource<V6>::of(qsh, qr);
+  const auto& qsrc = QSource<AFFINE>::of(qsh, qr);
   const int h0 = 2 * t, h1 = 2 * t + 1;
   const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
   const int rbeg = cp.rbeg, pbeg = cp.pbeg, pend = cp.pend;
   // v6 re-reads the CTA's page range from shared memory at each page: held in registers
   // across the page loop, ptxas spills it to local memory at the 128-register cap.
-  if (V6 && threadIdx.x == 0) { sm.prange[0] = rbeg; sm.prange[1] = pend; }
+  if (AFFINE && threadIdx.x == 0) { sm.prange[0] = rbeg; sm.prange[1] = pend; }
   if constexpr (ILV) {
     if (threadIdx.x == 0) sm.pstride = DEC_WARPS * num_splits;
   }
   const u32 prange = static_cast<u32>(__cvta_generic_to_shared(&sm.prange[0]));
   // the query fragments and the page range are written (and, without EARLY, the query staging
   // area becomes page buffers)
-  DEC_TRACE(12);
   __syncthreads();
-  DEC_TRACE(1);
 
   float acc[D / 16][4];
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   float m0 = -SKV_INF, m1 = -SKV_INF, l0 = 0.0f, l1 = 0.0f, ps0 = 0.0f, ps1 = 0.0f;
 
-  if constexpr (V8 && F44) {
-    decode_pages8<D, PATH, NSUB>(pages, page_words, page_tier, page_count, indices, geom,
-                                 pbeg + warp, prange, bufs, sm, qsrc, lut, pt, lane, acc, m0, m1,
-                                 l0, l1, ps0, ps1);
-  } else if constexpr (V7) {
+  if constexpr (AFFINE) {
     decode_pages7<D, PATH, NSUB, F44, F2, ILV, EARLY, AHEAD7>(pages, page_words, page_tier, page_count,
                                       indices, geom, pbeg + warp, prange, bufs, sm, qsrc, lut, pt,
                                       lane, acc, m0, m1, l0, l1, ps0, ps1, cur_c, mid_c);
@@ -2368,13 +2053,13 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
   cp_async_commit();
   int buf = 0;
-  for (; pi < (V6 ? lds_s32(prange + 4) : pend); pi += DEC_WARPS) {
+  for (; pi < pend; pi += DEC_WARPS) {
     // header of the next page, and its copy into the other buffer
     const int ni = pi + DEC_WARPS;
     int nxt_page = 0, nxt_tier = 0, nxt_count = 0;
     bool nxt_full = false;
-    if (ni < (V6 ? lds_s32(prange + 4) : pend)) {
-      nxt_page = indices[(V6 ? lds_s32(prange) : rbeg) + ni];
+    if (ni < pend) {
+      nxt_page = indices[rbeg + ni];
       nxt_tier = page_tier[nxt_page];
       nxt_count = page_count[nxt_page];
       nxt_full = nxt_count == __ldg(geom + nxt_tier * SKV_GEOM_STRIDE + G_P);
@@ -2391,13 +2076,13 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     if (cur_full) {
       SharedRow r;
       r.a = static_cast<u32>(__cvta_generic_to_shared(bufs + buf * page_words));
-      decode_page<D, PATH, NSUB, V6>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qsrc, lut,
+      decode_page<D, PATH, NSUB>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qsrc, lut,
                                      sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1,
                                      l0, l1, ps0, ps1);
     } else {
       GlobalRow r;
       r.p = pages + (size_t)cur_page * page_words;
-      decode_page<D, PATH, NSUB, V6>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qsrc, lut,
+      decode_page<D, PATH, NSUB>(r, geom + cur_tier * SKV_GEOM_STRIDE, cur_count, qsrc, lut,
                                      sm.kfac, sm.qmu, sm.hstep, sm.qhalf, pt, g, t, acc, m0, m1,
                                      l0, l1, ps0, ps1);
     }
@@ -2407,7 +2092,6 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
   cp_async_wait0();
   }
-  DEC_TRACE(4);   // this warp's pages are done
 
   // ---- merge the warps: l over the 8 lanes sharing t; then (m, l, O) through shared memory
 #pragma unroll
@@ -2427,8 +2111,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     }
   }
   __syncthreads();   // all warps are done with their page buffers (the merge reuses them)
-  if (V7 && !V8 && DEC7_PDL == 2) pdl_launch_dependents();
-  DEC_TRACE(2);
+  if (AFFINE) pdl_launch_dependents();   // the merge may start (ada_merge_per_head_kernel)
   float* obuf = region;   // [DEC_WARPS][DEC_HEADS][D]
   if (g == 0) {
     sm.m[warp][h0] = m0; sm.m[warp][h1] = m1;
@@ -2440,7 +2123,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   for (int j = 0; j < D / 64; ++j) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      const int c = 8 * vgroup<V7 ? 1 : 0, D>(g, j) + (UNI ? p : 2 * p), c2 = c + (UNI ? 4 : 1);
+      const int c = 8 * vgroup<AFFINE ? 1 : 0, D>(g, j) + (UNI ? p : 2 * p), c2 = c + (UNI ? 4 : 1);
       float* o = obuf + (size_t)warp * DEC_HEADS * D;
       o[h0 * D + c] = acc[4 * j + p][0];
       o[h1 * D + c] = acc[4 * j + p][1];
@@ -2485,7 +2168,6 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
       if (idx < G * D) part_o[base * D + idx] = val[k];
       if (idx < G * D && idx % D == 0) part_lse[base + idx / D] = sm.lse[idx / D];
     }
-    DEC_TRACE(3);
     return;
   }
   __syncthreads();
@@ -2495,7 +2177,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   if (num_splits == 1) {
     // v7: the kv-head re-derived from the block index (held across the page loop, ptxas
     // keeps it in local memory at 128 registers)
-    const int kvh_o = (V7 && !V8) ? ctaid_y() % num_kv_heads : kvh;
+    const int kvh_o = AFFINE ? ctaid_y() % num_kv_heads : kvh;
     finish_heads<D>(obuf, G, sigma_v + (size_t)kvh_o * D, mean_v ? mean_v + (size_t)row * D : nullptr,
                     out + (long long)row * G * D, D);
   } else {
@@ -2504,72 +2186,23 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     const int tid = tid_x();   // re-read: held across the page loop it would cost a register
     if (tid < G) part_lse[base + tid] = sm.lse[tid];
   }
-  DEC_TRACE(3);
-}
-
-// Table path (Lloyd–Max or any codebook): 37 KiB of replicated tables, 3 CTAs per SM.
-template <int D>
-__global__ void __launch_bounds__(DEC_WARPS * 32, 3) ada_decode_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, PATH_TABLE, DEC_TABLE_SUB, false>(SKV_DECODE_ARGS);
-}
-
-// Affine path (uniform codebook), v5: lop3 + fma per pair, 32-state softmax steps; no
-// tables, so more CTAs fit per SM.
-template <int D>
-__global__ void __launch_bounds__(DEC_WARPS * 32, DEC_UNI5_CTAS)
-ada_decode_uniform_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, PATH_AFFINE, DEC_UNI_SUB, false>(SKV_DECODE_ARGS);
 }
 
 // The v4 kernels (16-state softmax steps; affine pairs by shift, and, or, hadd2), kept for
 // the side-by-side benchmark and as a fallback (ada_decode(version=4)).
+// Table path (Lloyd–Max or any codebook): 37 KiB of replicated look-up tables in shared
+// memory, 16-state softmax steps, the query fragment in registers; TABLE_CTAS per SM.
 template <int D>
-__global__ void __launch_bounds__(DEC_WARPS * 32, 3) ada_decode_v4_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, PATH_TABLE, 1, false>(SKV_DECODE_ARGS);
-}
-template <int D>
-__global__ void __launch_bounds__(DEC_WARPS * 32, DEC_UNI_CTAS)
-ada_decode_uniform_v4_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, PATH_AFFINE_V4, 1, false>(SKV_DECODE_ARGS);
+__global__ void __launch_bounds__(DEC_WARPS * 32, TABLE_CTAS) ada_decode_table_kernel(SKV_DECODE_PARAMS) {
+  decode_cta<D, PATH_TABLE>(SKV_DECODE_ARGS);
 }
 
-// v6 (decode_page): P' transposed in registers, lazy running maximum, the query fragment
-// re-read from shared memory; the affine kernel fits 128 registers (4 CTAs per SM) with two
-// sub-tiles per step, at the price of one page-loop variable in 4 bytes of local memory
-// (stored and loaded in the page header, never inside a step). With DEC_UNI6_SUB=1 it needs
-// no local memory but was measured 4-12 % slower on uniform tiers (docs/PERF_NOTES.md v6).
+// Affine path (uniform codebook): no tables; at D = 128 full pages of the 4/4, 3/3, 2/2, 8/8
+// and 16/16 tiers on their fast paths (page44, page_f2, page_f8, page_f16), every other page
+// on decode_page; splits take a row's pages interleaved; AFF_CTAS per SM (<= 128 registers).
 template <int D>
-__global__ void __launch_bounds__(DEC_WARPS * 32, DEC_TABLE6_CTAS) ada_decode_v6_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, PATH_TABLE, DEC_TABLE_SUB, true>(SKV_DECODE_ARGS);
-}
-template <int D>
-__global__ void __launch_bounds__(DEC_WARPS * 32, DEC_UNI6_CTAS)
-ada_decode_uniform_v6_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, PATH_AFFINE, DEC_UNI6_SUB, true>(SKV_DECODE_ARGS);
-}
-
-// v7 (affine path only): full 4/4 pages on the fast path (page44: no predication, swizzled
-// staging, conflict-free 16- and 8-byte code loads, one lop3 per code pair, one MUFU per
-// weight), full 3/3 and 2/2 pages on theirs (page_f2: 2-bit fields one lop3 per pair, the
-// 3-bit plane bit merged by a shift and a lop3), full 8/8 and 16/16 pages on theirs (page_f8,
-// page_f16), every other page on v6's decode_page with the v7 value map and MUFU exp2; at
-// D = 128 the splits take a row's pages interleaved (decode_cta).
-#ifndef DEC7_SUB
-#define DEC7_SUB 2              // 16-state sub-tiles per softmax step of the generic pages
-#endif
-template <int D>
-__global__ void __launch_bounds__(DEC_WARPS * 32, DEC7_CTAS)
-ada_decode_uniform_v7_kernel(SKV_DECODE_PARAMS) {
-  if (DEC7_PDL == 1) pdl_launch_dependents();
-  decode_cta<D, PATH_AFFINE, DEC7_SUB, true, true>(SKV_DECODE_ARGS);
-}
-
-// v8 (affine path only): v7 with the fast path pipelined across pages (decode_pages8: page
-// i's logits next to page i - 1's values, three page buffers per warp); D = 64 runs v7's code.
-template <int D>
-__global__ void __launch_bounds__(DEC_WARPS * 32, DEC8_CTAS)
-ada_decode_uniform_v8_kernel(SKV_DECODE_PARAMS) {
-  decode_cta<D, PATH_AFFINE, DEC7_SUB, true, true, true>(SKV_DECODE_ARGS);
+__global__ void __launch_bounds__(DEC_WARPS * 32, AFF_CTAS) ada_decode_affine_kernel(SKV_DECODE_PARAMS) {
+  decode_cta<D, PATH_AFFINE>(SKV_DECODE_ARGS);
 }
 
 // The merged log-sum-exp of one (row, head), natural log, for callers that merge this
@@ -2634,23 +2267,23 @@ ada_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ par
 // in shared memory (warp 0), each quarter of the CTA sums a quarter of the splits (independent
 // loads, coalesced over the D coordinates), then Pi_V^T and mu_V of the one head. The v4-v6 merge
 // (one CTA per row, D threads, splits in sequence) is latency-bound when there are many splits
-// per row (1 x 128K: 66-132). num_splits <= MERGE7_MAX_SPLITS (the launcher checks).
+// per row (1 x 128K: 66-132). num_splits <= MERGE_HEAD_MAX_SPLITS (the launcher checks).
 // The kernel is a short chain of dependent steps after the decode's last CTA, so warp 0 loads
 // the sigma_V and mu_V rows at entry (before pdl_wait: with a programmatic launch, while the
-// decode's last CTAs run), and each thread its first MERGE7_PRE partial values in parallel
+// decode's last CTAs run), and each thread its first MERGE_HEAD_PRE partial values in parallel
 // with the weights' loads; the inverse rotation runs in warp 0's registers (D/32
 // coordinates per lane, in-lane and shuffle butterflies in block_fwht's stage order, so
 // finish_heads' sums, bit for bit) instead of block_fwht's seven CTA barriers
 // (docs/PERF_NOTES.md). Eight thread groups instead of four at 33 and 66 splits: no faster.
-constexpr int MERGE7_MAX_SPLITS = 256;
-constexpr int MERGE7_PRE = 4;   // partial values per thread loaded at entry (splits part + 4 i)
+constexpr int MERGE_HEAD_MAX_SPLITS = 256;
+constexpr int MERGE_HEAD_PRE = 4;   // partial values per thread loaded at entry (splits part + 4 i)
 template <int D>
 __global__ void __launch_bounds__(4 * D, 1024 / (4 * D))   // <= 64 registers, no spill
-ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+ada_merge_per_head_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                     int num_splits, int rows, int num_kv_heads, int G,
                     const float* __restrict__ sigma_v, const float* __restrict__ mean_v,
                     float* __restrict__ out, SKV_MERGE_LSE_PARAMS) {
-  __shared__ float wsh[MERGE7_MAX_SPLITS];
+  __shared__ float wsh[MERGE_HEAD_MAX_SPLITS];
   __shared__ float red[4][D];
   __shared__ float wsum, wmax;
   const int gg = blockIdx.x, row = blockIdx.y, kvh = row % num_kv_heads;
@@ -2666,9 +2299,9 @@ ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ 
     }
   }
   pdl_wait();   // the partials are the decode kernel's (a programmatic launch: see DEC7_PDL)
-  float pre[MERGE7_PRE];
+  float pre[MERGE_HEAD_PRE];
 #pragma unroll
-  for (int i = 0; i < MERGE7_PRE; ++i) {
+  for (int i = 0; i < MERGE_HEAD_PRE; ++i) {
     const int s = part + 4 * i;
     pre[i] = s < num_splits ? part_o[(s * hstride + base) * D + j] : 0.0f;
   }
@@ -2697,10 +2330,10 @@ ada_merge_v7_kernel(const float* __restrict__ part_o, const float* __restrict__ 
   __syncthreads();
   float o = 0.0f;
 #pragma unroll
-  for (int i = 0; i < MERGE7_PRE; ++i)
+  for (int i = 0; i < MERGE_HEAD_PRE; ++i)
     if (part + 4 * i < num_splits) o += wsh[part + 4 * i] * pre[i];
 #pragma unroll 4
-  for (int s = part + 4 * MERGE7_PRE; s < num_splits; s += 4) o += wsh[s] * part_o[(s * hstride + base) * D + j];
+  for (int s = part + 4 * MERGE_HEAD_PRE; s < num_splits; s += 4) o += wsh[s] * part_o[(s * hstride + base) * D + j];
   red[part][j] = o;
   __syncthreads();
   if (tid < 32) {

@@ -1,38 +1,27 @@
 // Encode/append: rotate, radius, quantise, pack and write states straight into their pages
-// (DESIGN §3 steps 0-5, §6; bit layout in docs/format.md). Three generations:
+// (DESIGN §3 steps 0-5, §6; bit layout in docs/format.md).
 //
-// encode_v3_kernel / encode_v3_uniform_kernel (docs/PERF_NOTES.md "Encode v3")
-//   the thread -> data map of v2 (eight lanes per vector, four vectors per warp, group lane g
-//   holding coordinates j = 32k + 4g + e in register 4k + e), with the cell of a coordinate
-//   found without a search: on the uniform codebook (encode_v3_uniform_kernel) it is an
-//   affine function of t rounded to an integer, on any other codebook (encode_v3_kernel) one
-//   look-up in a table of buckets over t (each bucket holds at most one midpoint) and one
-//   compare. The next vector's indices and destination tier are loaded one iteration ahead
-//   and its x row streams into shared memory (cp.async) while the current one is encoded.
-//   Each lane packs and stores its own codes (no shuffles, except the 1-bit plane of the
-//   1- and 3-bit widths: one exchange with the neighbouring lane). Guards, fallback and
-//   status as in v2, except a scale alone in doubt: its fp16 rounding is decided in float64
-//   by the whole warp after the loop (enc3_encode, ENC3_SCALE64). Every code and scale equals
-//   the float64 reference's.
-// encode_v2_kernel (kept for comparison; docs/PERF_NOTES.md "Encode v2")
-//   eight lanes per input vector, four vectors per warp (grid-stride over groups of four).
-//   Group lane g holds registers i = 4k + e (k < D/32, e < 4) = coordinate j = 32k + 4g + e,
-//   so consecutive lanes read consecutive float4 of a row. The Walsh–Hadamard transform runs
-//   in float32 (spans 1, 2 and >= 32 in-lane, spans 4, 8, 16 by shuffles inside the group),
-//   the cell of every coordinate is found by a binary search over float32 midpoints (the
-//   first two steps from registers, the rest from shared memory), and the fp16 scale comes
-//   from the float32 radius and a float32 sum of squared levels. A coordinate closer to a cell boundary than the float32 error bound, a
-//   scale close to an fp16 rounding boundary, a radius outside the safe float32 range, or a
-//   16-bit destination tier sends the vector through v1's float64 pipeline afterwards (the
-//   whole warp on one such vector at a time): so every code and scale equals the float64
-//   reference's. Each group packs its codes by
-//   shuffle-ORs inside the group; the first lane of each word stores it.
-// encode_kernel (v1, kept for comparison)
-//   one warp per input vector; lane l owns coordinates l*V .. l*V+V-1 (V = D/32); the whole
-//   pipeline in float64 (warp_encode in spherical_common.cuh).
-// In all, the destination page's tier (page header, read on the device) picks the bit width,
-// so one launch serves mixed tiers, and problems (NaN/Inf input, no fp16 scale, bad
-// page/slot) are OR-ed into *status.
+// Thread -> data map (encode_table_kernel, encode_affine_kernel)
+//   256 threads, eight lanes per input vector, four vectors per warp (grid-stride over groups
+//   of four). Group lane g holds registers i = 4k + e (k < D/32, e < 4) = coordinate
+//   j = 32k + 4g + e, so consecutive lanes read consecutive float4 of a row. The Walsh–Hadamard
+//   transform runs in float32 (spans 1, 2 and >= 32 in-lane, spans 4, 8, 16 by shuffles inside
+//   the group). The cell of a coordinate is found without a search: on the uniform codebook
+//   (encode_affine_kernel) it is an affine function of t rounded to an integer, on any other
+//   codebook (encode_table_kernel) one look-up in a table of buckets over t (each bucket holds
+//   at most one midpoint) and one compare. The next vector's indices and destination tier are
+//   loaded one iteration ahead and its x row streams into shared memory (cp.async) while the
+//   current one is encoded. Each lane packs and stores its own codes (no shuffles, except the
+//   1-bit plane of the 1- and 3-bit widths: one exchange with the neighbouring lane).
+//   A coordinate closer to a cell boundary than the float32 error bound, a radius outside the
+//   safe float32 range, or a 16-bit destination tier sends the vector through the float64
+//   pipeline afterwards (the whole warp on one such vector at a time; lane l owns coordinates
+//   l*V .. l*V+V-1, V = D/32; warp_encode in spherical_common.cuh); a scale alone in doubt has
+//   its fp16 rounding decided in float64 by the whole warp after the loop (enc_encode). So
+//   every code and scale equals the float64 reference's.
+//   The destination page's tier (page header, read on the device) picks the bit width, so one
+//   launch serves mixed tiers, and problems (NaN/Inf input, no fp16 scale, bad page/slot) are
+//   OR-ed into *status.
 #pragma once
 #include "spherical_common.cuh"
 
@@ -55,7 +44,7 @@ struct EncodeDest {
   }
 };
 
-// v1 layout (one warp, lane l: coordinates l*V .. l*V+V-1, V = D/32): y = (x - mu) * sigma in
+// The float64 pipeline's layout (one warp, lane l: coordinates l*V .. l*V+V-1, V = D/32): y = (x - mu) * sigma in
 // float64; returns whether this lane saw NaN/Inf.
 template <int D>
 __device__ __forceinline__ bool warp_load_centred(double (&y)[D / 32], const float* __restrict__ xi,
@@ -82,78 +71,10 @@ __device__ __forceinline__ bool warp_load_centred(double (&y)[D / 32], const flo
   return bad;
 }
 
-// The float64 pipeline after the load (v1, and v2's exact path): rotate, normalise, quantise,
-// pack and store. Returns status bits (the same on every lane).
-template <int D>
-__device__ __forceinline__ int warp_rotate_encode(const QuantTables& qt, double (&y)[D / 32],
-                                                  const EncodeDest& dst, int lane) {
-  warp_fwht<D>(y, lane);
-  const double inv = 1.0 / sqrt((double)D);
-#pragma unroll
-  for (int k = 0; k < D / 32; ++k) y[k] *= inv;
-  return qt.encode<D>(y, dst.bits, dst.codes, dst.scale, lane);
-}
-
-template <int D>
-__global__ void __launch_bounds__(256)
-encode_kernel(const float* __restrict__ x, long long x_row_stride, int n,
-              const int* __restrict__ head, const float* __restrict__ sigma,
-              const float* __restrict__ mean, const int* __restrict__ mean_index,
-              const int* __restrict__ dst_page, const int* __restrict__ dst_slot, int part,
-              u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
-              const int* __restrict__ geom, int num_tiers,
-              const double* __restrict__ levels, const double* __restrict__ mids,
-              int* __restrict__ status) {
-  __shared__ QuantTables qt;   // 20 KiB
-  qt.load(levels, mids);
-  const int lane = threadIdx.x & 31;
-  const int warps = (gridDim.x * blockDim.x) >> 5;
-  for (int i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < n; i += warps) {
-    // Independent loads first (x row, signs, mean, destination), then the page header.
-    const float* xi = x + (long long)i * x_row_stride;
-    const float* sg = sigma + (size_t)head[i] * D;
-    const float* mu = mean ? mean + (size_t)mean_index[i] * D : nullptr;
-    const int page = dst_page[i], slot = dst_slot[i];
-    double y[D / 32];
-    const bool bad = warp_load_centred<D>(y, xi, sg, mu, lane);
-    const int tier = page_tier[page];
-    if (tier < 1 || tier > num_tiers) {
-      if (lane == 0) atomicOr(status, ST_BAD_TIER);
-      continue;
-    }
-    const int* gm = geom + tier * SKV_GEOM_STRIDE;
-    if (slot < 0 || slot >= gm[G_P]) {
-      if (lane == 0) atomicOr(status, ST_BAD_SLOT);
-      continue;
-    }
-    if (__any_sync(0xffffffffu, bad)) {
-      if (lane == 0) atomicOr(status, ST_NONFINITE);
-      continue;
-    }
-    const int st = warp_rotate_encode<D>(qt, y, EncodeDest(pages, page_words, page, slot, gm, part), lane);
-    if (st && lane == 0) atomicOr(status, st);
-  }
-}
-
-// ------------------------------------------------------------------------ v2: 8 lanes ----
+// ----------------------------------------------------------- eight lanes per vector ----
 constexpr u32 ENC_FULL = 0xffffffffu;
-
-// The quantiser tables of the v2 kernel: the float64 levels and midpoints (v1's float64
-// pipeline, the fallback), and rounded to float32 the midpoints (the search of the fast path)
-// and the squared levels (its scale). 30 KiB.
-struct EncodeTables {
-  QuantTables q;
-  float mid[5 * 256], lev2[5 * 256];
-  __device__ __forceinline__ void load(const double* __restrict__ levels,
-                                       const double* __restrict__ mids) {
-    q.load(levels, mids);
-    for (int k = threadIdx.x; k < 5 * 256; k += blockDim.x) {
-      mid[k] = (float)q.mid[k];
-      lev2[k] = (float)(q.lev[k] * q.lev[k]);
-    }
-    __syncthreads();
-  }
-};
+constexpr int ENC_THREADS = 256;   // threads per block (launcher THREADS)
+constexpr int ENC_CTAS = 4;        // resident blocks per SM asked of ptxas (launcher BLOCKS_PER_SM)
 
 // Sum over the eight lanes of a group (xor 1, 2, 4 never leaves the group); `mask`: the
 // lanes taking part (the whole warp, or the group alone inside a group-divergent branch).
@@ -162,35 +83,6 @@ __device__ __forceinline__ T group_sum(T v, u32 mask = ENC_FULL) {
 #pragma unroll
   for (int m = 1; m < 8; m <<= 1) v += __shfl_xor_sync(mask, v, m);
   return v;
-}
-
-// Whether any lane of this lane's group has p set (one ballot, every lane of the warp).
-__device__ __forceinline__ bool group_any(bool p, int lane) {
-  return ((__ballot_sync(ENC_FULL, p) >> (lane & 24)) & 0xffu) != 0u;
-}
-
-// Loads (x - mu) * sigma in float32 into the group layout (x - mu rounded once; the error
-// bound counts it); returns whether a loaded x coordinate is NaN/Inf.
-template <int D>
-__device__ __forceinline__ bool group_load(float (&y)[D / 8], const float* __restrict__ xi,
-                                           const float* __restrict__ sg,
-                                           const float* __restrict__ mu, int g) {
-  bool bad = false;
-#pragma unroll
-  for (int k = 0; k < D / 32; ++k) {
-    const int j0 = 32 * k + 4 * g;   // rows are 16-byte aligned (the launcher checks)
-    const float4 xv = *reinterpret_cast<const float4*>(xi + j0);
-    const float4 sv = *reinterpret_cast<const float4*>(sg + j0);
-    const float4 mv = mu ? *reinterpret_cast<const float4*>(mu + j0) : make_float4(0.f, 0.f, 0.f, 0.f);
-    const float xs[4] = {xv.x, xv.y, xv.z, xv.w}, ss[4] = {sv.x, sv.y, sv.z, sv.w},
-                ms[4] = {mv.x, mv.y, mv.z, mv.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      bad |= !isfinite(xs[e]);
-      y[4 * k + e] = (xs[e] - ms[e]) * ss[e];
-    }
-  }
-  return bad;
 }
 
 // One in-register Walsh–Hadamard stage of span h: pairs (i, i + h) -> (a + b, a - b).
@@ -208,7 +100,7 @@ __device__ __forceinline__ void reg_butterfly(float (&y)[V], int h) {
 
 // Unnormalised Walsh–Hadamard transform of the group's vector, stages in the reference's
 // order (span h = 1, 2, 4, ...; pairs (j, j + h) -> (a + b, a - b), each output rounded once).
-// FIRST = 2: from span 2 on (encode v3's loader does span 1, fused with the sign multiply).
+// FIRST = 2: from span 2 on (the loader does span 1, fused with the sign multiply).
 template <int D, int FIRST = 1>
 __device__ __forceinline__ void group_fwht(float (&y)[D / 8], int g) {
   constexpr int V = D / 8;
@@ -224,179 +116,8 @@ __device__ __forceinline__ void group_fwht(float (&y)[D / 8], int g) {
   for (int h = 4; h < V; h <<= 1) reg_butterfly<V>(y, h);       // spans 32, 64: register bits 2-3
 }
 
-// Cell of every t by binary search over the 2^bits - 1 midpoints `mid` (a tie goes to the
-// lower code, like searchsorted(side="left")); the steps are unrolled (constant offsets into
-// the row) and outside the coordinates, so V independent searches overlap. Returns whether
-// some t lies within `margin` of a midpoint it was compared with; both bounds of a t's final
-// cell are compared on the way, so this says whether t is that close to its cell's boundary.
-// The first two steps compare with three midpoints shared by every coordinate (held in
-// registers: no shared-memory load per coordinate), the rest load theirs.
-template <int V>
-__device__ __forceinline__ bool group_search(const float (&t)[V], const float* mid, int bits,
-                                             int (&c)[V], float margin) {
-  bool near = false;
-  const int h = 1 << (bits - 1), q = h >> 1;
-  const float m0 = mid[h - 1];
-  const float ma = q ? mid[q - 1] : 0.f, mb = q ? mid[h + q - 1] : 0.f;
-#pragma unroll
-  for (int i = 0; i < V; ++i) {
-    const bool up = t[i] > m0;
-    near |= fabsf(t[i] - m0) <= margin;
-    c[i] = up ? h : 0;
-    if (q) {
-      const float m = up ? mb : ma;
-      near |= fabsf(t[i] - m) <= margin;
-      if (t[i] > m) c[i] += q;
-    }
-  }
-#pragma unroll
-  for (int s = 32; s >= 1; s >>= 1) {
-    if (s < q) {
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const float m = mid[c[i] + s - 1];
-        near |= fabsf(t[i] - m) <= margin;
-        if (t[i] > m) c[i] += s;
-      }
-    }
-  }
-  return near;
-}
-
-// Packs a field array of nb bits per coordinate (nb in 1, 2, 4, 8; code >> down & mask) of the
-// group's codes and, when `store`, writes it at dst. Register chunk k of group lane g covers
-// coordinates 32k + 4g .. +3 = bits (32k + 4g) nb .. +4nb: word k nb + g nb / 8. The three
-// shuffle rounds run on every lane whatever nb (groups of a warp may differ in bits).
-template <int D>
-__device__ __forceinline__ void group_pack(const int (&code)[D / 8], int nb, int down, u32 mask,
-                                           u32* dst, bool store, int g) {
-  const int lanes_per_word = 8 >> (31 - __clz(nb));   // 8 / nb, nb a power of two
-#pragma unroll
-  for (int k = 0; k < D / 32; ++k) {
-    u32 chunk = 0;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) chunk |= ((u32)(code[4 * k + e] >> down) & mask) << (e * nb);
-    u32 w = chunk << ((4 * g * nb) & 31);
-#pragma unroll
-    for (int m = 1; m < 8; m <<= 1) {
-      const u32 o = __shfl_xor_sync(ENC_FULL, w, m);
-      if (m < lanes_per_word) w |= o;
-    }
-    if (store && (g & (lanes_per_word - 1)) == 0) dst[k * nb + (g * nb >> 3)] = w;
-  }
-}
-
-// Packs codes at `bits` (< 16; 3 bits: a 2-bit field array, then the bit plane).
-template <int D>
-__device__ __forceinline__ void group_pack_codes(const int (&code)[D / 8], int bits, u32* dst,
-                                                 bool store, int g) {
-  const int nb = bits == 3 ? 2 : bits;
-  group_pack<D>(code, nb, 0, (1u << nb) - 1u, dst, store, g);
-  if (__any_sync(ENC_FULL, bits == 3))   // the bit plane, when a group of the warp needs one
-    group_pack<D>(code, 1, 2, 1u, dst + (2 * D + 31) / 32, store && bits == 3, g);
-}
-
-template <int D>
-__global__ void __launch_bounds__(256, 4)
-encode_v2_kernel(const float* __restrict__ x, long long x_row_stride, int n,
-                 const int* __restrict__ head, const float* __restrict__ sigma,
-                 const float* __restrict__ mean, const int* __restrict__ mean_index,
-                 const int* __restrict__ dst_page, const int* __restrict__ dst_slot, int part,
-                 u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
-                 const int* __restrict__ geom, int num_tiers,
-                 const double* __restrict__ levels, const double* __restrict__ mids,
-                 int* __restrict__ status) {
-  constexpr int V = D / 8;
-  constexpr int LOG2D = D == 64 ? 6 : 7;
-  __shared__ EncodeTables tb;
-  tb.load(levels, mids);
-  const int lane = threadIdx.x & 31, g = lane & 7;
-  const int warps = (gridDim.x * blockDim.x) >> 5;
-  // Float32 error bound of t = sqrt(D) z_j / ||z|| against the float64 reference (unit
-  // roundoff u = 2^-24): |dt| <= (L + 1) u sqrt(D) from the L = log2 D butterfly stages and
-  // the x - mu rounding (each output of a stage is a +-1 sum of the inputs, |x'|_1 <=
-  // sqrt(D) |x'|), plus <= ~22 u |t| from the radius (L + 1 stages norm-wise, the sum of
-  // squares, the square root), the division, the product and the float32 midpoint. Near a
-  // midpoint m, |t| ~ |m| <= the row's largest midpoint M: the margin is
-  // 2 (L + 1) u sqrt(D) + 64 u M (twice and thrice the bound).
-  const float sqrt_d = sqrtf((float)D);
-  const float margin0 = 2.0f * (LOG2D + 1) * sqrt_d * 0x1p-24f, margin1 = 64.0f * 0x1p-24f;
-  for (int base = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * 4; base < n; base += warps * 4) {
-    const int i = base + (lane >> 3);
-    const bool live = i < n;
-    const int ii = live ? i : n - 1;   // idle groups redo a valid vector and write nothing
-    const float* xi = x + (long long)ii * x_row_stride;
-    const float* sg = sigma + (size_t)head[ii] * D;
-    const float* mu = mean ? mean + (size_t)mean_index[ii] * D : nullptr;
-    const int page = dst_page[ii], slot = dst_slot[ii];
-    float z[V];
-    const bool bad = group_any(group_load<D>(z, xi, sg, mu, g), lane);
-    // Destination checks in the order of v1: tier, then slot, then the input.
-    const int tier = page_tier[page];
-    const bool tier_ok = tier >= 1 && tier <= num_tiers;
-    const int* gm = geom + (tier_ok ? tier : 1) * SKV_GEOM_STRIDE;
-    const bool slot_ok = slot >= 0 && slot < gm[G_P];
-    const int st0 = !tier_ok ? ST_BAD_TIER : !slot_ok ? ST_BAD_SLOT : bad ? ST_NONFINITE : 0;
-    if (live && st0 && g == 0) atomicOr(status, st0);
-    const bool ok = live && st0 == 0;
-    const EncodeDest dst(pages, page_words, page, slot, gm, part);
-    const int bits = ok ? dst.bits : 1;
-    const int qbits = bits == 16 ? 1 : bits;   // the table row searched (a 16-bit group only idles)
-    const int lr = level_row(qbits);
-
-    // ---- fast path: float32 transform, radius and search
-    group_fwht<D>(z, g);
-    float r2 = 0.f;
-#pragma unroll
-    for (int k = 0; k < V; ++k) r2 += z[k] * z[k];
-    r2 = group_sum(r2);
-    const bool r_ok = r2 >= 1e-30f && r2 <= 1e30f;   // no underflow/overflow of the squares
-    const float rz = sqrtf(r2);
-    const float kt = r_ok ? sqrt_d / rz : 0.f;
-#pragma unroll
-    for (int k = 0; k < V; ++k) z[k] *= kt;          // z now holds t = sqrt(D) u
-    int code[V];
-    const float* mrow = tb.mid + lr * 256;
-    const float margin = fmaf(mrow[(1 << qbits) - 2], margin1, margin0);   // symmetric rows
-    bool near = group_search<V>(z, mrow, qbits, code, margin);
-    near |= !r_ok || bits == 16;
-    const float* l2row = tb.lev2 + lr * 256;
-    float c2 = 0.f;
-#pragma unroll
-    for (int k = 0; k < V; ++k) c2 += l2row[code[k]];
-    c2 = group_sum(c2);
-    // s = r / ||c_hat|| = ||z|| / sqrt(sum C[c]^2). Relative error <= ~21 u from the radius,
-    // ~10.5 u from the float32 sum of squared levels (positive terms, 19 additions deep, under
-    // a square root) and ~1 u from the division: < 33 u, i.e. < 33 float32 ulps of s. A
-    // scale 64 ulps or more from an fp16 rounding boundary (low 13 mantissa bits 0x1000) and
-    // inside the normal fp16 range rounds as the reference's does.
-    const float sf = rz / sqrtf(c2);
-    near |= !(sf >= 0x1p-14f && sf < 65000.0f) || abs((__float_as_int(sf) & 0x1fff) - 0x1000) <= 64;
-    const bool slow = group_any(near, lane) && ok;
-    group_pack_codes<D>(code, qbits, dst.codes, ok && !slow, g);
-    if (ok && !slow && g == 0) *dst.scale = __float2half_rn(sf);
-
-    // ---- float64 path for the groups that need it: v1's pipeline, one vector at a time, the
-    // whole warp on it (lane 8q of group q hands over its vector index)
-    u32 todo = __ballot_sync(ENC_FULL, slow && g == 0);
-    while (todo) {
-      const int src = __ffs(todo) - 1;
-      todo &= todo - 1;
-      const int v = __shfl_sync(ENC_FULL, ii, src);
-      const float* mu_v = mean ? mean + (size_t)mean_index[v] * D : nullptr;
-      double y[D / 32];
-      warp_load_centred<D>(y, x + (long long)v * x_row_stride, sigma + (size_t)head[v] * D, mu_v,
-                           lane);
-      const int* gv = geom + page_tier[dst_page[v]] * SKV_GEOM_STRIDE;
-      const int st = warp_rotate_encode<D>(
-          tb.q, y, EncodeDest(pages, page_words, dst_page[v], dst_slot[v], gv, part), lane);
-      if (st && lane == 0) atomicOr(status, st);
-    }
-  }
-}
-
-// ------------------------------------------------------------------------ v3 ----
-// Exactness of the float32 path (derivation in docs/PERF_NOTES.md "Encode v3"). With u = 2^-24
+// ------------------------------------------------------------- cells without a search ----
+// Exactness of the float32 path (derivation in docs/PERF_NOTES.md "Encode"). With u = 2^-24
 // (each float32 rounding: relative error <= u), L = log2 D and M the row's largest |midpoint|,
 // the float32 t = z_j / ||x'|| (x' = (x - mu) sigma, z its unnormalised transform) differs
 // from the float64 reference's by at most (L + 1) u sqrt(D) (L butterfly stages and the
@@ -405,40 +126,40 @@ encode_v2_kernel(const float* __restrict__ x, long long x_row_stride, int n,
 // sqrt(2) and the row's constant). Each row's test uses 2 (L + 1) u sqrt(D) + 48 u M, at
 // least twice that: a coordinate within it of a midpoint (the uniform path tests the same
 // distance in units of A = (t - mid0)/step + 1/2, widened by the rounding of A) sends its
-// vector to v1's float64 pipeline. The scale s = ||z|| / sqrt(sum C[c]^2) is within 34 u
+// vector to the float64 pipeline. The scale s = ||z|| / sqrt(sum C[c]^2) is within 34 u
 // (Lloyd–Max: the float32 sum of squared levels adds 20 u under a square root) or 24 u
 // (uniform: the sum of squared odd integers is exact) of the exact value, so a scale 64
 // (uniform: 48) float32 ulps or more from an fp16 rounding boundary rounds as the
-// reference's does; a closer one is decided in float64 (enc3_encode, ENC3_SCALE64).
-constexpr float ENC3_MAGIC = 12582912.0f;     // 1.5 * 2^23: v + MAGIC rounds v (|v| < 2^22) to an integer
-constexpr int ENC3_MAGIC_BITS = 0x4B400000;   // its bits; (v + MAGIC) - these bits = rint(v) (as int)
-// Table blob (float words, built by cupy_kernels/encode.py `v3_tables`; both sides check
-// ENC3_WORDS): per bit row (1, 2, 3, 4, 8) ENC3_PRM parameters; the Lloyd–Max kernel also
+// reference's does; a closer one is decided in float64 (enc_encode, ENC_SCALE).
+constexpr float ENC_MAGIC = 12582912.0f;     // 1.5 * 2^23: v + MAGIC rounds v (|v| < 2^22) to an integer
+constexpr int ENC_MAGIC_BITS = 0x4B400000;   // its bits; (v + MAGIC) - these bits = rint(v) (as int)
+// Table blob (float words, built by cupy_kernels/encode.py `cell_tables`; both sides check
+// ENC_WORDS): per bit row (1, 2, 3, 4, 8) ENC_PRM parameters; the Lloyd–Max kernel also
 // reads the squared levels (float32, 5 x 256) and the buckets: their midpoints (float) and
-// the cell below each bucket (int), ENC3_NB of each, row b at Enc3Row<b>::OFF.
-constexpr int ENC3_PRM = 8;
-constexpr int ENC3_LEV2 = 5 * ENC3_PRM;
-constexpr int ENC3_BM = ENC3_LEV2 + 5 * 256;
-constexpr int ENC3_NB = 8 + 32 + 64 + 128 + 768;
-constexpr int ENC3_BC = ENC3_BM + ENC3_NB;
-constexpr int ENC3_WORDS = ENC3_BC + ENC3_NB;
+// the cell below each bucket (int), ENC_NB of each, row b at EncRow<b>::OFF.
+constexpr int ENC_PRM = 8;
+constexpr int ENC_LEV2 = 5 * ENC_PRM;
+constexpr int ENC_BM = ENC_LEV2 + 5 * 256;
+constexpr int ENC_NB = 8 + 32 + 64 + 128 + 768;
+constexpr int ENC_BC = ENC_BM + ENC_NB;
+constexpr int ENC_WORDS = ENC_BC + ENC_NB;
 // Parameters of a row: [0] uniform: 1/(step (2^B - 1)); table: 1/bucket width; [1] offset of
 // the index (uniform: divided by 2^B - 1 too); [2] table: largest bucket (the clamp of the
 // 8-bit row); [3] uniform: |A - rint(A)| >= this is too close to a boundary; table:
 // |t - m| <= this is; [4] sqrt(D/2) (uniform: over the half step); [5] (int) the scale's
-// guard in float32 ulps; [6] table: (int) -4 ENC3_MAGIC_BITS.
-template <int B> struct Enc3Row;
-template <> struct Enc3Row<1> { static constexpr int G = 8, OFF = 0; };
-template <> struct Enc3Row<2> { static constexpr int G = 32, OFF = 8; };
-template <> struct Enc3Row<3> { static constexpr int G = 64, OFF = 40; };
-template <> struct Enc3Row<4> { static constexpr int G = 128, OFF = 104; };
-template <> struct Enc3Row<8> { static constexpr int G = 768, OFF = 232; };
+// guard in float32 ulps; [6] table: (int) -4 ENC_MAGIC_BITS.
+template <int B> struct EncRow;
+template <> struct EncRow<1> { static constexpr int G = 8, OFF = 0; };
+template <> struct EncRow<2> { static constexpr int G = 32, OFF = 8; };
+template <> struct EncRow<3> { static constexpr int G = 64, OFF = 40; };
+template <> struct EncRow<4> { static constexpr int G = 128, OFF = 104; };
+template <> struct EncRow<8> { static constexpr int G = 768, OFF = 232; };
 
 // z = span-1 butterflies of x' = (x - mu) sigma for the lane's coordinates: a + b =
 // fma(x0, s0, x1 s1) rounds the exact sum of the exact products once, like adding x'0 and
 // x'1 (x - mu is rounded once first when centred; the bound counts it).
 template <int D, bool CENTRED>
-__device__ __forceinline__ void enc3_load(float (&z)[D / 8], const float4* xs,
+__device__ __forceinline__ void enc_load(float (&z)[D / 8], const float4* xs,
                                           const float* __restrict__ sg,
                                           const float* __restrict__ mu) {
 #pragma unroll
@@ -457,12 +178,12 @@ __device__ __forceinline__ void enc3_load(float (&z)[D / 8], const float4* xs,
   }
 }
 
-__device__ __forceinline__ void enc3_cp_async16(void* smem, const void* gmem) {
+__device__ __forceinline__ void enc_cp_async16(void* smem, const void* gmem) {
   const u32 s = (u32)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(gmem) : "memory");
 }
-__device__ __forceinline__ void enc3_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void enc3_cp_async_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void enc_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void enc_cp_async_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // Uniform codebook: the cell of t is clamp(rint(A), 0, 2^B - 1) with A = (t - mid0)/step + 1/2
 // (the midpoints sit at half-integers of A; a tie is a near boundary, so rint's tie rule never
@@ -470,9 +191,9 @@ __device__ __forceinline__ void enc3_cp_async_wait() { asm volatile("cp.async.wa
 // rounds A_s (2^B - 1) + MAGIC in one fma (the product is exact inside it); d = A - rint(A) is
 // exact up to 2^-25. c[i] gets the bits of rint(A) + MAGIC (the packer drops MAGIC's bits);
 // sumsq the sum of the squared odd integers 2c + 1 - 2^B, exact in float32 (< 2^24). The width
-// comes from the row (prm[2] = 2^B - 1): one loop serves every width (enc3_encode).
+// comes from the row (prm[2] = 2^B - 1): one loop serves every width (enc_encode).
 template <int V>
-__device__ __forceinline__ bool enc3_cells_uniform(const float (&z)[V], float kt,
+__device__ __forceinline__ bool enc_cells_uniform(const float (&z)[V], float kt,
                                                    const float* prm, int (&c)[V], float& sumsq) {
   const float k = kt * prm[0], o = prm[1], hi = prm[2], thr = prm[3];
   bool near = false;
@@ -480,8 +201,8 @@ __device__ __forceinline__ bool enc3_cells_uniform(const float (&z)[V], float kt
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const float as = __saturatef(fmaf(z[i], k, o));
-    const float ar = fmaf(as, hi, ENC3_MAGIC);
-    const float r = ar - ENC3_MAGIC;                 // rint(A), exact
+    const float ar = fmaf(as, hi, ENC_MAGIC);
+    const float r = ar - ENC_MAGIC;                 // rint(A), exact
     near |= fabsf(fmaf(as, hi, -r)) >= thr;
     const float odd = fmaf(2.f, r, -hi);
     s = fmaf(odd, odd, s);
@@ -496,30 +217,30 @@ __device__ __forceinline__ bool enc3_cells_uniform(const float (&z)[V], float kt
 // is (cell below the bucket) + (t > m), and |t - m| <= margin is a near boundary. Rows of
 // 1-4 bits span |t| <= sqrt(D) + 1/2 (|t| <= sqrt(D) (1 + 2^-18) whenever the radius is in
 // range), so their index needs no clamp; the 8-bit row clamps (CLAMP). sumsq: sum of the
-// float32 squared levels. The row (lr: level_row, off: Enc3Row::OFF) comes at run time: one
-// loop serves 1-4 bits, one more 8 bits (enc3_encode).
+// float32 squared levels. The row (lr: level_row, off: EncRow::OFF) comes at run time: one
+// loop serves 1-4 bits, one more 8 bits (enc_encode).
 template <bool CLAMP, int V>
-__device__ __forceinline__ bool enc3_cells_table(const float (&z)[V], float kt, const float* tab,
+__device__ __forceinline__ bool enc_cells_table(const float (&z)[V], float kt, const float* tab,
                                                  int lr, int off, int (&c)[V], float& sumsq) {
-  const float* prm = tab + lr * ENC3_PRM;
+  const float* prm = tab + lr * ENC_PRM;
   const float k = kt * prm[0], o = prm[1], hi = prm[2], margin = prm[3];
-  // shared addresses: bucket b's midpoint at bm + 4b (its cell ENC3_NB words further), minus
+  // shared addresses: bucket b's midpoint at bm + 4b (its cell ENC_NB words further), minus
   // the MAGIC bits so that the rounded float's bits index the table in one multiply-add
   // (the offset -4 MAGIC_BITS comes from the table, prm[6]: a compile-time constant would be
   // folded back into every address, one more add per look-up)
-  const u32 bm = (u32)__cvta_generic_to_shared(tab + ENC3_BM + off) + (u32)__float_as_int(prm[6]);
-  const u32 l2 = (u32)__cvta_generic_to_shared(tab + ENC3_LEV2 + lr * 256);
+  const u32 bm = (u32)__cvta_generic_to_shared(tab + ENC_BM + off) + (u32)__float_as_int(prm[6]);
+  const u32 l2 = (u32)__cvta_generic_to_shared(tab + ENC_LEV2 + lr * 256);
   bool near = false;
   float s = 0.f;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     float a = fmaf(z[i], k, o);
     if (CLAMP) a = fminf(fmaxf(a, 0.f), hi);
-    const u32 addr = 4u * (u32)__float_as_int(a + ENC3_MAGIC) + bm;
+    const u32 addr = 4u * (u32)__float_as_int(a + ENC_MAGIC) + bm;
     float m, l;
     int c0;
     asm("ld.shared.f32 %0, [%1];" : "=f"(m) : "r"(addr));
-    asm("ld.shared.s32 %0, [%1+%2];" : "=r"(c0) : "r"(addr), "n"(4 * ENC3_NB));
+    asm("ld.shared.s32 %0, [%1+%2];" : "=r"(c0) : "r"(addr), "n"(4 * ENC_NB));
     const float e = fmaf(-z[i], kt, m);                // m - t, one rounding: negative iff t > m
     near |= fabsf(e) <= margin;
     const int cc = c0 + (int)(__float_as_uint(e) >> 31);
@@ -536,7 +257,7 @@ __device__ __forceinline__ bool enc3_cells_table(const float (&z)[V], float kt, 
 // +3) is 4B bits at byte (32k + 4g) B / 8: a byte (2 bits), a 16-bit half (4), a word (8); at
 // 1 bit (and the 3-bit plane) a nibble, merged with the neighbouring lane's into a byte.
 template <int B, int D>
-__device__ __forceinline__ void enc3_store_codes(const int (&c)[D / 8], unsigned char* row,
+__device__ __forceinline__ void enc_store_codes(const int (&c)[D / 8], unsigned char* row,
                                                  int g, u32 gmask) {
 #pragma unroll
   for (int k = 0; k < D / 32; ++k) {
@@ -568,48 +289,45 @@ __device__ __forceinline__ void enc3_store_codes(const int (&c)[D / 8], unsigned
   }
 }
 
-// The bucket row of a width (Enc3Row<B>::OFF) at run time.
-__device__ __forceinline__ int enc3_row_off(int bits) {
-  return bits == 8 ? Enc3Row<8>::OFF : bits == 4 ? Enc3Row<4>::OFF : bits == 3 ? Enc3Row<3>::OFF
-       : bits == 2 ? Enc3Row<2>::OFF : Enc3Row<1>::OFF;
+// The bucket row of a width (EncRow<B>::OFF) at run time.
+__device__ __forceinline__ int enc_row_off(int bits) {
+  return bits == 8 ? EncRow<8>::OFF : bits == 4 ? EncRow<4>::OFF : bits == 3 ? EncRow<3>::OFF
+       : bits == 2 ? EncRow<2>::OFF : EncRow<1>::OFF;
 }
 
-// enc3_store_codes at a width known at run time.
+// enc_store_codes at a width known at run time.
 template <int D>
-__device__ __forceinline__ void enc3_store_codes_at(int bits, const int (&c)[D / 8],
+__device__ __forceinline__ void enc_store_codes_at(int bits, const int (&c)[D / 8],
                                                     unsigned char* row, int g, u32 gmask) {
   switch (bits) {
-    case 1: enc3_store_codes<1, D>(c, row, g, gmask); break;
-    case 2: enc3_store_codes<2, D>(c, row, g, gmask); break;
-    case 3: enc3_store_codes<3, D>(c, row, g, gmask); break;
-    case 4: enc3_store_codes<4, D>(c, row, g, gmask); break;
-    default: enc3_store_codes<8, D>(c, row, g, gmask); break;
+    case 1: enc_store_codes<1, D>(c, row, g, gmask); break;
+    case 2: enc_store_codes<2, D>(c, row, g, gmask); break;
+    case 3: enc_store_codes<3, D>(c, row, g, gmask); break;
+    case 4: enc_store_codes<4, D>(c, row, g, gmask); break;
+    default: enc_store_codes<8, D>(c, row, g, gmask); break;
   }
 }
 
-#ifndef ENC3_SCALE64
-#define ENC3_SCALE64 1   // 0: a scale near an fp16 rounding boundary defers its vector (as before)
-#endif
-// What enc3_encode did with the group's vector.
-enum Enc3Outcome { ENC3_DONE = 0, ENC3_SCALE = 1, ENC3_SLOW = 2 };
+// What enc_encode did with the group's vector.
+enum EncOutcome { ENC_DONE = 0, ENC_SCALE = 1, ENC_SLOW = 2 };
 
 // Relative distance of ||x'||^2 D from m^2 c2 below which the float64 scale decision defers the
-// vector (enc3_encode, ENC3_SCALE): on the uniform codebook c2 is within O(2^-52), on any other
-// (v3's float32 sum of the float32 squares of the levels: 16 in-lane additions and 3 across the
+// vector (enc_encode, ENC_SCALE): on the uniform codebook c2 is within O(2^-52), on any other
+// (the float32 sum of the float32 squares of the levels: 16 in-lane additions and 3 across the
 // group, each square rounded once) within 18.5 u = 2^-19.8.
-template <bool UNIFORM> __device__ __forceinline__ double enc3_scale_tol() { return UNIFORM ? 0x1p-40 : 0x1p-18; }
+template <bool UNIFORM> __device__ __forceinline__ double enc_scale_tol() { return UNIFORM ? 0x1p-40 : 0x1p-18; }
 
 // Quantises the group's vector (z: unnormalised transform; kt = sqrt(D)/||z||; rz = ||z|| /
 // sqrt(D/2)) at `bits` bits (1, 2, 3, 4 or 8). The width is a run-time value: one cells loop
 // serves every width (the Lloyd–Max kernel: one for 1-4 bits and one for 8), only the packing
 // is per width, so the tiers of an RDR mix run the same code (a loop per width took 12-15 %
 // longer on the Lloyd–Max mix, 2-5 % on the uniform one, and 1-3 % less on one-tier pools:
-// docs/PERF_NOTES.md). ENC3_DONE: no coordinate or scale near a rounding boundary, codes and
-// scale written. ENC3_SCALE: only the scale's fp16 rounding is in doubt, codes written, mid16
-// (m) and ssq set for encode_v3_body's float64 decision. ENC3_SLOW: the vector needs the float64
+// docs/PERF_NOTES.md). ENC_DONE: no coordinate or scale near a rounding boundary, codes and
+// scale written. ENC_SCALE: only the scale's fp16 rounding is in doubt, codes written, mid16
+// (m) and ssq set for encode_body's float64 decision. ENC_SLOW: the vector needs the float64
 // pipeline. Called by whole groups (8 lanes) only.
 template <bool UNIFORM, int D>
-__device__ __forceinline__ int enc3_encode(const float (&z)[D / 8], float kt, float rz,
+__device__ __forceinline__ int enc_encode(const float (&z)[D / 8], float kt, float rz,
                                            const float* tab, int bits, unsigned char* row,
                                            __half* scale, int g, u32 gmask, float& mid16,
                                            float& ssq) {
@@ -618,50 +336,44 @@ __device__ __forceinline__ int enc3_encode(const float (&z)[D / 8], float kt, fl
   const int lr = level_row(bits);
   bool near;
   if constexpr (UNIFORM) {
-    near = enc3_cells_uniform<D / 8>(z, kt, tab + lr * ENC3_PRM, c, sumsq);
+    near = enc_cells_uniform<D / 8>(z, kt, tab + lr * ENC_PRM, c, sumsq);
   } else {
-    if (bits == 8) near = enc3_cells_table<true, D / 8>(z, kt, tab, lr, Enc3Row<8>::OFF, c, sumsq);
-    else near = enc3_cells_table<false, D / 8>(z, kt, tab, lr, enc3_row_off(bits), c, sumsq);
+    if (bits == 8) near = enc_cells_table<true, D / 8>(z, kt, tab, lr, EncRow<8>::OFF, c, sumsq);
+    else near = enc_cells_table<false, D / 8>(z, kt, tab, lr, enc_row_off(bits), c, sumsq);
   }
 #pragma unroll
   for (int m = 1; m < 8; m <<= 1) sumsq += __shfl_xor_sync(gmask, sumsq, m);
   // s = ||z|| / sqrt(sum C[c]^2) with ||z|| = rz * prm[4] (prm[4] = sqrt(D/2), over hs on the
   // uniform path, where C[c] = hs (2c + 1 - 2^B) makes sqrt(sum) = hs sqrt(sumsq))
-  const float sf = rz * (rsqrtf(sumsq) * tab[lr * ENC3_PRM + 4]);
-  const int guard = __float_as_int(tab[lr * ENC3_PRM + 5]);   // float32 ulps
+  const float sf = rz * (rsqrtf(sumsq) * tab[lr * ENC_PRM + 4]);
+  const int guard = __float_as_int(tab[lr * ENC_PRM + 5]);   // float32 ulps
   // sf is the same on the group's lanes: the codes decide `cells`, the scale `close`
   const bool cells = __any_sync(gmask, near || !(sf >= 0x1p-14f && sf < 65000.0f));
   const bool close = abs((__float_as_int(sf) & 0x1fff) - 0x1000) <= guard;
   if (!cells && !close) {
-    enc3_store_codes_at<D>(bits, c, row, g, gmask);
+    enc_store_codes_at<D>(bits, c, row, g, gmask);
     if (g == 0) *scale = __float2half_rn(sf);
-    return ENC3_DONE;
+    return ENC_DONE;
   }
-#if ENC3_SCALE64
   if (!cells) {
     // Only the scale's fp16 rounding is in doubt: sf lies near the midpoint m between two fp16
     // values (sf's bits with the 13 below fp16 precision set to 0x1000: exact in float32), and
     // the codes are the reference's: stored now. The reference's s = ||x'|| / sqrt(c2 / D),
-    // c2 = sum C[c]^2, rounds up iff ||x'||^2 D > m^2 c2, which encode_v3_body decides in
+    // c2 = sum C[c]^2, rounds up iff ||x'||^2 D > m^2 c2, which encode_body decides in
     // float64 with ||x'||^2 read by the whole warp (the rotation keeps the norm), from ssq =
     // sumsq: on the uniform codebook c2 = hs^2 ssq (ssq the exact sum of the squared odd
     // integers, hs = C[2^(B-1)]: the reference's levels are fl(hs (2c + 1 - 2^B))), on any
-    // other c2 = ssq, within 2^-19.8 (enc3_scale_tol).
+    // other c2 = ssq, within 2^-19.8 (enc_scale_tol).
     ssq = sumsq;
-    enc3_store_codes_at<D>(bits, c, row, g, gmask);
+    enc_store_codes_at<D>(bits, c, row, g, gmask);
     mid16 = __int_as_float((__float_as_int(sf) & ~0x1fff) | 0x1000);
-    return ENC3_SCALE;
+    return ENC_SCALE;
   }
-#endif
-  return ENC3_SLOW;
+  return ENC_SLOW;
 }
 
-#ifndef ENC3_DEFER
-#define ENC3_DEFER 1  // 0: a diagnostic build (wrong output) that drops the deferred vectors
-#endif
-
 template <int D, bool UNIFORM>
-__device__ __forceinline__ void encode_v3_body(
+__device__ __forceinline__ void encode_body(
     const float* __restrict__ x, long long x_row_stride, int n, const int* __restrict__ head,
     const float* __restrict__ sigma, const float* __restrict__ mean,
     const int* __restrict__ mean_index, const int* __restrict__ dst_page,
@@ -682,8 +394,8 @@ __device__ __forceinline__ void encode_v3_body(
   {
     const float* xi = x + (long long)ii * x_row_stride + 4 * g;
 #pragma unroll
-    for (int k = 0; k < D / 32; ++k) enc3_cp_async16(xs + 8 * k, xi + 32 * k);
-    enc3_cp_async_commit();
+    for (int k = 0; k < D / 32; ++k) enc_cp_async16(xs + 8 * k, xi + 32 * k);
+    enc_cp_async_commit();
   }
   int tier = page_tier[pg];
   for (; base < n; base += step) {
@@ -695,14 +407,14 @@ __device__ __forceinline__ void encode_v3_body(
     // (x - mu) * sigma from the staged row, fused with the first butterfly stage (span 1);
     // then the slots take the next vector's row.
     float z[V];
-    enc3_cp_async_wait();
-    if (mean) enc3_load<D, true>(z, xs, sigma + (size_t)hd * D + 4 * g, mean + (size_t)mi * D + 4 * g);
-    else enc3_load<D, false>(z, xs, sigma + (size_t)hd * D + 4 * g, nullptr);
+    enc_cp_async_wait();
+    if (mean) enc_load<D, true>(z, xs, sigma + (size_t)hd * D + 4 * g, mean + (size_t)mi * D + 4 * g);
+    else enc_load<D, false>(z, xs, sigma + (size_t)hd * D + 4 * g, nullptr);
     {
       const float* xi = x + (long long)nii * x_row_stride + 4 * g;
 #pragma unroll
-      for (int k = 0; k < D / 32; ++k) enc3_cp_async16(xs + 8 * k, xi + 32 * k);
-      enc3_cp_async_commit();
+      for (int k = 0; k < D / 32; ++k) enc_cp_async16(xs + 8 * k, xi + 32 * k);
+      enc_cp_async_commit();
     }
     const int tier2 = page_tier[pg2];
 
@@ -719,7 +431,7 @@ __device__ __forceinline__ void encode_v3_body(
     const float kt = 1.41421356f * rinv, rz = r2 * rinv;
     group_fwht<D, 2>(z, g);   // span 1 was fused into the load
 
-    // Destination checks in the order of v1: tier, then slot (then the input: r_ok). The
+    // Destination checks in the order of the float64 pipeline: tier, then slot (then the input: r_ok). The
     // tier's geometry row (8 ints, 32-byte aligned) in two 16-byte loads.
     const bool tier_ok = tier >= 1 && tier <= num_tiers;
     const int4* gm = reinterpret_cast<const int4*>(geom + (tier_ok ? tier : 1) * SKV_GEOM_STRIDE);
@@ -730,22 +442,22 @@ __device__ __forceinline__ void encode_v3_body(
     const int bits = part == 0 ? g0.x : g0.y;
 
     bool slow = ok, scale_due = false;
-    float sm = 0.f, ssq = 0.f;   // ENC3_SCALE: the fp16 midpoint near the scale, and sumsq
+    float sm = 0.f, ssq = 0.f;   // ENC_SCALE: the fp16 midpoint near the scale, and sumsq
     if (ok && r_ok && bits != 16) {   // group-uniform
       // page bytes < 2^31 (a page of 4 KiB by default): byte offsets inside it are ints
       unsigned char* pgb = reinterpret_cast<unsigned char*>(pages + (size_t)pg * page_words);
       unsigned char* row = pgb + 4 * (part == 0 ? sl * g0.w : g1.y + sl * g1.x);
       __half* sc = reinterpret_cast<__half*>(pgb + (part == 0 ? g1.z : g1.w) + 2 * sl);
-      const int out = enc3_encode<UNIFORM, D>(z, kt, rz, tab, bits, row, sc, g, gmask, sm, ssq);
-      slow = out == ENC3_SLOW;
-      scale_due = out == ENC3_SCALE;
+      const int out = enc_encode<UNIFORM, D>(z, kt, rz, tab, bits, row, sc, g, gmask, sm, ssq);
+      slow = out == ENC_SLOW;
+      scale_due = out == ENC_SCALE;
     }
 
-    // The scales in doubt (ENC3_SCALE), one vector at a time, the whole warp reading its x' in
+    // The scales in doubt (ENC_SCALE), one vector at a time, the whole warp reading its x' in
     // float64 as the pipeline below does: rounded up iff ||x'||^2 D > m^2 c2, unless the two
-    // are within enc3_scale_tol (then the vector joins the float64 pipeline).
+    // are within enc_scale_tol (then the vector joins the float64 pipeline).
     // Lane 8q of group q hands its vector to the whole warp: y = x' = (x - mu) sigma in float64
-    // (v1's layout: lane l, coordinates l D/32 ..), whether x' holds NaN/Inf, its destination.
+    // (the float64 pipeline's layout: lane l, coordinates l D/32 ..), whether x' holds NaN/Inf, its destination.
     auto take = [&](int src, double (&y)[D / 32], bool& bad) {
       const int v = __shfl_sync(ENC_FULL, ii, src), vh = __shfl_sync(ENC_FULL, hd, src);
       const int vp = __shfl_sync(ENC_FULL, pg, src), vs = __shfl_sync(ENC_FULL, sl, src);
@@ -772,16 +484,16 @@ __device__ __forceinline__ void encode_v3_body(
         c2 *= hs * hs;
       }
       const double lhs = warp_sum(r2) * D, rhs = (double)m * m * c2;
-      if (fabs(lhs - rhs) <= enc3_scale_tol<UNIFORM>() * rhs) {
+      if (fabs(lhs - rhs) <= enc_scale_tol<UNIFORM>() * rhs) {
         if ((lane >> 3) == (src >> 3)) slow = true;
       } else if (lane == 0) {
         *dv.scale = lhs > rhs ? __float2half_ru(m) : __float2half_rz(m);
       }
     }
 
-    // Float64 pipeline (v1's) for the groups that need it, one vector at a time, the whole
+    // Float64 pipeline for the groups that need it, one vector at a time, the whole
     // warp on it.
-    u32 todo = __ballot_sync(ENC_FULL, slow && g == 0 && ENC3_DEFER);
+    u32 todo = __ballot_sync(ENC_FULL, slow && g == 0);
     while (todo) {
       const int src = __ffs(todo) - 1;
       todo &= todo - 1;
@@ -803,10 +515,10 @@ __device__ __forceinline__ void encode_v3_body(
     }
     ii = nii; hd = hd2; pg = pg2; sl = sl2; mi = mi2; tier = tier2;
   }
-  enc3_cp_async_wait();   // the last prefetch (of a row nobody encodes) lands before exit
+  enc_cp_async_wait();   // the last prefetch (of a row nobody encodes) lands before exit
 }
 
-#define SKV_ENCODE_V3_PARAMS                                                                   \
+#define SKV_ENCODE_PARAMS                                                                   \
   const float* __restrict__ x, long long x_row_stride, int n, const int* __restrict__ head,    \
       const float* __restrict__ sigma, const float* __restrict__ mean,                         \
       const int* __restrict__ mean_index, const int* __restrict__ dst_page,                    \
@@ -818,38 +530,38 @@ __device__ __forceinline__ void encode_v3_body(
 
 // Any codebook (bucket tables in shared memory, 9.3 KiB) and the uniform one (parameters
 // only). 256 threads; each warp owns 4 x D floats of shared memory for the staged rows.
-// The block of either v3 kernel: its shared table (bucket tables, or the uniform codebook's
-// parameters), then encode_v3_body with each warp's slice of the staged rows. A grid of two
+// The block of either encode kernel: its shared table (bucket tables, or the uniform codebook's
+// parameters), then encode_body with each warp's slice of the staged rows. A grid of two
 // rows of blocks (gridDim.y = 2, part 0) encodes keys and values in one launch: row 1 reads
 // the values' x2, sigma2 and mean2 (the same heads, destinations and mean rows) as part 1;
 // with one row x2, sigma2, mean2 are unused.
 template <int D, bool UNI>
-__device__ __forceinline__ void encode_v3_block(SKV_ENCODE_V3_PARAMS) {
-  constexpr int TAB = UNI ? ENC3_LEV2 : ENC3_WORDS;
+__device__ __forceinline__ void encode_block(SKV_ENCODE_PARAMS) {
+  constexpr int TAB = UNI ? ENC_LEV2 : ENC_WORDS;
   __shared__ float tab[TAB];
   __shared__ float4 xw[8 * D];
   for (int k = threadIdx.x; k < TAB; k += blockDim.x) tab[k] = tables[k];
   __syncthreads();
   const bool vrow = blockIdx.y != 0;   // the values' row of a two-part launch
-  encode_v3_body<D, UNI>(vrow ? x2 : x, vrow ? x2_row_stride : x_row_stride, n, head,
+  encode_body<D, UNI>(vrow ? x2 : x, vrow ? x2_row_stride : x_row_stride, n, head,
                          vrow ? sigma2 : sigma, vrow ? mean2 : mean, mean_index, dst_page,
                          dst_slot, vrow ? 1 : part, pages, page_words, page_tier, geom, num_tiers,
                          levels, mids, tab, xw + (threadIdx.x >> 5) * D, status);
 }
 
 template <int D>
-__global__ void __launch_bounds__(256, 4) encode_v3_kernel(SKV_ENCODE_V3_PARAMS) {
-  encode_v3_block<D, false>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page,
+__global__ void __launch_bounds__(ENC_THREADS, ENC_CTAS) encode_table_kernel(SKV_ENCODE_PARAMS) {
+  encode_block<D, false>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page,
                             dst_slot, part, pages, page_words, page_tier, geom, num_tiers, levels,
                             mids, tables, status, x2, x2_row_stride, sigma2, mean2);
 }
 
 template <int D>
-__global__ void __launch_bounds__(256, 4) encode_v3_uniform_kernel(SKV_ENCODE_V3_PARAMS) {
-  encode_v3_block<D, true>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page,
+__global__ void __launch_bounds__(ENC_THREADS, ENC_CTAS) encode_affine_kernel(SKV_ENCODE_PARAMS) {
+  encode_block<D, true>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page,
                            dst_slot, part, pages, page_words, page_tier, geom, num_tiers, levels,
                            mids, tables, status, x2, x2_row_stride, sigma2, mean2);
 }
-#undef SKV_ENCODE_V3_PARAMS
+#undef SKV_ENCODE_PARAMS
 
 }  // namespace skv

@@ -14,8 +14,10 @@
 
 namespace skv {
 
+constexpr int RETIER_THREADS = 256;   // threads per block (launcher THREADS)
+
 template <int D>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(RETIER_THREADS)
 retier_kernel(int n, const int* __restrict__ src_page, const int* __restrict__ src_slot,
               const int* __restrict__ dst_page, const int* __restrict__ dst_slot,
               u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,

@@ -405,11 +405,10 @@ template <> struct VGroup<8> : UGroup<8> {
 template <> struct VGroup<16> : UGroup<16> {};
 
 // Decode paths: the table path (any codebook), the v4 affine path, the v5 affine path.
-enum DecodePath { PATH_TABLE = 0, PATH_AFFINE_V4 = 1, PATH_AFFINE = 2 };
+enum DecodePath { PATH_TABLE = 0, PATH_AFFINE = 1 };
 
 // The group type of a bit width on each path.
 template <int B, int PATH> struct GroupOf { typedef Group<B> type; };
-template <int B> struct GroupOf<B, PATH_AFFINE_V4> { typedef UGroup<B> type; };
 template <int B> struct GroupOf<B, PATH_AFFINE> { typedef VGroup<B> type; };
 
 // D = A(16x16, row) * B(16x8, col) + C, fp16 inputs, fp32 accumulators.

@@ -2,8 +2,8 @@
 check 2): dram__bytes_read.sum over the decode and merge kernels must stay within 1.1x of
 (cache bytes + queries + page tables).
 
-    PYTHONPATH=. python3 validation/ncu_bytes.py --out results.json        # runs ncu on itself
-    PYTHONPATH=. python3 validation/ncu_bytes.py --child --tiers 4/4       # the profiled program
+    PYTHONPATH=. python3 lab/ncu_bytes.py --out results.json        # runs ncu on itself
+    PYTHONPATH=. python3 lab/ncu_bytes.py --child --tiers 4/4       # the profiled program
 """
 from __future__ import annotations
 
@@ -19,19 +19,17 @@ import sys
 LIMIT = 1.1
 
 
-def child(batch, context, tiers_name, codebook="lloyd-max", version=0):
+def child(batch, context, tiers_name, codebook="lloyd-max"):
     import cupy as cp
-    import numpy as np
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from decode_bench import D, HKV, HQ, LADDER, build_ada
     from cupy_kernels import ada_decode, kernel_tables
+    from validation.decode_bench import D, HKV, HQ, LADDER, build_ada
     tables = kernel_tables(LADDER, D, codebook=codebook)
     state, _ = build_ada(batch, context, tiers_name, tables)
     lay = state["layout"]
     q = cp.random.standard_normal((batch, HQ, D), dtype=cp.float32)
     out = ada_decode(q, state["pages"], state["page_tier"], state["page_count"], state["indptr"],
                      state["indices"], tables, state["sigma_k"], state["sigma_v"],
-                     num_kv_heads=HKV, validate=False, version=version or None)
+                     num_kv_heads=HKV, validate=False)
     cp.cuda.Device().synchronize()
     assert bool(cp.all(cp.isfinite(out)))
     expected = dict(cache_bytes=lay.cache_bytes, page_bytes=lay.page_bytes_total,
@@ -44,12 +42,11 @@ def parent(args):
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     results = []
     for codebook, tiers_name in [(c, t) for c in args.codebooks.split(",") for t in args.tiers.split(",")]:
-        # every decode kernel (table, uniform; v5, v4) and the merge
+        # the decode kernel of the codebook's path and the merge
         cmd = [ncu, "--clock-control", "none", "--metrics", "dram__bytes_read.sum,dram__bytes_write.sum",
                "--kernel-name", "regex:ada_(decode|merge)", "--csv", "--page", "raw",
                sys.executable, os.path.abspath(__file__), "--child", "--batch", str(args.batch),
-               "--context", str(args.context), "--tiers", tiers_name, "--codebook", codebook,
-               "--version", str(args.version)]
+               "--context", str(args.context), "--tiers", tiers_name, "--codebook", codebook]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         log = res.stdout + res.stderr
         exp = next((json.loads(l[9:]) for l in log.splitlines() if l.startswith("EXPECTED ")), None)
@@ -68,7 +65,7 @@ def parent(args):
                 write += wb
                 kernels.append(dict(kernel=name[:60], read=rb, write=wb))
         row = dict(batch=args.batch, context=args.context, tiers=tiers_name, codebook=codebook,
-                   version=args.version, rc=res.returncode,
+                   rc=res.returncode,
                    dram_read=read, dram_write=write, kernels=kernels, expected=exp)
         if exp and read > 0:
             floor = exp["cache_bytes"] + exp["q_bytes"] + exp["table_bytes"]
@@ -100,13 +97,11 @@ def main(argv=None):
     ap.add_argument("--tiers", default="4/4,rdr-mix")
     ap.add_argument("--codebooks", default="lloyd-max,uniform")
     ap.add_argument("--codebook", default="lloyd-max", help="(child) the pool's codebook")
-    ap.add_argument("--version", type=int, default=0,
-                    help="decode kernel version (0: the launcher's default for the codebook)")
     ap.add_argument("--out", default="ncu_bytes.json")
     ap.add_argument("--timeout", type=int, default=200)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.batch, args.context, args.tiers, args.codebook, args.version)
+        child(args.batch, args.context, args.tiers, args.codebook)
         return 0
     return parent(args)
 

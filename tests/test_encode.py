@@ -1,31 +1,18 @@
-"""Tests of the encode/append and re-tier/compaction kernels against the reference.
+"""Tests of the encode/append kernels (cupy_kernels/encode.py) against the reference.
 
-Codes and fp16 scales must match the float64 reference bit for bit. Encode v1 and re-tier
-compute in float64 like the reference (a coordinate within ~1e-16 of a cell boundary could
-differ; no input here lands there); encode v2 and v3 compute in float32 and take the float64
-path for any coordinate or scale within their float32 error bound of a boundary, which the
-near-boundary tests below force. The GPU tests carry the ``gpu`` mark; the CPU test of the
-v3 tables replays v3's float32 decisions in NumPy.
+Codes and fp16 scales must match the float64 reference bit for bit. The kernels compute in
+float32 and take the float64 path for any coordinate or scale within their float32 error
+bound of a boundary, which the near-boundary tests below force. The GPU tests carry the
+``gpu`` mark; the CPU test of the cell tables replays the kernels' float32 decisions in NumPy.
 """
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from strategies_paged import read_back_states
+
 LADDER = [(1, 1), (2, 2), (3, 2), (4, 3), (4, 4), (8, 8), (16, 16)]
 CODEBOOKS = ("lloyd-max", "uniform")
-
-
-def _read_back(tables, pages, tier, page_ids, slots):
-    """(key codes, key scales, value codes, value scales) of states at (page, slot)."""
-    kb, vb, p, kw, vw, voff, ksoff, vsoff = (int(x) for x in tables.geom[tier])
-    words = pages.view(np.uint32)
-    kc = np.stack([words[pg, s * kw:(s + 1) * kw] for pg, s in zip(page_ids, slots)])
-    vc = np.stack([words[pg, voff + s * vw:voff + (s + 1) * vw] for pg, s in zip(page_ids, slots)])
-    ks = np.array([pages[pg, ksoff + 2 * s:ksoff + 2 * s + 2].view(np.float16)[0] if ksoff >= 0
-                   else np.float16(1) for pg, s in zip(page_ids, slots)])
-    vs = np.array([pages[pg, vsoff + 2 * s:vsoff + 2 * s + 2].view(np.float16)[0] if vsoff >= 0
-                   else np.float16(1) for pg, s in zip(page_ids, slots)])
-    return kc, ks, vc, vs
 
 
 def _assert_pages_are_reference(tables, host, tiers, page_ids, slots, x, dim, seed, codebook,
@@ -35,7 +22,7 @@ def _assert_pages_are_reference(tables, host, tiers, page_ids, slots, x, dim, se
     from spherical_kv_ref import SphericalCodec
     for t in range(1, len(LADDER) + 1):
         idx = np.flatnonzero(tiers == t)
-        kc, ks, vc, vs = _read_back(tables, host, t, page_ids[idx], slots[idx])
+        kc, ks, vc, vs = read_back_states(tables, host, t, page_ids[idx], slots[idx])
         for part, (codes, scales) in (("key", (kc, ks)), ("value", (vc, vs))):
             bits = LADDER[t - 1][0 if part == "key" else 1]
             ref = SphericalCodec(dim, bits, seed=seed, salt=0, codebook=codebook).encode(
@@ -48,8 +35,8 @@ def _assert_pages_are_reference(tables, host, tiers, page_ids, slots, x, dim, se
 @settings(max_examples=40, deadline=None)
 @given(dim=st.sampled_from([64, 128]), tier=st.integers(1, len(LADDER)), n=st.integers(1, 97),
        centred=st.booleans(), seed=st.integers(0, 2 ** 16), strided=st.booleans(),
-       version=st.sampled_from([1, 2, 3]), codebook=st.sampled_from(CODEBOOKS))
-def test_encode_matches_reference(dim, tier, n, centred, seed, strided, version, codebook):
+       codebook=st.sampled_from(CODEBOOKS))
+def test_encode_matches_reference(dim, tier, n, centred, seed, strided, codebook):
     import cupy as cp
     from spherical_kv_ref import SphericalCodec
     from cupy_kernels import encode_into_pages, kernel_tables, rotation_signs
@@ -75,11 +62,11 @@ def test_encode_matches_reference(dim, tier, n, centred, seed, strided, version,
     kw = {} if not centred else dict(mean=cp.asarray(means), mean_index=cp.asarray(head))
     sig_k = cp.asarray(rotation_signs(kcs))
     encode_into_pages(xd, pages, page_tier, tables, sig_k, cp.asarray(head), cp.asarray(page_ids),
-                      cp.asarray(slots), part="key", version=version, **kw)
+                      cp.asarray(slots), part="key", **kw)
     encode_into_pages(cp.asarray(v.astype(np.float32)), pages, page_tier, tables,
                       cp.asarray(rotation_signs(vcs)), cp.asarray(head), cp.asarray(page_ids),
-                      cp.asarray(slots), part="value", version=version, **kw)
-    kc, ks, vc, vs = _read_back(tables, pages.get(), tier, page_ids, slots)
+                      cp.asarray(slots), part="value", **kw)
+    kc, ks, vc, vs = read_back_states(tables, pages.get(), tier, page_ids, slots)
     for i in range(n):
         h = head[i]
         mu = None if means is None else means[h]
@@ -91,13 +78,12 @@ def test_encode_matches_reference(dim, tier, n, centred, seed, strided, version,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2, 3])
-def test_encode_rejects_bad_input(version):
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+def test_encode_rejects_bad_input(codebook):
     import cupy as cp
-    from functools import partial
     from cupy_kernels import encode_into_pages, kernel_tables
-    enc = partial(encode_into_pages, version=version)
-    tables = kernel_tables(LADDER, 64)
+    enc = encode_into_pages
+    tables = kernel_tables(LADDER, 64, codebook=codebook)
     pages = cp.zeros((2, tables.page_bytes), cp.uint8)
     tier = cp.asarray([5, 0], cp.int32)
     sig = cp.ones((1, 64), cp.float32)
@@ -118,21 +104,21 @@ def test_encode_rejects_bad_input(version):
         enc(x.astype(cp.int32), pages, tier, tables, sig, z, z, z)
     with pytest.raises(ValueError):
         enc(x.get(), pages, tier, tables, sig, z, z, z)    # host array
-    with pytest.raises(ValueError, match="version"):
-        encode_into_pages(x, pages, tier, tables, sig, z, z, z, version=4)
+    with pytest.raises(ValueError, match="part"):
+        enc(x, pages, tier, tables, sig, z, z, z, part="both")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2, 3])
-def test_encode_nonfinite_input(version):
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+def test_encode_nonfinite_input(codebook):
     """NaN/Inf input: with check=True the call raises before any launch and writes nothing;
     with check=False the kernels skip those vectors, write the others and set the status bit
     (raise_status turns it into the same ValueError), on every tier width."""
     import cupy as cp
     from cupy_kernels import encode_into_pages, encode_kv_into_pages, kernel_tables
     from cupy_kernels.encode import raise_status
-    tables = kernel_tables(LADDER, 64)
-    rng = np.random.default_rng(version)
+    tables = kernel_tables(LADDER, 64, codebook=codebook)
+    rng = np.random.default_rng(len(codebook))
     n = len(LADDER)
     filler = rng.integers(0, 256, (n, tables.page_bytes), dtype=np.uint8)
     pages, tier = cp.asarray(filler), cp.arange(1, n + 1, dtype=cp.int32)
@@ -142,12 +128,11 @@ def test_encode_nonfinite_input(version):
     x[n - 1, 0] = np.inf                     # a 16-bit page
     head, page, slot = cp.zeros(n, cp.int32), cp.arange(n, dtype=cp.int32), cp.zeros(n, cp.int32)
     with pytest.raises(ValueError, match="NaN"):
-        encode_into_pages(x, pages, tier, tables, sig, head, page, slot, version=version)
+        encode_into_pages(x, pages, tier, tables, sig, head, page, slot)
     with pytest.raises(ValueError, match="NaN"):
-        encode_kv_into_pages(x, x, pages, tier, tables, sig, sig, head, page, slot, version=version)
+        encode_kv_into_pages(x, x, pages, tier, tables, sig, sig, head, page, slot)
     np.testing.assert_array_equal(pages.get(), filler)
-    st = encode_into_pages(x, pages, tier, tables, sig, head, page, slot, check=False,
-                           version=version)
+    st = encode_into_pages(x, pages, tier, tables, sig, head, page, slot, check=False)
     with pytest.raises(ValueError, match="NaN"):
         raise_status(st)
     got = pages.get()
@@ -158,14 +143,14 @@ def test_encode_nonfinite_input(version):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2, 3])
-def test_encode_rejects_indices_outside_before_launch(version):
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+def test_encode_rejects_indices_outside_before_launch(codebook):
     """A page id outside the pool, a head outside sigma or a mean row outside mean raises
     ValueError before any launch: the pool (and the memory past it) is left as it was."""
     import cupy as cp
     from cupy_kernels import encode_into_pages, encode_kv_into_pages, kernel_tables
-    tables = kernel_tables(LADDER, 64)
-    rng = np.random.default_rng(version)
+    tables = kernel_tables(LADDER, 64, codebook=codebook)
+    rng = np.random.default_rng(len(codebook))
     filler = rng.integers(0, 256, (3, tables.page_bytes), dtype=np.uint8)
     pool = cp.asarray(filler)
     pages, tier = pool[:2], cp.asarray([5, 5], cp.int32)   # a third page past the pool's end
@@ -182,32 +167,29 @@ def test_encode_rejects_indices_outside_before_launch(version):
         kw = dict(head=head, dst_page=page, dst_slot=slot, mean_index=a(0, 1, 2, 0)) | change
         with pytest.raises(ValueError, match=msg):
             encode_into_pages(x, pages, tier, tables, sig, kw["head"], kw["dst_page"],
-                              kw["dst_slot"], mean=mean, mean_index=kw["mean_index"],
-                              version=version)
+                              kw["dst_slot"], mean=mean, mean_index=kw["mean_index"])
         with pytest.raises(ValueError, match=msg):
             encode_kv_into_pages(x, x, pages, tier, tables, sig, sig, kw["head"], kw["dst_page"],
-                                 kw["dst_slot"], mean_k=mean, mean_index=kw["mean_index"],
-                                 version=version)
+                                 kw["dst_slot"], mean_k=mean, mean_index=kw["mean_index"])
         np.testing.assert_array_equal(pool.get(), filler)
     encode_into_pages(x, pages, tier, tables, sig, head, page, slot, mean=mean,
-                      mean_index=a(0, 1, 2, 0), version=version)    # in range: written
+                      mean_index=a(0, 1, 2, 0))    # in range: written
     assert bool(cp.any(pool[:2] != cp.asarray(filler[:2])))
     np.testing.assert_array_equal(pool[2].get(), filler[2])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 @pytest.mark.parametrize("dim", [64, 128])
-def test_encode_kv_equals_two_parts(dim, codebook, version):
-    """encode_kv_into_pages (one launch on v3: keys and values in two rows of blocks) writes the
+def test_encode_kv_equals_two_parts(dim, codebook):
+    """encode_kv_into_pages (one launch: keys and values in two rows of blocks) writes the
     bytes of encode_into_pages on the keys, then on the values, over every tier in a shuffled
     pool, with each part's own signs, centring of the keys only, strided value rows and random
     filler in the pages; with the values' rows different from the keys' (not swapped)."""
     import cupy as cp
     from cupy_kernels import encode_into_pages, encode_kv_into_pages, kernel_tables
     tables = kernel_tables(LADDER, dim, codebook=codebook)
-    rng = np.random.default_rng(dim + version)
+    rng = np.random.default_rng(dim + 3)
     n, heads = 333, 3
     tiers = rng.integers(1, len(LADDER) + 1, n).astype(np.int32)
     page_ids = rng.permutation(n).astype(np.int32)
@@ -224,11 +206,11 @@ def test_encode_kv_equals_two_parts(dim, codebook, version):
     dpg, dsl, pt = cp.asarray(page_ids), cp.asarray(slots), cp.asarray(page_tier)
     one = cp.asarray(filler)
     encode_kv_into_pages(k, v, one, pt, tables, sk, sv, head, dpg, dsl, mean_k=mk,
-                         mean_index=head, version=version)
+                         mean_index=head)
     two = cp.asarray(filler)
     encode_into_pages(k, two, pt, tables, sk, head, dpg, dsl, part="key", mean=mk,
-                      mean_index=head, version=version)
-    encode_into_pages(v, two, pt, tables, sv, head, dpg, dsl, part="value", version=version)
+                      mean_index=head)
+    encode_into_pages(v, two, pt, tables, sv, head, dpg, dsl, part="value")
     assert bool(cp.any(one != cp.asarray(filler)))
     np.testing.assert_array_equal(one.get(), two.get())
     with pytest.raises(ValueError, match="same shape"):
@@ -238,7 +220,7 @@ def test_encode_kv_equals_two_parts(dim, codebook, version):
     bad = v.copy()
     bad[7, 3] = np.inf
     with pytest.raises(ValueError, match="NaN"):
-        encode_kv_into_pages(k, bad, one, pt, tables, sk, sv, head, dpg, dsl, version=version)
+        encode_kv_into_pages(k, bad, one, pt, tables, sk, sv, head, dpg, dsl)
 
 
 def _near_boundary_rows(codec, n, rng):
@@ -264,11 +246,10 @@ def _near_boundary_rows(codec, n, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("codebook", CODEBOOKS)
-@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_encode_near_cell_boundaries_mixed_tiers(version, dim, codebook):
+def test_encode_near_cell_boundaries_mixed_tiers(dim, codebook):
     """Every tier of the ladder in one launch (groups of one warp at different bit widths),
-    inputs on cell boundaries (v2's and v3's float64 path) and at extreme radii: the
+    inputs on cell boundaries (the float64 path) and at extreme radii: the
     reference's bytes."""
     import cupy as cp
     from spherical_kv_ref import SphericalCodec
@@ -293,73 +274,11 @@ def test_encode_near_cell_boundaries_mixed_tiers(version, dim, codebook):
     sig = cp.asarray(rotation_signs([SphericalCodec(dim, 4, seed=5, salt=0)]))
     for part in ("key", "value"):
         encode_into_pages(cp.asarray(x), pages, page_tier, tables, sig, cp.asarray(head),
-                          cp.asarray(page_ids), cp.asarray(slots), part=part, version=version)
+                          cp.asarray(page_ids), cp.asarray(slots), part=part)
     _assert_pages_are_reference(tables, pages.get(), tiers, page_ids, slots, x, dim, 5, codebook)
 
 
-@pytest.mark.gpu
-@settings(max_examples=20, deadline=None)
-@given(dim=st.sampled_from([64, 128]), src=st.integers(1, len(LADDER)),
-       drop=st.integers(0, len(LADDER) - 1), n=st.integers(1, 40), seed=st.integers(0, 2 ** 16))
-def test_retier_matches_reference(dim, src, drop, n, seed):
-    import cupy as cp
-    from spherical_kv_ref import SphericalCodec
-    from spherical_kv_ref.paged import encode_rotated, stored_rotated
-    from cupy_kernels import kernel_tables, pack_pages, retier
-    dst = max(1, src - drop)
-    kbs, vbs = LADDER[src - 1]
-    kbd, vbd = LADDER[dst - 1]
-    if kbd > kbs or vbd > vbs:       # this ladder is monotone; keep the test honest anyway
-        return
-    tables = kernel_tables(LADDER, dim)
-    rng = np.random.default_rng(seed)
-    codec = lambda b, salt: SphericalCodec(dim, b, seed=3, salt=salt)
-    ke = codec(kbs, 0).encode(rng.normal(0, 3, (n, dim)))
-    ve = codec(vbs, 1).encode(rng.normal(0, 1, (n, dim)))
-    packed = pack_pages([[(src, ke, ve)]], tables, num_pages=2 * (n + 2), fill=None, rng=None)
-    p_src = tables.states_per_page(src)
-    pd = tables.states_per_page(dst)
-    nsrc = -(-n // p_src)
-    free = np.arange(nsrc, packed.pages.shape[0])
-    page_tier = packed.page_tier.copy()
-    ndst = -(-n // pd)
-    page_tier[free[:ndst]] = dst
-    perm = rng.permutation(n)
-    sp, ss = (np.arange(n) // p_src).astype(np.int32), (np.arange(n) % p_src).astype(np.int32)
-    dpg, dsl = free[perm // pd].astype(np.int32), (perm % pd).astype(np.int32)
-    pages = cp.asarray(packed.pages)
-    retier(pages, cp.asarray(page_tier), tables, cp.asarray(sp), cp.asarray(ss),
-           cp.asarray(dpg), cp.asarray(dsl))
-    kc, ks, vc, vs = _read_back(tables, pages.get(), dst, dpg, dsl)
-    if dst == src:
-        ek, ev = ke, ve
-    else:
-        ek = encode_rotated(codec(kbd, 0), stored_rotated(codec(kbs, 0), ke))
-        ev = encode_rotated(codec(vbd, 1), stored_rotated(codec(vbs, 1), ve))
-    np.testing.assert_array_equal(kc, ek.codes)
-    np.testing.assert_array_equal(vc, ev.codes)
-    np.testing.assert_array_equal(ks, ek.scale)
-    np.testing.assert_array_equal(vs, ev.scale)
-
-
-@pytest.mark.gpu
-def test_retier_rejects_promotion_and_overlap():
-    import cupy as cp
-    from cupy_kernels import kernel_tables, retier
-    tables = kernel_tables(LADDER, 64)
-    pages = cp.zeros((2, tables.page_bytes), cp.uint8)
-    tier = cp.asarray([2, 5], cp.int32)
-    a = lambda *v: cp.asarray(v, cp.int32)
-    with pytest.raises(ValueError, match="promotion"):
-        retier(pages, tier, tables, a(0), a(0), a(1), a(0))
-    with pytest.raises(ValueError, match="both a source"):
-        retier(pages, tier, tables, a(1, 1), a(0, 1), a(1, 1), a(1, 2))
-    for args in ((a(2), a(0), a(1), a(0)), (a(0), a(0), a(-1), a(0))):
-        with pytest.raises(ValueError, match="outside the pool of 2 pages"):
-            retier(pages, tier, tables, *args)
-
-
-# ------------------------------------------------------------------ encode v3 specifics ----
+# ------------------------------------------------- cells found without a search ----
 
 def _rows_at(codec, ts, n, rng, k=8):
     """n float32 rows whose rotated, normalised coordinates t put up to k (eight) coordinates at
@@ -378,15 +297,15 @@ def _rows_at(codec, ts, n, rng, k=8):
     return np.asarray(rows, np.float32)
 
 
-def _v3_edge_rows(codec, tables, bits, n, rng):
-    """Rows for v3's own conditions: coordinates on the edges of its buckets (table path) or
+def _cell_edge_rows(codec, tables, bits, n, rng):
+    """Rows for the kernels' own conditions: coordinates on the edges of its buckets (table path) or
     at the half-integers of A, i.e. the midpoints, shifted by its threshold (uniform path),
     rows whose rotation is one coordinate (|t| = sqrt(d): the ends of the bucket index), a
     row at the lower end of its radius range and one with a scale near the fp16 limit."""
-    from cupy_kernels.encode import v3_tables, V3_PRM
+    from cupy_kernels.encode import cell_tables, CELL_PRM
     from cupy_kernels.pages import LEVEL_BITS
     d = codec.dim
-    prm = v3_tables(tables)[LEVEL_BITS.index(bits) * V3_PRM:][:V3_PRM].astype(np.float64)
+    prm = cell_tables(tables)[LEVEL_BITS.index(bits) * CELL_PRM:][:CELL_PRM].astype(np.float64)
     if tables.codebook == "uniform":
         n_lev = 2 ** bits
         step = 1.0 / (prm[0] * (n_lev - 1))
@@ -406,7 +325,7 @@ def _v3_edge_rows(codec, tables, bits, n, rng):
             y += rng.normal(0, 1e-3, d) * np.abs(y).max()
         onehot.append(codec.rotation.inverse(y[None])[0])
     x = np.concatenate([x, np.asarray(onehot, np.float32)])
-    x[-1] *= 1e-16                                    # at / below v3's radius range: float64 path
+    x[-1] *= 1e-16                                    # at / below the float32 radius range: float64 path
     x[-2] = rng.normal(0, 1, d) * (3e4 / np.sqrt(d))  # a scale near the fp16 limit
     return x
 
@@ -414,8 +333,8 @@ def _v3_edge_rows(codec, tables, bits, n, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 @pytest.mark.parametrize("dim", [64, 128])
-def test_encode_v3_own_boundaries(dim, codebook):
-    """v3 on bucket edges / threshold neighbourhoods, one-hot rotations, radius limits, in a
+def test_encode_own_bucket_edges(dim, codebook):
+    """The encode kernels on bucket edges / threshold neighbourhoods, one-hot rotations, radius limits, in a
     mixed-tier launch of a size that leaves part of the last warp idle, centred and strided:
     the reference's bytes."""
     import cupy as cp
@@ -427,7 +346,7 @@ def test_encode_v3_own_boundaries(dim, codebook):
     for t in range(1, len(LADDER) + 1):
         bits = LADDER[t - 1][0]
         probe = SphericalCodec(dim, bits if bits < 16 else 4, seed=9, salt=0, codebook=codebook)
-        xs = _v3_edge_rows(probe, tables, bits if bits < 16 else 4, 21, rng)
+        xs = _cell_edge_rows(probe, tables, bits if bits < 16 else 4, 21, rng)
         chunks.append(xs)
         tiers += [t] * len(xs)
     x = np.concatenate(chunks)
@@ -447,7 +366,7 @@ def test_encode_v3_own_boundaries(dim, codebook):
     sig = cp.asarray(rotation_signs([SphericalCodec(dim, 4, seed=9, salt=0)]))
     for part in ("key", "value"):
         encode_into_pages(xd, pages, page_tier, tables, sig, cp.asarray(head), cp.asarray(page_ids),
-                          cp.asarray(slots), part=part, version=3, mean=cp.asarray(mean),
+                          cp.asarray(slots), part=part, mean=cp.asarray(mean),
                           mean_index=cp.asarray(head))
     _assert_pages_are_reference(tables, pages.get(), tiers, page_ids, slots, x, dim, 9, codebook,
                                 mean=mean[0])
@@ -456,8 +375,8 @@ def test_encode_v3_own_boundaries(dim, codebook):
 @pytest.mark.gpu
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 @pytest.mark.parametrize("dim", [64, 128])
-def test_encode_v3_one_coordinate_near_a_midpoint(dim, codebook):
-    """Rows with one rotated coordinate within v3's float32 margin of a midpoint (offsets from
+def test_encode_one_coordinate_near_a_midpoint(dim, codebook):
+    """Rows with one rotated coordinate within the float32 margin of a midpoint (offsets from
     ~1e-8 to ~3e-5 in t, both sides; the float32 cell is wrong for some), the rest Gaussian, at
     every tier in one launch (one cells loop for all widths): the reference's codes and
     scales."""
@@ -487,42 +406,14 @@ def test_encode_v3_one_coordinate_near_a_midpoint(dim, codebook):
     sig = cp.asarray(rotation_signs([SphericalCodec(dim, 4, seed=9, salt=0)]))
     for part in ("key", "value"):
         encode_into_pages(cp.asarray(x), pages, cp.asarray(tiers.astype(np.int32)), tables, sig,
-                          head, cp.asarray(page_ids), cp.asarray(slots), part=part, version=3)
+                          head, cp.asarray(page_ids), cp.asarray(slots), part=part)
     _assert_pages_are_reference(tables, pages.get(), tiers, page_ids, slots, x, dim, 9, codebook)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("codebook", CODEBOOKS)
-def test_encode_v3_pool_equals_v2(codebook):
-    """A larger random pool of every tier (mixed in warps, about 2 % of vectors on the float64
-    path): v3's bytes equal v2's, including unused page bytes."""
-    import cupy as cp
-    from spherical_kv_ref import SphericalCodec
-    from cupy_kernels import encode_into_pages, kernel_tables, rotation_signs
-    dim, n = 128, 6001
-    tables = kernel_tables(LADDER, dim, codebook=codebook)
-    rng = np.random.default_rng(17)
-    page_tier = cp.asarray(rng.integers(1, len(LADDER) + 1, n).astype(np.int32))
-    x = cp.asarray((rng.normal(0, 1, (n, dim)) * rng.uniform(0.1, 10, (n, 1))).astype(np.float32))
-    sig = cp.asarray(rotation_signs([SphericalCodec(dim, 4, seed=h, salt=0) for h in range(4)]))
-    head = cp.asarray(rng.integers(0, 4, n).astype(np.int32))
-    pg = cp.arange(n, dtype=cp.int32)
-    sl = cp.zeros(n, cp.int32)
-    fill = rng.integers(0, 256, (n, tables.page_bytes), dtype=np.uint8)
-    out = {}
-    for version in (2, 3):
-        pages = cp.asarray(fill)
-        for part in ("key", "value"):
-            encode_into_pages(x, pages, page_tier, tables, sig, head, pg, sl, part=part,
-                              version=version)
-        out[version] = pages.get()
-    np.testing.assert_array_equal(out[3], out[2])
 
 
 def _rows_with_scales_near_fp16_midpoints(codec, n, rng):
     """n float32 rows whose reference scale r / ||C[c] / sqrt(d)|| lies within a relative
-    1e-8 .. 2e-6 (either side) of a midpoint between two fp16 values: inside v3's float32 guard,
-    outside its float64 tolerance, so v3 settles each by its float64 scale decision."""
+    1e-8 .. 2e-6 (either side) of a midpoint between two fp16 values: inside the float32 guard,
+    outside its float64 tolerance, so the kernels settle each by its float64 scale decision."""
     from spherical_kv_ref import codebooks
     d = codec.dim
     rows = []
@@ -545,8 +436,8 @@ def _rows_with_scales_near_fp16_midpoints(codec, n, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 @pytest.mark.parametrize("dim", [64, 128])
-def test_encode_v3_scales_near_fp16_midpoints(dim, codebook):
-    """Every quantised tier with scales a hair above or below an fp16 rounding midpoint (v3's
+def test_encode_scales_near_fp16_midpoints(dim, codebook):
+    """Every quantised tier with scales a hair above or below an fp16 rounding midpoint (the kernels'
     float64 scale decision, and the float64 pipeline where that is too close), centred and
     not, next to a few 16-bit rows: the reference's bytes."""
     import cupy as cp
@@ -574,14 +465,14 @@ def test_encode_v3_scales_near_fp16_midpoints(dim, codebook):
         for part in ("key", "value"):
             encode_into_pages(cp.asarray(x), pages, cp.asarray(tiers.astype(np.int32)), tables,
                               sig, cp.zeros(n, cp.int32), cp.asarray(page_ids), cp.asarray(slots),
-                              part=part, version=3, **kw)
+                              part=part, **kw)
         _assert_pages_are_reference(tables, pages.get(), tiers, page_ids, slots, x, dim, 4,
                                     codebook, mean=None if mean is None else mean[0])
 
 
 @pytest.mark.gpu
-def test_encode_v3_in_a_graph():
-    """v3 with check=False captured in a CUDA graph and replayed on new rows (every tier,
+def test_encode_in_a_graph():
+    """An encode with check=False captured in a CUDA graph and replayed on new rows (every tier,
     so the float64 pipeline runs too): the bytes and status of an eager call on those rows."""
     import cupy as cp
     from spherical_kv_ref import SphericalCodec
@@ -610,17 +501,17 @@ def test_encode_v3_in_a_graph():
     np.testing.assert_array_equal(pages.get(), eager.get())
 
 
-def _emulate_v3(x, sigma, tables, bits):
-    """NumPy replay of encode v3's float32 path for rows x (n, d) float32 (no centring), one
+def _emulate_float32_path(x, sigma, tables, bits):
+    """NumPy replay of the encode kernels' float32 path for rows x (n, d) float32 (no centring), one
     float32 rounding per operation (an fma: one rounding of the float64 result, exact except
     on double-rounding ties). Returns (codes, fp16 scales, deferred): the rows it defers go to
     the float64 pipeline, the others it writes."""
-    from cupy_kernels.encode import v3_tables, V3_PRM, V3_LEV2, V3_BM, V3_NB, V3_BUCKETS
+    from cupy_kernels.encode import cell_tables, CELL_PRM, CELL_LEV2, CELL_BM, CELL_NB, BUCKETS
     from cupy_kernels.pages import LEVEL_BITS
     f32 = np.float32
-    blob = v3_tables(tables)
+    blob = cell_tables(tables)
     r = LEVEL_BITS.index(bits)
-    prm = blob[r * V3_PRM:(r + 1) * V3_PRM]
+    prm = blob[r * CELL_PRM:(r + 1) * CELL_PRM]
     fma = lambda a, b, c: (a.astype(np.float64) * b + c).astype(f32)
     n, d = x.shape
     b1 = (x[:, 1::2] * sigma[1::2]).astype(f32)
@@ -648,8 +539,8 @@ def _emulate_v3(x, sigma, tables, bits):
         codes = rr.astype(np.int64)
         sumsq = np.sum((2.0 * codes + 1 - nl) ** 2, axis=1).astype(f32)
     else:
-        off = V3_BM + sum(V3_BUCKETS[b] for b in LEVEL_BITS[:r])
-        g = V3_BUCKETS[bits]
+        off = CELL_BM + sum(BUCKETS[b] for b in LEVEL_BITS[:r])
+        g = BUCKETS[bits]
         a = fma(z, k, prm[1])
         if bits == 8:
             a = np.clip(a, 0, prm[2])
@@ -657,8 +548,8 @@ def _emulate_v3(x, sigma, tables, bits):
         assert bi.min() >= 0 and bi.max() < g            # the kernel's look-up stays in its row
         e = (blob[off:off + g][bi].astype(np.float64) - z.astype(np.float64) * kt).astype(f32)
         near = np.abs(e) <= prm[3]
-        codes = blob.view(np.int32)[off + V3_NB:off + V3_NB + g][bi] + np.signbit(e)
-        lev2 = blob[V3_LEV2 + 256 * r:V3_LEV2 + 256 * r + nl]
+        codes = blob.view(np.int32)[off + CELL_NB:off + CELL_NB + g][bi] + np.signbit(e)
+        lev2 = blob[CELL_LEV2 + 256 * r:CELL_LEV2 + 256 * r + nl]
         sumsq = np.sum(lev2[codes].astype(np.float64), axis=1).astype(f32)
     rz = (r2 * rinv).astype(f32)
     sf = (rz * ((1.0 / np.sqrt(sumsq.astype(np.float64))).astype(f32) * prm[4])).astype(f32)
@@ -669,31 +560,31 @@ def _emulate_v3(x, sigma, tables, bits):
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 @pytest.mark.parametrize("dim", [64, 128])
-def test_v3_tables_and_float32_decisions(dim, codebook):
-    """CPU: every t of a v3 bucket, widened by more than float32 can move it, gets the
+def test_cell_tables_and_float32_decisions(dim, codebook):
+    """CPU: every t of a bucket, widened by more than float32 can move it, gets the
     reference's cell from (cell below) + (t > midpoint); the uniform thresholds sit in
     (1/4, 1/2); and the float32 path replayed in NumPy writes only the
-    reference's codes and scales, on random rows, rows at v3's own edges and on cell
+    reference's codes and scales, on random rows, rows at the kernels' own edges and on cell
     boundaries (where it must defer)."""
     from spherical_kv_ref import SphericalCodec
     from cupy_kernels import kernel_tables
-    from cupy_kernels.encode import v3_tables, V3_PRM, V3_BM, V3_NB, V3_BUCKETS
+    from cupy_kernels.encode import cell_tables, CELL_PRM, CELL_BM, CELL_NB, BUCKETS
     from cupy_kernels.pages import LEVEL_BITS
     tables = kernel_tables([(b, b) for b in LEVEL_BITS], dim, codebook=codebook)
-    blob = v3_tables(tables)
+    blob = cell_tables(tables)
     rng = np.random.default_rng(dim)
-    off = V3_BM
+    off = CELL_BM
     for r, bits in enumerate(LEVEL_BITS):
-        prm = blob[r * V3_PRM:(r + 1) * V3_PRM]
+        prm = blob[r * CELL_PRM:(r + 1) * CELL_PRM]
         codec = SphericalCodec(dim, bits, seed=2, codebook=codebook)
         mids = 0.5 * (codec.levels[1:] + codec.levels[:-1])
         if codebook == "uniform":
             assert 0.25 < prm[3] < 0.5
         else:
-            g = V3_BUCKETS[bits]
+            g = BUCKETS[bits]
             w, lo = 1.0 / float(prm[0]), -float(prm[1]) / float(prm[0])
             m = blob[off:off + g]
-            c0 = blob.view(np.int32)[off + V3_NB:off + V3_NB + g]
+            c0 = blob.view(np.int32)[off + CELL_NB:off + CELL_NB + g]
             # every t of a bucket widened by its margin plus the float32 error of the index
             # (16 u sqrt(d) here) and farther than the margin from the bucket's float32
             # midpoint (nearer t are deferred) gets (cell below) + (t > m) = #midpoints < t
@@ -713,9 +604,9 @@ def test_v3_tables_and_float32_decisions(dim, codebook):
             off += g
         sigma = np.asarray(codec.rotation.signs, np.float32)
         xs = [(rng.normal(0, 1, (3000, dim)) * rng.uniform(0.01, 30, (3000, 1))).astype(np.float32),
-              _v3_edge_rows(codec, tables, bits, 400, rng), _near_boundary_rows(codec, 200, rng)]
+              _cell_edge_rows(codec, tables, bits, 400, rng), _near_boundary_rows(codec, 200, rng)]
         for k, x in enumerate(xs):
-            codes, scales, deferred = _emulate_v3(x, sigma, tables, bits)
+            codes, scales, deferred = _emulate_float32_path(x, sigma, tables, bits)
             ref = codec.encode(x.astype(np.float64))
             written = ~deferred
             np.testing.assert_array_equal(codes[written], codec.codes(ref)[written])

@@ -1,0 +1,197 @@
+"""Machine code of the shipped kernels, compared between two source trees, without a GPU.
+
+Builds each tree's kernel instances the way the run-time module does (NVRTC 13, the same
+source string, options and name expressions as ``cupy_kernels._module``, for sm_90) and
+compares, per kernel instance, the cubin's machine code (the bytes of its ``.text`` section),
+its register count, its shared and constant-bank sizes and its relocations (symbol names
+mapped from the old kernel names to the new). Identical bytes mean identical instructions,
+so identical behaviour and timing on the device.
+
+    PYTHONPATH=. python lab/kernel_identity.py --before kernels-before-cut
+    PYTHONPATH=. python lab/kernel_identity.py --before kernels-before-cut --save before.json
+
+``--before``: a git revision (its cupy_kernels/csrc is read with ``git archive``) or a folder
+holding the .cuh files; the instances built there are the keys of RENAMED (old name -> name
+in this tree).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+# kernel name at kernels-before-cut -> the kernel of the same code today
+RENAMED = {
+    "ada_decode_v4_kernel": "ada_decode_table_kernel",
+    "ada_decode_uniform_v7_kernel": "ada_decode_affine_kernel",
+    "ada_merge_kernel": "ada_merge_kernel",
+    "ada_merge_v7_kernel": "ada_merge_per_head_kernel",
+    "encode_v3_kernel": "encode_table_kernel",
+    "encode_v3_uniform_kernel": "encode_affine_kernel",
+    "retier_kernel": "retier_kernel",
+}
+
+
+def build(csrc: Path, names: list, options: tuple) -> tuple:
+    """(cubin bytes, {name expression: lowered (mangled) name}) of one NVRTC build."""
+    from validation.build_info import offline_build
+    from cupy_kernels._module import source
+    got = offline_build(source(csrc), names, list(options) + [f"-I{csrc}"])
+    if got.rc:
+        raise RuntimeError(got.log)
+    return got.cubin, got.lowered
+
+
+def elf_sections(blob: bytes) -> dict:
+    """{section name: (sh_type, sh_info, data, sh_link)} of a 64-bit little-endian ELF."""
+    shoff, = struct.unpack_from("<Q", blob, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", blob, 0x3A)
+    hdrs = [struct.unpack_from("<IIQQQQIIQQ", blob, shoff + i * shentsize) for i in range(shnum)]
+    strtab = hdrs[shstrndx]
+    def name(off, tab=strtab):
+        s = blob[tab[4] + off:blob.index(b"\0", tab[4] + off)]
+        return s.decode()
+    out = {}
+    for h in hdrs:
+        sh_name, sh_type, _, _, off, size, link, info, _, _ = h
+        data = blob[off:off + size] if sh_type != 8 else b"\0" * size   # NOBITS: a size only
+        out[name(sh_name)] = (sh_type, info, data, link, hdrs)
+    return out
+
+
+def module_info(data: bytes) -> dict:
+    """{(symbol index, attribute): value} of the module-wide .nv.info records that name a
+    function (register count, frame and stack sizes): EIFMT_SVAL records of 8 bytes."""
+    out, i = {}, 0
+    while i + 4 <= len(data):
+        fmt, attr, size = struct.unpack_from("<BBH", data, i)
+        if fmt == 0x04:   # EIFMT_SVAL: a payload of `size` bytes
+            if size == 8:
+                sym, val = struct.unpack_from("<II", data, i + 4)
+                out[(sym, attr)] = val
+            i += 4 + size
+        else:             # EIFMT_NVAL / EIFMT_HVAL: no payload
+            i += 4
+    return out
+
+
+def symbols(blob: bytes, secs: dict) -> list:
+    """Symbol names of the ELF's .symtab, by index."""
+    _, _, data, link, hdrs = secs[".symtab"]
+    strtab = hdrs[link]
+    names = []
+    for i in range(len(data) // 24):
+        st_name, = struct.unpack_from("<I", data, 24 * i)
+        s = blob[strtab[4] + st_name:blob.index(b"\0", strtab[4] + st_name)]
+        names.append(s.decode())
+    return names
+
+
+EIATTR_PARAM_CBANK = 0x0A   # payload: the constant bank's section symbol (an index), offset, size
+
+
+def kernel_info(data: bytes) -> list:
+    """A kernel's .nv.info records (parameter layout, exit offsets, attributes used) with the
+    one module-dependent field, the parameter bank's symbol index, left out."""
+    out, i = [], 0
+    while i + 4 <= len(data):
+        fmt, attr, size = struct.unpack_from("<BBH", data, i)
+        if fmt == 0x04:
+            payload = data[i + 4:i + 4 + size]
+            if attr == EIATTR_PARAM_CBANK:
+                payload = payload[4:]
+            out.append((attr, payload.hex()))
+            i += 4 + size
+        else:
+            out.append((attr, size))
+            i += 4
+    return out
+
+
+def fingerprint(blob: bytes, mangled: str, rename) -> dict:
+    """What decides one kernel's behaviour and timing: its machine code and resources."""
+    secs = elf_sections(blob)
+    syms = symbols(blob, secs)
+    text = secs[f".text.{mangled}"]
+    sym_index = syms.index(mangled)
+    attrs = {f"attr_{a:#04x}": v for (sym, a), v in module_info(secs[".nv.info"][2]).items()
+             if sym == sym_index}
+    relocs = []
+    for rel_name in (f".rel.text.{mangled}", f".rela.text.{mangled}"):
+        if rel_name in secs:
+            data = secs[rel_name][2]
+            step = 16 if rel_name.startswith(".rel.") else 24
+            for i in range(len(data) // step):
+                off, info = struct.unpack_from("<QQ", data, step * i)
+                addend = struct.unpack_from("<q", data, step * i + 16)[0] if step == 24 else 0
+                relocs.append((off, info & 0xffffffff, rename(syms[info >> 32]), addend))
+    def size(prefix):
+        s = secs.get(f"{prefix}.{mangled}")
+        return len(s[2]) if s else 0
+    kinfo = kernel_info(secs[f".nv.info.{mangled}"][2])
+    return dict(registers=attrs.get("attr_0x2f"), function_attributes=attrs,
+                kernel_info_sha256=hashlib.sha256(repr(kinfo).encode()).hexdigest(), text_sha256=hashlib.sha256(text[2]).hexdigest(),
+                text_bytes=len(text[2]), shared_bytes=size(".nv.shared"),
+                constant0_bytes=size(".nv.constant0"), relocations=relocs)
+
+
+def tree(rev_or_dir: str, workdir: Path) -> Path:
+    if os.path.isdir(rev_or_dir):
+        return Path(rev_or_dir)
+    tar = workdir / "before.tar"
+    subprocess.run(["git", "archive", "-o", str(tar), rev_or_dir, "cupy_kernels/csrc"], check=True)
+    with tarfile.open(tar) as t:
+        t.extractall(workdir)
+    return workdir / "cupy_kernels" / "csrc"
+
+
+def fingerprints(csrc: Path, kernels, dims, options, rename=lambda s: s) -> dict:
+    names = [f"skv::{k}<{d}>" for k in kernels for d in dims]
+    blob, lowered = build(csrc, names, options)
+    return {n: fingerprint(blob, lowered[n], rename) for n in names}
+
+
+def old_to_new(symbol: str) -> str:
+    """A mangled symbol of the old tree with the kept kernels' names replaced by today's
+    (length-prefixed in the Itanium mangling)."""
+    for old, new in RENAMED.items():
+        symbol = symbol.replace(f"{len(old)}{old}", f"{len(new)}{new}")
+    return symbol
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before", required=True, help="git revision or csrc folder")
+    ap.add_argument("--save", help="write both fingerprints to this JSON file")
+    args = ap.parse_args(argv)
+    from cupy_kernels import _module
+    dims = _module.DIMS
+    with tempfile.TemporaryDirectory() as tmp:
+        before = fingerprints(tree(args.before, Path(tmp)), RENAMED, dims, _module.OPTIONS,
+                              old_to_new)
+    after = fingerprints(_module.CSRC, RENAMED.values(), dims, _module.OPTIONS)
+    missing = sorted(set(_module.KERNELS) - set(RENAMED.values()))
+    if missing:
+        print(f"kernels of the module with no counterpart in RENAMED: {missing}")
+    same = True
+    for old, new in RENAMED.items():
+        for d in dims:
+            a, b = before[f"skv::{old}<{d}>"], after[f"skv::{new}<{d}>"]
+            diff = [k for k in a if a[k] != b[k]]
+            same &= not diff
+            print(f"{old}<{d}> -> {new}<{d}>: {'identical' if not diff else 'DIFFERS in ' + ', '.join(diff)}"
+                  f" ({b['text_bytes']} bytes of code, {b['registers']} registers)")
+    if args.save:
+        Path(args.save).write_text(json.dumps(dict(before=before, after=after), indent=1))
+    print("all kept kernels identical" if same else "some kernels differ")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
