@@ -49,7 +49,7 @@ class DecodePath:
     mean_out_of_logits: bool
 
 
-# Any codebook (Lloyd–Max, the default): look-up tables in shared memory.
+# Any codebook (Lloyd–Max, kernel_tables' default): look-up tables in shared memory.
 TABLE_PATH = DecodePath("table", "ada_decode_table_kernel", ctas_per_sm=_C["TABLE_CTAS"],
                         waves=2, fit=False, stages=2, query_apart=False, geom_rows=0,
                         per_head_merge=False, mean_out_of_logits=False)
@@ -63,12 +63,8 @@ AFFINE_PATH = DecodePath("affine", "ada_decode_affine_kernel", ctas_per_sm=_C["A
 
 def decode_path(tables: KernelTables) -> DecodePath:
     """The uniform codebook decodes on the affine path (no look-up tables); any other codebook
-    (Lloyd–Max, the default) on the table path. The pool's codebook decides."""
+    (Lloyd–Max, kernel_tables' default) on the table path. The pool's codebook decides."""
     return AFFINE_PATH if tables.codebook == "uniform" else TABLE_PATH
-
-
-def uses_affine_path(tables: KernelTables) -> bool:
-    return decode_path(tables) is AFFINE_PATH
 
 
 def splits_for(tables: KernelTables, rows: int, total_pages: int) -> int:

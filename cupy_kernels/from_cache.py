@@ -87,7 +87,7 @@ def decode_cache(cache, seqs, layer: int, q, *, pool: DevicePool | None = None, 
     ``cache.decode(seq, layer, q[i], record=False)`` for each i, within the kernel's fp16
     error budget (docs/PERF_NOTES.md). q: (len(seqs), num_q_heads, d) on the GPU (CuPy or
     torch). pool: ``upload_pool(cache)`` of the cache as it is now (uploaded here if None).
-    Further keywords go to ``ada_decode`` (num_splits, version, out, workspace, validate, lse)."""
+    Further keywords go to ``ada_decode`` (num_splits, out, workspace, validate, lse)."""
     from .ada_decode import ada_decode
     from ._module import cupy
     cp = cupy()

@@ -12,7 +12,11 @@ so identical behaviour and timing on the device.
 
 ``--before``: a git revision (its cupy_kernels/csrc is read with ``git archive``) or a folder
 holding the .cuh files; the instances built there are the keys of RENAMED (old name -> name
-in this tree).
+in this tree). For a git revision the launch side is compared too (``launch_settings``): the
+kernel, dynamic shared memory, geometry padding, merge kernel and default split count the
+revision's launcher (at its default version) picks for each codebook, head dim, page size and
+shape, against today's ``DecodePath``, on a modelled 132-SM device, and the encode
+launcher's cell tables (bit for bit) and block shape.
 """
 from __future__ import annotations
 
@@ -165,6 +169,70 @@ def old_to_new(symbol: str) -> str:
     return symbol
 
 
+def launch_settings(rev: str, workdir: Path) -> int:
+    """Compares the revision's decode launcher with today's on every (codebook, dim, page
+    bytes, rows, pages per row) of a grid, and the encode launcher's cell tables and launch
+    shape; returns the number of settings compared (an AssertionError names the first that
+    differs)."""
+    import importlib
+    import sys
+    subprocess.run(["git", "archive", "-o", str(workdir / "py.tar"), rev, "cupy_kernels"], check=True)
+    with tarfile.open(workdir / "py.tar") as t:
+        t.extractall(workdir / "py")
+    ours = {k: m for k, m in sys.modules.items() if k.startswith("cupy_kernels")}
+    for k in ours:
+        del sys.modules[k]
+    sys.path.insert(0, str(workdir / "py"))
+    try:
+        old = importlib.import_module("cupy_kernels.ada_decode")
+        old_pages = importlib.import_module("cupy_kernels.pages")
+        old_enc = importlib.import_module("cupy_kernels.encode")
+    finally:
+        sys.path.pop(0)
+        for k in [k for k in sys.modules if k.startswith("cupy_kernels")]:
+            del sys.modules[k]
+        sys.modules.update(ours)
+    new = importlib.import_module("cupy_kernels.ada_decode")
+    new_enc = importlib.import_module("cupy_kernels.encode")
+    from cupy_kernels.pages import kernel_tables
+    old._sm_count = new._sm_count = lambda: 132
+    ladder = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
+    names = {"ada_decode_v4_kernel": "ada_decode_table_kernel",
+             "ada_decode_uniform_v7_kernel": "ada_decode_affine_kernel"}
+    n = 0
+    for codebook in ("uniform", "lloyd-max"):
+        for dim in (64, 128):
+            for page_bytes in (2048, 4096, 8192, 16384):
+                to = old_pages.kernel_tables(ladder, dim, page_bytes, codebook=codebook)
+                tn = kernel_tables(ladder, dim, page_bytes, codebook=codebook)
+                path = new.decode_path(tn)
+                v = old.default_version(to)
+                uni = codebook == "uniform"
+                stages = {7: old.STAGES_V7, 8: old.STAGES_V8}.get(v, 2) if uni else 2
+                case = (codebook, dim, page_bytes)
+                assert old.decode_smem_bytes(dim, page_bytes, uni, stages, query_apart=uni and v == 7) \
+                    == new.decode_smem_bytes(dim, page_bytes, path), case
+                kv = 6 if (v >= 7 and not uni) else v
+                name = "ada_decode_uniform_kernel" if uni else "ada_decode_kernel"
+                if kv != 5:
+                    name = name.replace("_kernel", f"_v{kv}_kernel")
+                assert names[name] == path.kernel, case
+                assert (old.GEOM_ROWS_V7 if uni and v == 7 else 0) == path.geom_rows, case
+                assert (v >= 7 and old.MERGE_V7 and old.MERGE_PDL) == path.per_head_merge, case
+                assert old.MERGE7_MAX_SPLITS == new.MERGE_HEAD_MAX_SPLITS
+                assert (kv >= 6) == path.mean_out_of_logits, case
+                assert old.THREADS == new.THREADS
+                # the encode kernels' cell tables, bit for bit, and their launch shape
+                assert old_enc.v3_tables(to).tobytes() == new_enc.cell_tables(tn).tobytes(), case
+                assert (old_enc.THREADS, old_enc.V2_BLOCKS_PER_SM) == (new_enc.THREADS, new_enc.BLOCKS_PER_SM)
+                for rows in (1, 2, 3, 8, 16, 33, 64, 100, 256, 1000):
+                    for pages in (1, 7, 100, 1058, 4229, 70000):
+                        assert old.splits_for(to, None, rows, rows * pages) == \
+                            new.splits_for(tn, rows, rows * pages), case + (rows, pages)
+                        n += 1
+    return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--before", required=True, help="git revision or csrc folder")
@@ -190,6 +258,10 @@ def main(argv=None) -> int:
     if args.save:
         Path(args.save).write_text(json.dumps(dict(before=before, after=after), indent=1))
     print("all kept kernels identical" if same else "some kernels differ")
+    if not os.path.isdir(args.before):
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"launch settings identical on {launch_settings(args.before, Path(tmp))} "
+                  "(codebook, dim, page bytes, rows, pages) cases")
     return 0 if same else 1
 
 

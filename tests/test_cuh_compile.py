@@ -92,3 +92,42 @@ def test_runtime_build_without_spills():
     rc, log = build.rc, build.log
     assert rc == 0, log
     check_spills(log, ALLOWED_NVRTC, len(names), "NVRTC")
+
+
+def test_shared_constants_come_from_the_sources(tmp_path, monkeypatch):
+    """The launchers' constants shared with C are read from the .cuh files (one source): an
+    edited header changes them, and the values the launchers hold are the headers' (the cell
+    table blob the encode launcher builds has the kernels' ENC_WORDS words)."""
+    import importlib
+    from cupy_kernels import _module, kernel_tables
+    enc = importlib.import_module("cupy_kernels.encode")
+    dec = importlib.import_module("cupy_kernels.ada_decode")
+    c = _module.constants()
+    assert dec.THREADS == 32 * c["DEC_WARPS"] and dec.MAX_GROUP == c["DEC_HEADS"]
+    assert (dec.TABLE_PATH.ctas_per_sm, dec.AFFINE_PATH.ctas_per_sm) == (c["TABLE_CTAS"], c["AFF_CTAS"])
+    assert sum(enc.BUCKETS.values()) == enc.CELL_NB == c["ENC_NB"]
+    for codebook in ("lloyd-max", "uniform"):
+        assert enc.cell_tables(kernel_tables([(4, 4), (8, 8)], 128, codebook=codebook)).size == c["ENC_WORDS"]
+    for p in CSRC.glob("*.cuh"):
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    text = (tmp_path / "ada_decode.cuh").read_text()
+    assert "constexpr int AFF_CTAS = 4;" in text
+    (tmp_path / "ada_decode.cuh").write_text(text.replace("constexpr int AFF_CTAS = 4;",
+                                                          "constexpr int AFF_CTAS = 5;"))
+    monkeypatch.setattr(_module, "CSRC", tmp_path)
+    _module.constants.cache_clear()
+    try:
+        assert _module.constants()["AFF_CTAS"] == 5
+    finally:
+        monkeypatch.undo()
+        _module.constants.cache_clear()
+    assert _module.constants()["AFF_CTAS"] == 4
+
+
+def test_launch_bounds_name_the_shared_constants():
+    """Each kernel's residency asked of ptxas is the named constant the launcher reads."""
+    text = (CSRC / "ada_decode.cuh").read_text()
+    assert "__launch_bounds__(DEC_WARPS * 32, TABLE_CTAS) ada_decode_table_kernel(" in text
+    assert "__launch_bounds__(DEC_WARPS * 32, AFF_CTAS) ada_decode_affine_kernel(" in text
+    assert (CSRC / "encode.cuh").read_text().count("__launch_bounds__(ENC_THREADS, ENC_CTAS)") == 2
+    assert "__launch_bounds__(RETIER_THREADS)" in (CSRC / "retier.cuh").read_text()

@@ -2,7 +2,7 @@
 spills), static shared memory per kernel instance, next to the same figures from ``nvcc
 -Xptxas -v`` that CI checks. The library builds through NVRTC at run time, whose compiler
 version can differ from the nvcc that CI uses, so a kernel that is spill-free in CI can still
-touch local memory on the device (docs/PERF_NOTES.md, v7).
+touch local memory on the device.
 
     PYTHONPATH=. python3 validation/build_info.py --out build_info.json
 

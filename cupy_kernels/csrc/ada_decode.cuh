@@ -2,10 +2,10 @@
 //
 // Thread -> data map
 //   grid (num_splits, rows): one CTA per (sequence, kv-head) row and split of its page list;
-//   the split takes pages [s*ceil(n/S), (s+1)*ceil(n/S)) of the row's n pages (v7 at D = 128:
+//   the split takes pages [s*ceil(n/S), (s+1)*ceil(n/S)) of the row's n pages (affine path at D = 128:
 //   pages 4s, 4s+1, 4s+2, 4s+3, then the same + 4S, + 8S, ..., interleaved; see decode_cta).
 //   block = 4 warps; warp w walks the split's pages w, w+4, w+8, ... and, in each page, tiles
-//   of 16 * NSUB states (v4: 16; v5: 32 = two independent m16 sub-tiles per softmax step;
+//   of 16 * NSUB states (table path: 16; affine path: 32 = two independent m16 sub-tiles per softmax step;
 //   below, "tile" is one 16-state sub-tile). The warp serves all G <= 8 query heads of the kv-head's GQA group from one
 //   read of the page (the heads are the n = 8 columns of the m16n8k16 tensor-core tile).
 //   lane = 4*g + t  (g = lane / 4, t = lane % 4, the mma "group" and "thread in group"):
@@ -28,12 +28,12 @@
 //   shared memory at the end. One split: the CTA applies Pi_V^T (Walsh–Hadamard in shared
 //   memory), adds mu_V and writes the output. Several splits: it writes (O / l, lse) to the
 //   small partial buffers and ada_merge combines them. Nothing of size tokens x D exists.
-//   v7 (affine path, D = 128) decodes full pages of the 4/4 tier (page44), the 3/3 and the 2/2
+//   The affine kernel (D = 128) decodes full pages of the 4/4 tier (page44), the 3/3 and the 2/2
 //   tier (page_f2), the 8/8 tier (page_f8) and the 16/16 tier (page_f16) on fast paths (one
 //   softmax step per page, staged and swizzled, codes as fp16 subnormals or fp16 words; their
-//   own lane maps, described there) and every other page on the generic tile code above; v8
-//   pipelines the 4/4 fast path across pages. v7 starts each warp's page stream at kernel entry,
-//   before the query prologue (DEC7_EARLY; the query is staged past the page buffers).
+//   own lane maps, described there) and every other page on the generic tile code above. It
+//   starts each warp's page stream at kernel entry, before the query prologue (the query is
+//   staged past the page buffers).
 #pragma once
 #include "spherical_common.cuh"
 
@@ -53,26 +53,25 @@ struct DecodeSmem {   // static part; tables and page buffers are dynamic (see b
   float lse[DEC_HEADS];    // combined log2-sum-exp per head
   float kfac[DEC_HEADS];   // qfac * softmax scale * log2(e)
   float hstep[8];          // affine path: half step of the uniform codebook per level row
-  float qhalf[DEC_HEADS];  // affine v5/v6: sum of the fp16 q' per head / 2
-  uint2 qfrag[D / 16][32];  // v6: the query's B fragments, [chunk][lane]
-  int prange[2];            // v6: the CTA's pages [prange[0] + pbeg, prange[0] + prange[1])
+  float qhalf[DEC_HEADS];  // affine path: sum of the fp16 q' per head / 2
+  uint2 qfrag[D / 16][32];  // affine path: the query's B fragments, [chunk][lane]
+  int prange[2];            // affine path: the CTA's pages [prange[0] + pbeg, prange[0] + prange[1])
 };
 
-// v7 (affine path) adds the fast path's query fragment and per-head logit constants
-// (page44); the other versions keep DecodeSmem as it was (the table path's 3 CTAs per SM
-// have no 2 KiB to spare).
+// The affine path adds the fast path's query fragment and per-head logit constants
+// (page44); the table path keeps DecodeSmem (its 3 CTAs per SM have no 2 KiB to spare).
 template <int D>
 struct DecodeSmemAffine : DecodeSmem<D> {
-  uint2 qfrag7[D / 16][32];          // [chunk][lane], see decode_cta
+  uint2 qfrag44[D / 16][32];          // [chunk][lane], see decode_cta
   __align__(16) float k12[DEC_HEADS][2];   // K1, K2 per head (page44)
 };
-// v7 (not v8, whose three page buffers per warp leave no shared memory for a fourth CTA) adds
-// the query fragment and logit constants of the 3/3 and 2/2 fast pages (page_f2).
+// At D = 128 it adds the query fragments and logit constants of the 3/3, 2/2, 8/8 and 16/16
+// fast pages (page_f2, page_f8, page_f16).
 template <int D>
 struct DecodeSmemFast : DecodeSmemAffine<D> {
   uint2 qfrag2[D / 16][32];                  // [chunk][lane], see decode_cta
   __align__(16) float k12b[2][DEC_HEADS][2];   // K1, K2 per head of the 2/2 [0] and 3/3 [1] tiers
-  int pstride;   // pages between two of a warp's pages (interleaved splits: 4 S; decode_pages7)
+  int pstride;   // pages between two of a warp's pages (interleaved splits: 4 S; affine_pages)
   uint2 qfrag8[D / 16][32];                  // 8/8 pages (page_f8): [chunk][lane], see decode_cta
   __align__(16) float k12c[2][DEC_HEADS][2];   // K1, K2 per head of the 8/8 [0] and 16/16 [1] tiers
 };
@@ -87,7 +86,7 @@ template <int D> struct SmemOf<D, true> { typedef DecodeSmemAffine<D> type; };
 template <> struct SmemOf<128, true> { typedef DecodeSmemFast<128> type; };
 
 // Dynamic shared memory: [LUT_BYTES tables][region], region = max(2 page buffers per warp,
-// the per-warp output tiles of the final merge, which reuse it). v7 (DEC7_EARLY) stages the
+// the per-warp output tiles of the final merge, which reuse it). The affine path stages the
 // query past its page buffers: the launcher adds DEC_HEADS * (D + D / 32) floats (qs_at,
 // decode_smem_bytes).
 __host__ __device__ constexpr int decode_region_bytes(int D, int page_bytes) {
@@ -104,8 +103,8 @@ __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_g
 __device__ __forceinline__ void cp_async_wait2() { asm volatile("cp.async.wait_group 2;\n" ::); }
 __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
-// Where the logit mma reads its B operand (the rotated query, fp16): v4/v5 hold the whole
-// fragment in registers (QRegs, 16 registers at D = 128); v6 re-reads chunk c from shared
+// Where the logit mma reads its B operand (the rotated query, fp16): the table path holds the
+// whole fragment in registers (QRegs, 16 registers at D = 128); the affine path re-reads chunk c from shared
 // memory once per 32-state step (QShared: one 8-byte ld.shared per chunk and lane,
 // conflict-free), which frees those registers for a fourth CTA per SM.
 template <int D>
@@ -142,8 +141,8 @@ __device__ __forceinline__ int lds_s32(u32 a) {   // not hoisted out of a loop (
   return v;
 }
 
-// The query fragment source of a version: shared memory on v6, registers before.
-template <bool V6> struct QSource {
+// The query fragment source of a path: shared memory (SHARED: the affine path) or registers.
+template <bool SHARED> struct QSource {
   template <int D>
   static __device__ __forceinline__ const QRegs<D>& of(const QShared&, const QRegs<D>& r) { return r; }
 };
@@ -200,7 +199,7 @@ __device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int tile
     return;
   }
   // Narrow codes are all loaded up front (more loads in flight); 8- and 16-bit groups
-  // (2 and 4 words), and every group on the v5 affine path (two sub-tiles), are loaded per
+  // (2 and 4 words), and every group on the affine path (two sub-tiles), are loaded per
   // chunk, which keeps the affine kernels within their registers.
   constexpr bool EAGER = !UNI || (B < 8 && NSUB == 1);
   typename GroupOf<B, PATH>::type a[NSUB][D / 32], b[NSUB][D / 32];
@@ -238,7 +237,8 @@ __device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int tile
 }
 
 // 4-bit affine pair p of a word holding nibbles 0..3 (low half) and 4..7 (high half) of a
-// group: v4 2c - 15 (shift, and, or, hadd2), v5 c - 8 (lop3, fma; a shift per two pairs).
+// group: on PATH_AFFINE c - 8 (lop3, fma; a shift per two pairs); otherwise 2c - 15 (shift,
+// and, or, hadd2).
 template <int PATH>
 __device__ __forceinline__ u32 nib_pair(u32 x, int p) {
   if constexpr (PATH == PATH_AFFINE) {
@@ -253,9 +253,10 @@ __device__ __forceinline__ u32 nib_pair(u32 x, int p) {
   }
 }
 
-// The coordinate group that lane g holds as its j-th value group (j < D/64): VM = 0 (v4-v6)
-// groups g, g + 8; VM = 1 (v7) groups 2g, 2g + 1 (adjacent words: one 8-byte load per state on
-// v7's 4/4 fast path, which shares the accumulators with this path). D = 64: group g either way.
+// The coordinate group that lane g holds as its j-th value group (j < D/64): VM = 0 (table
+// path) groups g, g + 8; VM = 1 (affine path) groups 2g, 2g + 1 (adjacent words: one 8-byte
+// load per state on the 4/4 fast path, which shares the accumulators with this path). D = 64:
+// group g either way.
 template <int VM, int D>
 __device__ __forceinline__ int vgroup(int g, int j) {
   return VM ? (D / 64) * g + j : g + 8 * j;
@@ -413,7 +414,7 @@ __device__ __forceinline__ float lds_f32(const float* p, bool vol) {
   return v;
 }
 
-// 2^x: exp2f (v4-v6) or one MUFU.EX2 (v7: ex2.approx.ftz; 2 ulp, -inf -> 0, results below
+// 2^x: exp2f (table path) or one MUFU.EX2 (affine path: ex2.approx.ftz; 2 ulp, -inf -> 0, results below
 // 2^-126 flushed to 0, which only drops weights < 2^-126 next to a running sum >= 1).
 template <bool FAST>
 __device__ __forceinline__ float dec_exp2(float x) {
@@ -427,9 +428,9 @@ __device__ __forceinline__ float dec_exp2(float x) {
 }
 
 // The constants of one page's tier for lane (g, t): geometry (docs/format.md), and the
-// per-head logit factors of heads 2t, 2t + 1. Affine paths: the half step (doubled on
-// v5/v6, where the operand is u = c - 2^(B-1)) joins the scales; v5/v6 add sum(q')/2 to the
-// mma's logit sum (qk). v6 leaves q . mu_K out (mu = 0, decode_page).
+// per-head logit factors of heads 2t, 2t + 1. Affine path: the half step (doubled, the
+// operand being u = c - 2^(B-1)) joins the scales, sum(q')/2 is added to the mma's logit sum
+// (qk), and q . mu_K is left out (mu = 0, decode_page).
 struct PageConsts {
   int kbits, vbits, kwords, vwords, voff, ksoff, vsoff;
   float kf0, kf1, mu0, mu1, qk0, qk1, hv;
@@ -455,10 +456,10 @@ struct PageConsts {
 };
 
 // One page: tiles of 16 * NSUB states, logits -> online softmax -> values (see the map
-// above). NSUB = 2 (v5, v6): one running-maximum update, one shuffle reduction and one P'
+// above). NSUB = 2 (affine path): one running-maximum update, one shuffle reduction and one P'
 // exchange per 32 states; each lane first reduces its own 2 * NSUB states per head.
-// ps0, ps1: sum of the fp16 P' of the affine (v5, v6) tiers, for the "+1/2" of u = c - 2^(B-1).
-// V6 differs in three places:
+// ps0, ps1: sum of the fp16 P' of the affine tiers, for the "+1/2" of u = c - 2^(B-1).
+// The affine path differs from the table path in three places:
 //   * P' goes from the C fragment of the logit mma (state rows, head columns) to the B
 //     fragment of the value mma (state k, head n) by two movmatrix transposes per sub-tile:
 //     no shared-memory tile, no __syncwarp;
@@ -476,16 +477,15 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
                                             int g, int t, float (&acc)[D / 16][4],
                                             float& m0, float& m1, float& l0, float& l1,
                                             float& ps0, float& ps1) {
-  constexpr bool UNI = PATH == PATH_AFFINE;
-  constexpr bool AFFINE = UNI;
+  constexpr bool AFFINE = PATH == PATH_AFFINE;
   constexpr int TS = 16 * NSUB;        // states per tile (row stride of the P' tile)
   const float top = sqrtf((float)D);   // 16-bit tier: logit = sqrt(D) <q', y>, no scale
   PageConsts pc;
-  // v4/v5 read the page's constants once; v6 re-reads them (L1-resident) at every step, so
+  // The table path reads the page's constants once; the affine path re-reads them (L1-resident) at every step, so
   // that they do not hold registers across the step (4 CTAs per SM at 128 registers).
-  if constexpr (!AFFINE) pc.template load<UNI, PATH == PATH_AFFINE, false>(gm, kfac, qmu, hstep, qhalf, t);
+  if constexpr (!AFFINE) pc.template load<AFFINE, PATH == PATH_AFFINE, false>(gm, kfac, qmu, hstep, qhalf, t);
   for (int tile0 = 0; tile0 < count; tile0 += TS) {
-    if constexpr (AFFINE) pc.template load<UNI, PATH == PATH_AFFINE, true>(gm, kfac, qmu, hstep, qhalf, t);
+    if constexpr (AFFINE) pc.template load<AFFINE, PATH == PATH_AFFINE, true>(gm, kfac, qmu, hstep, qhalf, t);
     const int kbits = pc.kbits, vbits = pc.vbits, kwords = pc.kwords, vwords = pc.vwords;
     const int ksoff = pc.ksoff, vsoff = pc.vsoff;
     const float kf0 = pc.kf0, kf1 = pc.kf1, mu0 = pc.mu0, mu1 = pc.mu1, qk0 = pc.qk0, qk1 = pc.qk1;
@@ -517,8 +517,8 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
       x0 = fmaxf(x0, fmaxf(z[u][0], z[u][2]));
       x1 = fmaxf(x1, fmaxf(z[u][1], z[u][3]));
     }
-    // v4/v5: the exact running maximum (one shuffle reduction per step), accumulators
-    // rescaled when some head's maximum moved. v6: the same, only when a logit passed m + lazy.
+    // Table path: the exact running maximum (one shuffle reduction per step), accumulators
+    // rescaled when some head's maximum moved. Affine path: the same, only when a logit passed m + lazy.
     bool move;
     if constexpr (AFFINE) {
       move = __any_sync(0xffffffffu, x0 > m0 + DEC_LAZY_MAX || x1 > m1 + DEC_LAZY_MAX);
@@ -590,8 +590,8 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
                                                   t, acc);
   }
 }
-// ------------------------------------------------------------------------------ v7 ----
-// v7 fast path: a full page of the 4/4 tier (D = 128, 4096-byte pages: P = 31 states, key
+// ------------------------------------------------------- affine path, 4/4 pages ----
+// Fast path: a full page of the 4/4 tier (D = 128, 4096-byte pages: P = 31 states, key
 // codes [31][64 B] at 0, value codes at 1984, key scales at 3968, value scales at 4030), i.e.
 // one 32-state step per page with one state slot (31) not stored. No predication, addresses
 // from per-lane constants, 16-byte key loads and 8-byte value loads that are conflict-free
@@ -602,21 +602,20 @@ __device__ __forceinline__ void decode_page(const R& pg, const int* gm, int coun
 //   logits: lane (g, t) reads 16 bytes (words 4t..4t+3, coordinates 32t..32t+31) of the key
 //     codes of states 16u + g and 16u + g + 8. Word w = 4t + i feeds k16 chunk 2i + h:
 //     h = 0: pairs (n0, n4) at bit 0 and (n1, n5) at bit 4 of each half; h = 1: the same of
-//     w >> 8, i.e. (n2, n6) and (n3, n7). The query fragment (qfrag7) holds head g's q' of
+//     w >> 8, i.e. (n2, n6) and (n3, n7). The query fragment (qfrag44) holds head g's q' of
 //     those coordinates in the same order, q' scaled by 2^-POS for a field at bit POS.
 //   values: lane (g, t) reads words 2g, 2g + 1 (groups 2g, 2g + 1 = vgroup<1>) of the value
 //     codes of states 2t, 2t + 1, 2t + 8, 2t + 9 of each sub-tile (8 bytes each); the A
 //     fragment of acc[4j + p] is coordinate 8(2g + j) + p (row g) and + 4 (row g + 8), as on
 //     the generic path with VM = 1, so both paths share the accumulators.
-// Codes to fp16 (DEC7_CONV = 0): a 4-bit field at bit POS of both halves, masked by one
+// Codes to fp16: a 4-bit field at bit POS of both halves, masked by one
 // lop3, IS the fp16 subnormal c * 2^(POS - 24) (exponent bits zero). The mma multiplies it
 // exactly (fp16 subnormals are full-precision inputs to the tensor cores; products and sums
 // are fp32, far from its subnormal range). So logit sums carry 2^-24 (undone in K1) and the
 // value accumulators carry 2^(POS - 24) per row: they live in the "F domain" while fast
 // pages are decoded and are scaled back by 2^(24 - POS) (exact) before a generic page or the
 // end (f44_domain). The offset of u = c - 7.5: logits -7.5 * sum(q~) per head (K2), values
-// -7.5 * sum(P') per head through ps (coefficient -15 of the final 0.5 * ps). DEC7_CONV = 1:
-// v6's lop3 + fma per pair (u = c - 8 exact, no domain change), kept as a fallback.
+// -7.5 * sum(P') per head through ps (coefficient -15 of the final 0.5 * ps).
 constexpr int TABLE_CTAS = 3;   // table kernel: resident CTAs per SM (its 72 KiB of shared memory allow 3)
 constexpr int AFF_SUB = 2;      // affine kernel: 16-state sub-tiles per softmax step of decode_page
 constexpr int AFF_CTAS = 4;     // affine kernel: resident CTAs per SM asked of ptxas (<= 128 registers)
@@ -872,7 +871,7 @@ __device__ __forceinline__ void fp_softmax(u32 sk_at, u32 sv_at, u32 kk, float h
     pb[u][1] = r1 ? transpose8x8(h2_as_u32(w1)) : 0u;
   }
 }
-// The 4/4 fast page's softmax (31 states; the code offset 7.5 on the F path, -0.5 on v6's
+// The 4/4 fast page's softmax (31 states; the code offset 7.5 on the F path, -0.5 on decode_page's
 // u = c - 8); fl.soff: key scale of state g.
 __device__ __forceinline__ void f44_softmax(u32 buf, const F44Lane& fl, u32 kk, float hv, int g,
                                             const float (&s)[2][4], float (&acc)[8][4],
@@ -883,15 +882,15 @@ __device__ __forceinline__ void f44_softmax(u32 buf, const F44Lane& fl, u32 kk, 
 }
 
 // One full 4/4 page staged at shared address `buf` (swizzled). qf7: shared address of this
-// lane's qfrag7[0][lane] (chunk c at + 256 c); kk: shared address of K1/K2 of heads 2t, 2t+1
+// lane's qfrag44[0][lane] (chunk c at + 256 c); kk: shared address of K1/K2 of heads 2t, 2t+1
 // (float4 {K1[2t], K2[2t], K1[2t+1], K2[2t+1]}); hv: the value scale factor (twice the 4-bit
-// half step). acc must be in the F domain (DEC7_CONV = 0). m, l, ps as in decode_page.
+// half step). acc must be in the F domain. m, l, ps as in decode_page.
 __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g, int t,
                                        float (&acc)[8][4], float& m0, float& m1, float& l0,
                                        float& l1, float& ps0, float& ps1) {
   F44Lane fl;
   fl.init(g, t);
-  // ---- logits: s[u] = S^T of sub-tile u (rows g, g + 8; heads 2t, 2t + 1). DEC7_LSPLIT: the
+  // ---- logits: s[u] = S^T of sub-tile u (rows g, g + 8; heads 2t, 2t + 1). LSPLIT: the
   // odd chunks go to a second accumulator (two mma chains of 4 per sub-tile instead of one of 8)
   float s[2][4], s1[2][4];
   uint4 kw[2][2];
@@ -934,8 +933,8 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
   }
 }
 
-// ------------------------------------------------------------- v7, 3/3 and 2/2 pages ----
-// v7 fast path for full pages of the 3/3 and 2/2 tiers (D = 128, 4096-byte pages): page_f2.
+// ------------------------------------------------- affine path, 3/3 and 2/2 pages ----
+// Fast path for full pages of the 3/3 and 2/2 tiers (D = 128, 4096-byte pages): page_f2.
 // Page layouts (docs/format.md): 3/3 holds P = 40 states, key codes [40][48 B] at 0 (per state:
 // the 2-bit field array, words 0..7, coordinate m of word w at bits 2m, then the bit-2 plane,
 // words 8..11, coordinate n of word 8 + w at bit n), value codes at 1920, key scales at 3840,
@@ -950,7 +949,7 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
 // the same coordinate is shifted to POS + 2 and merged (shift + two lop3 per pair; one mma per
 // k16 chunk, as at 4/4 and 2/2). So both tiers share one query fragment (qfrag2: q~ 2^-POS in
 // the same k order; only 3/3 uses the plane bits) and one accumulator domain, F2: acc[4j + p]
-// carries 2^(2p - 24) (f7_move). Offsets: u = c - 3.5 (3 bits) or c - 1.5 (2 bits): logits
+// carries 2^(2p - 24) (domain_move). Offsets: u = c - 3.5 (3 bits) or c - 1.5 (2 bits): logits
 // through K2 per head and tier, values through ps (coefficient -7 or -3).
 //
 // Lane maps (lane = 4g + t), the same coordinates as the generic path (shared accumulators):
@@ -971,15 +970,15 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
 // is 12 words, 12 s mod 32 takes 8 distinct multiples of 4 over 8 consecutive states), the
 // 8-byte key-field loads are two-way conflicted (no 16-byte swizzle helps: 48-byte records).
 //
-// Error bound (docs/PERF_NOTES.md "Decode v7, 3/3 and 2/2 pages"): every operand the mma sees
+// Error bound (docs/PERF_NOTES.md "Error budget"): every operand the mma sees
 // is exact except the query fragment, q~ 2^-POS rounded to fp16: for POS <= 6 an fp16
 // subnormal (|q~| < 2^-8) is off by at most 2^-25 absolute, i.e. 2^-19 |q~|max per coordinate,
 // <= 2^-19 sum_j |C_j| <= 2^-15.5 |C| per logit, under 3 % of the tests' budget (2^-10 |q~| |C|).
 // Products and sums are fp32; the codes are c >= 0 (no cancellation inside the mma), so the
-// accumulation error is at most 2x v6's (|c| <= 7 against |u| <= 4 at 3 bits), as on the 4/4
+// accumulation error is at most 2x decode_page's (|c| <= 7 against |u| <= 4 at 3 bits), as on the 4/4
 // path, and the offset term is the 4/4 path's with 3.5 or 1.5 instead of 7.5.
 
-constexpr int SKV_GEOM_PRE_ROWS = 16;   // DEC7_GEOM_PRE: geometry rows the launcher provides
+constexpr int SKV_GEOM_PRE_ROWS = 16;   // geometry rows read at entry (the launcher pads to them)
 
 template <int B> struct F2Geo;
 template <> struct F2Geo<3> {
@@ -1161,8 +1160,8 @@ __device__ __forceinline__ void page_f2(u32 buf, u32 qf2, u32 kk, float hv, int 
   }
 }
 
-// ------------------------------------------------------------ v7, 8/8 and 16/16 pages ----
-// v7 fast path for full pages of the 8/8 and the 16/16 (top) tier (D = 128, 4096-byte pages),
+// ----------------------------------------------- affine path, 8/8 and 16/16 pages ----
+// Fast path for full pages of the 8/8 and the 16/16 (top) tier (D = 128, 4096-byte pages),
 // the tiers of the RDR mix that were left on the generic code. Page layouts (docs/format.md):
 // 8/8 holds P = 15 states, key codes [15][128 B] at 0 (128-byte rows 0..14), value codes at 1920
 // (rows 15..29), key scales at 3840, value scales at 3870 (row 30); 16/16 holds P = 8 states,
@@ -1177,7 +1176,7 @@ __device__ __forceinline__ void page_f2(u32 buf, u32 qf2, u32 kk, float hv, int 
 // prmt (with zero); so the logits take one instruction per pair of codes and a query fragment
 // of their own (qfrag8: chunk c of lane (g, t) holds head g's q~ of coordinates
 // 32t + 4c + (0, 2) in b0 and + (1, 3) in b1, at their plain fp16 value: no rounding beyond
-// v6's). The values pair the same byte of two states (coordinate 16g + 8j + p of states 2t,
+// decode_page's). The values pair the same byte of two states (coordinate 16g + 8j + p of states 2t,
 // 2t + 1): one prmt per two pairs, then a lop3 or a prmt per pair (1.5 per pair). The
 // accumulators stay in the 4/4 path's F44 domain (acc[4j + p] carries 2^(4 (p & 1) - 24)): the
 // operands of the odd blocks are multiplied by 16 (one exact HMUL2 per pair of codes: c 2^-20 is
@@ -1185,7 +1184,7 @@ __device__ __forceinline__ void page_f2(u32 buf, u32 qf2, u32 kk, float hv, int 
 // domain, and a third domain (a loop-carried flag: ptxas spilled at 128 registers) is not
 // needed. The offset u = c - 127.5 enters as the 4/4 path's: K2 per head, coefficient -255 on
 // ps.
-// 16/16: the fp16 words go to the mma as they are, in the generic path's k order (qfrag, v6's
+// 16/16: the fp16 words go to the mma as they are, in the generic path's k order (qfrag, decode_page's
 // fragment; one prmt per operand, as tile_logits does), the values in the generic domain (one
 // prmt per operand, as tile_values): the same products and sums as decode_page.
 //
@@ -1196,9 +1195,9 @@ __device__ __forceinline__ void page_f2(u32 buf, u32 qf2, u32 kk, float hv, int 
 // state g, rows 2g, 2g + 1) and the value loads (chunks 2g, 2g + 1 of states 2t, 2t + 1) are
 // conflict-free.
 //
-// Error bound: 8/8 operands are exact except q~ (v6's rounding), the accumulation is fp32 over
+// Error bound: 8/8 operands are exact except q~ (decode_page's rounding), the accumulation is fp32 over
 // c in [0, 255] times a step 16x smaller than 4/4's, so partial sums and the offset term have the
-// 4/4 path's size in units of the logit (section "Decode v7" of docs/PERF_NOTES.md). 16/16 adds
+// 4/4 path's size in units of the logit (docs/PERF_NOTES.md "Error budget"). 16/16 adds
 // no rounding to decode_page's.
 
 
@@ -1298,7 +1297,7 @@ __device__ __forceinline__ void page_f8(u32 buf, u32 qf8, u32 kk, float hv, int 
 }
 
 // One full 16/16 page staged (swizzled) at shared address `buf`. qf: shared address of this
-// lane's qfrag[0][lane] (v6's fragment, chunk c at + 256 c); kk: {kfac[2t], 0, kfac[2t + 1], 0}.
+// lane's qfrag[0][lane] (decode_page's fragment, chunk c at + 256 c); kk: {kfac[2t], 0, kfac[2t + 1], 0}.
 // acc in the generic domain.
 __device__ __forceinline__ void page_f16(u32 buf, u32 qf, u32 kk, int g, int t,
                                          float (&acc)[8][4], float& m0, float& m1, float& l0,
@@ -1351,13 +1350,13 @@ __device__ __forceinline__ void page_f16(u32 buf, u32 qf, u32 kk, int g, int t,
 }
 
 // Moves the value accumulators between domains: 0 = generic scale, 1 = F44 (page44: acc[i]
-// carries 2^(4 (i & 1) - 24); none with DEC7_CONV = 1), 2 = F2 (page_f2: 2^(2 (i & 3) - 24)).
+// carries 2^(4 (i & 1) - 24); 2 = F2 (page_f2: 2^(2 (i & 3) - 24)).
 // Exact power-of-two multiplies.
 __host__ __device__ constexpr int f7_dom_exp(int dom, int i) {
   return dom == 0 ? 0 : dom == 1 ? 4 * (i & 1) - 24 : 2 * (i & 3) - 24;
 }
 template <int D, int FROM, int TO>
-__device__ __forceinline__ void f7_domain(float (&acc)[D / 16][4]) {
+__device__ __forceinline__ void domain_scale(float (&acc)[D / 16][4]) {
   if constexpr (D == 128) {
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
@@ -1369,22 +1368,22 @@ __device__ __forceinline__ void f7_domain(float (&acc)[D / 16][4]) {
 // The page loop's domain state: d44 (F44), d2 (F2), neither: generic. To the domain of the
 // next page (w44, w2), in one pass.
 template <int D>
-__device__ __forceinline__ void f7_move(float (&acc)[D / 16][4], bool& d44, bool& d2, bool w44,
+__device__ __forceinline__ void domain_move(float (&acc)[D / 16][4], bool& d44, bool& d2, bool w44,
                                         bool w2) {
   if (d44 == w44 && d2 == w2) return;
   if (d44) {
-    if (w2) f7_domain<D, 1, 2>(acc); else f7_domain<D, 1, 0>(acc);
+    if (w2) domain_scale<D, 1, 2>(acc); else domain_scale<D, 1, 0>(acc);
   } else if (d2) {
-    if (w44) f7_domain<D, 2, 1>(acc); else f7_domain<D, 2, 0>(acc);
+    if (w44) domain_scale<D, 2, 1>(acc); else domain_scale<D, 2, 0>(acc);
   } else {
-    if (w44) f7_domain<D, 0, 1>(acc); else f7_domain<D, 0, 2>(acc);
+    if (w44) domain_scale<D, 0, 1>(acc); else domain_scale<D, 0, 2>(acc);
   }
   d44 = w44;
   d2 = w2;
 }
 
 
-// A page of kind 0 or 1 on v6's decode_page inside v7 and v8 (c: its packed header; a partial
+// A page of kind 0 or 1 on decode_page inside the affine page loop (c: its packed header; a partial
 // page re-reads its id from `indices`, a full one is staged at shared address bsh).
 template <int D, int PATH, int NSUB, class SM, class QF>
 __device__ __forceinline__ void decode_generic(const u32* __restrict__ pages, int page_words,
@@ -1409,8 +1408,8 @@ __device__ __forceinline__ void decode_generic(const u32* __restrict__ pages, in
   }
 }
 
-// Page kind of a page header (decode_pages7, decode_pages8): 0 = partial page; 1 = other full
-// page; 2 = full 4/4 page (f44ok: D = 128 and 4096-byte pages); with F2 (v7), 3 = full 3/3 page
+// Page kind of a page header (affine_pages, decode_pages8): 0 = partial page; 1 = other full
+// page; 2 = full 4/4 page (f44ok: D = 128 and 4096-byte pages); with F2, 3 = full 3/3 page
 // and 4 = full 2/2 page (page_f2), 5 = full 8/8 page (page_f8), 6 = full 16/16 page (page_f16).
 template <bool F2>
 __device__ __forceinline__ int page_kind(int count, const int4& gq, bool f44ok) {
@@ -1422,7 +1421,7 @@ __device__ __forceinline__ int page_kind(int count, const int4& gq, bool f44ok) 
 }
 // The CTA's page range as header_refill reads it: beg() = start of the row's list in
 // `indices`, end() = end of the CTA's pages. In the page loop from shared memory (sm.prange: a
-// register held across the loop would spill); at kernel entry (DEC7_EARLY) from registers, as
+// register held across the loop would spill); at kernel entry from registers, as
 // no barrier has published sm.prange yet.
 struct RangeSmem {
   u32 a;
@@ -1444,13 +1443,13 @@ __device__ __forceinline__ void header_pack(int page, int tier, int count, int4 
        (static_cast<u32>(page_kind<F2>(count, gq, f44ok)) << 28);
 }
 // Loads the header block of the warp's pages first, first + stride, ..., first + 31 stride
-// (lane l: page first + l stride; stride 4, or 4 S on v7's interleaved splits) into the warp's
-// 512-byte P' tile (unused from v6 on) at shared address hsh: lane l's entry
+// (lane l: page first + l stride; stride 4, or 4 S on interleaved splits) into the warp's
+// 512-byte P' tile (unused on the affine path) at shared address hsh: lane l's entry
 // {page id, count | tier << 16 | kind << 28} at 8 l. Kept in shared memory, a
 // page's header costs one 8-byte load and no registers across the page loop (in shuffle
 // registers ptxas spilled at 128 registers). Warp-uniform; the previous block was read before
 // the __syncwarp at the end of the last step.
-// PRE (DEC7_GEOM_PRE, the first block at kernel entry): the geometry rows come from gpre, row
+// PRE (the first block at kernel entry): the geometry rows come from gpre, row
 // l in lane l (the launcher pads the table to SKV_GEOM_PRE_ROWS rows), by shuffles: one
 // dependent global load fewer in the chain before the first page copy.
 template <bool F2, class RG, bool PRE = false>
@@ -1513,14 +1512,14 @@ __device__ __forceinline__ u32 stage_from_block(const u32* __restrict__ pages, i
   stage_page<F2>(pages + (size_t)v.x * page_words, v.y, dst, page_words, lane);
   return v.y;
 }
-// The start of a warp's v7 page stream: the header block of pages pi0, pi0 + stride, ... and
-// the copies of the first AHEAD pages (DEC7_STAGES - 1, or 2 with DEC7_EARLY = 2) into buffers
-// 0 (and 1), one cp.async group each. decode_pages7 calls it before its loop, or (DEC7_EARLY)
+// The start of a warp's affine page stream: the header block of pages pi0, pi0 + stride, ... and
+// the copies of the first AHEAD pages (AFF_STAGES - 1) into buffers
+// 0 (and 1), one cp.async group each. affine_pages calls it before its loop, or
 // decode_cta at kernel entry, with the range in registers, so the dependent header loads and
 // the first copies overlap the query prologue. cur_c, mid_c: packed headers of pages pi0 and
 // pi0 + stride (0: none).
 template <bool F2, int AHEAD, class RG, bool PRE = false>
-__device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int page_words,
+__device__ __forceinline__ void affine_pages_start(const u32* __restrict__ pages, int page_words,
                                              const int* __restrict__ page_tier,
                                              const int* __restrict__ page_count,
                                              const int* __restrict__ indices,
@@ -1535,7 +1534,7 @@ __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int 
     cur_c = stage_from_block<F2>(pages, page_words, hsh, 0, bufs_sh, lane);
   }
   cp_async_commit();
-  static_assert(AHEAD == 1 || AHEAD == 2, "pages7_start: one or two pages ahead");
+  static_assert(AHEAD == 1 || AHEAD == 2, "affine_pages_start: one or two pages ahead");
   if constexpr (AHEAD == 2) {
     if (pi0 + stride < range.end())
       mid_c = stage_from_block<F2>(pages, page_words, hsh, 1, bufs_sh + 4u * page_words, lane);
@@ -1544,8 +1543,8 @@ __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int 
 }
 
 
-// v7 page loop of one warp: pages pi0, pi0 + 4, ... of the CTA's range (end re-read from
-// shared memory at `prange` + 4, start of the row's list at `prange`, as on v6). Page headers
+// Affine page loop of one warp: pages pi0, pi0 + 4, ... of the CTA's range (end re-read from
+// shared memory at `prange` + 4, start of the row's list at `prange`). Page headers
 // come in blocks of 32 (header_refill: one dependent chain of global loads per 32 pages instead
 // of one per page), a page's header stays packed (count | tier << 16 | kind << 28) across the
 // loop and a partial page re-reads its id from `indices`. Each page is one of seven kinds
@@ -1557,14 +1556,14 @@ __device__ __forceinline__ void pages7_start(const u32* __restrict__ pages, int 
 // (decode_page on global memory, no byte past its states). The next page streams into the
 // other buffer while this one is decoded. The accumulators stay in one domain (generic: kinds
 // 0, 1, 6; F44: 2, 5; F2: 3, 4) while pages of that domain follow each other and change domain
-// (32 exact multiplies, f7_move) only between them. ILV: the warp's pages are pi0, pi0 + 4S, ...
-// (interleaved splits, decode_cta), else pi0, pi0 + 4, ... STARTED: pages7_start has run
-// (DEC7_EARLY) with AHEAD pages and cur_c, mid_c are its headers; else the loop starts the
-// stream itself (AHEAD = DEC7_STAGES - 1). AHEAD = 2 with two buffers: the first step's next
+// (32 exact multiplies, domain_move) only between them. ILV: the warp's pages are pi0, pi0 + 4S, ...
+// (interleaved splits, decode_cta), else pi0, pi0 + 4, ... STARTED: affine_pages_start has run
+// with AHEAD pages and cur_c, mid_c are its headers; else the loop starts the
+// stream itself (AHEAD = AFF_STAGES - 1). AHEAD = 2 with two buffers: the first step's next
 // page is already staged (mid_c).
 template <int D, int PATH, int NSUB, bool F44, bool F2, bool ILV, bool STARTED, int AHEAD,
           class SM, class QF>
-__device__ __forceinline__ void decode_pages7(
+__device__ __forceinline__ void affine_pages(
     const u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
     const int* __restrict__ page_count, const int* __restrict__ indices,
     const int* __restrict__ geom, int pi0, u32 prange, u32* bufs, SM& sm, const QF& qsrc,
@@ -1585,18 +1584,18 @@ __device__ __forceinline__ void decode_pages7(
     c = stage_from_block<F2>(pages, page_words, hsh, jb, bufs_sh + 4u * which * page_words, lane);
   };
   constexpr int NST = AFF_STAGES;   // page buffers; pages pi + 4, ..., pi + 4 (NST - 1) in flight
-  static_assert(NST == 2 || NST == 3, "DEC7_STAGES: 2 or 3");
-  bool d44 = false, d2 = false;   // domain of the accumulators (f7_move): generic at first
+  static_assert(NST == 2 || NST == 3, "AFF_STAGES: 2 or 3");
+  bool d44 = false, d2 = false;   // domain of the accumulators (domain_move): generic at first
   // cur_c, mid_c: headers of pages pi and (NST = 3) pi + 4
-  static_assert(AHEAD == NST - 1 || (STARTED && NST == 2 && AHEAD == 2), "decode_pages7: AHEAD");
+  static_assert(AHEAD == NST - 1 || (STARTED && NST == 2 && AHEAD == 2), "affine_pages: AHEAD");
   if constexpr (!STARTED)
-    pages7_start<F2, AHEAD>(pages, page_words, page_tier, page_count, indices, geom, pi0,
+    affine_pages_start<F2, AHEAD>(pages, page_words, page_tier, page_count, indices, geom, pi0,
                      RangeSmem{prange}, stride(), bufs_sh, hsh, lane, f44ok, cur_c, mid_c);
   // One page: pi in buffer buf; page pi + stride (NST - 1) is staged now into buffer nbuf, at
   // place jb of its header block.
   auto step = [&](int pi, int jb, int buf, int nbuf, bool staged) {
     u32 nxt_c = 0;
-    if (staged) {   // AHEAD > NST - 1, first step: staged by pages7_start, no group committed
+    if (staged) {   // AHEAD > NST - 1, first step: staged by affine_pages_start, no group committed
       nxt_c = mid_c;
     } else {
       const int npi = pi + stride() * (NST - 1);
@@ -1610,7 +1609,7 @@ __device__ __forceinline__ void decode_pages7(
     __syncwarp();       // the current page are done, ... and every other lane's
     const u32 bsh = bufs_sh + 4u * buf * page_words;
     const int cur_kind = static_cast<int>(cur_c >> 28);
-    f7_move<D>(acc, d44, d2, F44 && (cur_kind == 2 || cur_kind == 5), F2 && (cur_kind == 3 || cur_kind == 4));
+    domain_move<D>(acc, d44, d2, F44 && (cur_kind == 2 || cur_kind == 5), F2 && (cur_kind == 3 || cur_kind == 4));
     if (F2 && cur_kind >= 5) {
       if constexpr (F2) {
         if (cur_kind == 5) {
@@ -1636,7 +1635,7 @@ __device__ __forceinline__ void decode_pages7(
       }
     } else if (F44 && cur_kind == 2) {
       if constexpr (F44) {
-        page44(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag7[0][lane])),
+        page44(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag44[0][lane])),
                static_cast<u32>(__cvta_generic_to_shared(&sm.k12[2 * t][0])),
                lds_f32(sm.hstep + level_row(4), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
       }
@@ -1655,14 +1654,14 @@ __device__ __forceinline__ void decode_pages7(
   // k: the warp's pages so far. Page pi = pi0 + k stride sits in buffer k % NST, page
   // pi + stride (NST - 1) goes to place (k + NST - 1) & 31 of its header block. One counter
   // instead of a page index, a buffer and a block place (ILV: pi0 = 4 s + w re-read from the
-  // special registers): with the prologue's values of DEC7_EARLY those spill at 128 registers.
+  // special registers): with the early prologue's values those spill at 128 registers.
   for (int k = 0;; ++k) {
     const int pi = (ILV ? DEC_WARPS * ctaid_x() + (tid_x() >> 5) : pi0) + k * stride();
     if (pi >= lds_s32(prange + 4)) break;
     step(pi, (k + NST - 1) & 31, k % NST, (k + NST - 1) % NST, AHEAD > NST - 1 && k == 0);
   }
   cp_async_wait0();
-  f7_move<D>(acc, d44, d2, false, false);
+  domain_move<D>(acc, d44, d2, false, false);
 }
 
 
@@ -1680,9 +1679,9 @@ __device__ __forceinline__ void decode_pages7(
       sigma_k, sigma_v, mean_k, mean_v, num_kv_heads, G, scale_log2, num_splits, out, part_o,   \
       part_lse
 
-// Which of the row's pages the CTA takes: the row's list starts at indices[rbeg]; v4-v6, v8
-// and v7 at D = 64: a contiguous range [pbeg, pend) of ceil(n / S) pages, warp w its pages
-// pbeg + w, + 4, ... ILV (v7 at D = 128): interleaved, warp w of split s takes pages
+// Which of the row's pages the CTA takes: the row's list starts at indices[rbeg]; the table
+// path and the affine path at D = 64: a contiguous range [pbeg, pend) of ceil(n / S) pages, warp w its pages
+// pbeg + w, + 4, ... ILV (affine path at D = 128): interleaved, warp w of split s takes pages
 // 4 s + w + 4 S k, so every split holds about 1/S of each tier's pages (a row's pages come
 // ordered by tier, and a contiguous range would give the slow tiers to a few splits, which
 // then set the kernel's time).
@@ -1697,7 +1696,7 @@ __device__ __forceinline__ CtaPages cta_pages(const int* __restrict__ indptr, in
 }
 
 // Where the prologue keeps coordinate j of head h of the rotated query (float index into qs).
-// PAD (v7 with DEC7_EARLY and DEC7_QPAD): rows of D + D/32 floats, one float of padding after
+// PAD (the affine path): rows of D + D/32 floats, one float of padding after
 // every 32 coordinates, so that the fragment builders' loads (lane (g, t): head g, coordinates
 // 32 t + c) fall on 32 distinct banks (4 g + t + c mod 32) instead of one (32-way conflicts,
 // with 12 such warps per SM at once: ~3 us of the prologue); the rotation's stores stay
@@ -1708,7 +1707,7 @@ __device__ __forceinline__ int qs_at(int h, int blk, int off) {
   return PAD ? h * (D + D / 32) + 33 * blk + off : h * D + 32 * blk + off;
 }
 
-// Rotated query of the warp's heads warp, warp + 4 (DEC7_EARLY): q' = H(sigma_K * q), lane l
+// Rotated query of the warp's heads warp, warp + 4 (the affine path's early prologue): q' = H(sigma_K * q), lane l
 // holding coordinates V l, ..., V l + V - 1 (V = D / 32) of head warp + 4 k in y[k] (loaded by
 // warp_query_load before the page stream starts, so both chains of global loads are in flight
 // at once), the butterflies below V in registers and the rest through shuffles. Every sum and
@@ -1771,15 +1770,15 @@ __device__ __forceinline__ void warp_query_rotate(float (&yq)[DEC_WHEADS][D / 32
 }
 
 // The body of the decode kernels. PATH_TABLE: any codebook (`levels` is the (5, 256) float32
-// level table). PATH_AFFINE(_V4): uniform codebook (`levels` holds the 5 half steps hs_b of
+// level table). PATH_AFFINE: uniform codebook (`levels` holds the 5 half steps hs_b of
 // b = 1, 2, 3, 4, 8 bits; no tables in shared memory). NSUB: 16-state sub-tiles per softmax
-// step (v4: 1, v5 and v6: 2). V6: see decode_page. V7 (with V6, affine path): full 4/4 pages on
-// the fast path (page44), the rest on decode_page with the v7 value map; see the page loop.
-// DEC7_PDL: every v7 CTA lets the merge kernel launch (programmatic dependent launch: when
+// step (table path 1, affine path AFF_SUB = 2); the affine path's differences: see decode_page;
+// at D = 128 its full 4/4, 3/3, 2/2, 8/8 and 16/16 pages take their fast paths, the rest
+// decode_page with the affine value map (affine_pages). Every affine CTA lets the merge kernel launch (programmatic dependent launch: when
 // the launcher starts the merge with that attribute, its CTAs are scheduled once every decode
 // CTA has allowed it, on the SMs the decode's early CTAs leave, and wait in griddepcontrol.wait
 // for the whole decode grid; launched plainly, the instruction does nothing): 1 at the CTA's
-// entry, 2 after its pages (before the cross-warp merge), 0 never.
+// ... after its pages (before the cross-warp merge).
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -1795,19 +1794,18 @@ __device__ __forceinline__ void pdl_wait() {
 
 template <int D, int PATH>
 __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
-  constexpr bool UNI = PATH == PATH_AFFINE;
-  constexpr bool AFFINE = UNI;
+  constexpr bool AFFINE = PATH == PATH_AFFINE;
   constexpr int NSUB = AFFINE ? AFF_SUB : 1;   // 16-state sub-tiles per softmax step
   constexpr bool F44 = AFFINE && D == 128;   // the fast pages exist for D = 128
   constexpr bool F2 = F44;                   // ... the 4/4 one and the 3/3, 2/2, 8/8, 16/16 ones
   constexpr bool ILV = F2;                   // interleaved splits (cta_pages)
   // EARLY (affine): the page stream starts at kernel entry, the query is staged past the page buffers
   constexpr bool EARLY = AFFINE;
-  constexpr int AHEAD7 = AFF_STAGES - 1;     // pages in flight at entry (pages7_start)
+  constexpr int AHEAD = AFF_STAGES - 1;     // pages in flight at entry (affine_pages_start)
   constexpr bool QPAD = EARLY;               // the rotated query's layout (qs_at)
   __shared__ typename SmemOf<D, AFFINE>::type sm;
   extern __shared__ __align__(16) unsigned char dyn[];
-  float* region = reinterpret_cast<float*>(dyn + (UNI ? 0 : LUT_BYTES));   // queries, pages, merge
+  float* region = reinterpret_cast<float*>(dyn + (AFFINE ? 0 : LUT_BYTES));   // queries, pages, merge
   const int split = blockIdx.x, row = blockIdx.y;
   const int b = row / num_kv_heads, kvh = row % num_kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1817,7 +1815,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
               (size_t)warp * (AFFINE ? AFF_STAGES : 2) * page_words;
   const float* qrow = q + (long long)b * q_sb + (long long)(kvh * G) * q_sh;
   const float* sk = sigma_k + (size_t)kvh * D;
-  u32 cur_c = 0, mid_c = 0;   // EARLY: headers of the warp's first pages (pages7_start)
+  u32 cur_c = 0, mid_c = 0;   // EARLY: headers of the warp's first pages (affine_pages_start)
   float qv[DEC_WHEADS][D / 32];   // EARLY: sigma_K * q of the warp's heads (warp_query_load)
   if constexpr (EARLY) {
     warp_query_load<D>(qv, qrow, q_sh, sk, G, warp, lane);
@@ -1828,7 +1826,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
                           ? __ldg(reinterpret_cast<const int4*>(geom + lane * SKV_GEOM_STRIDE))
                           : make_int4(0, 0, 0, 0);
     const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
-    pages7_start<F2, AHEAD7, RangeRegs, true>(pages, page_words, page_tier, page_count,
+    affine_pages_start<F2, AHEAD, RangeRegs, true>(pages, page_words, page_tier, page_count,
                      indices, geom, cp.pbeg + warp,
                      RangeRegs{cp.rbeg, cp.pend}, ILV ? DEC_WARPS * num_splits : DEC_WARPS,
                      static_cast<u32>(__cvta_generic_to_shared(bufs)),
@@ -1837,8 +1835,8 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
 
   Luts lut = {};
-  if constexpr (UNI) {
-    // v5 feeds u = c - 2^(B-1) = (2c - (2^B - 1) - 1) / 2: twice the half step per unit
+  if constexpr (AFFINE) {
+    // the affine path feeds u = c - 2^(B-1) = (2c - (2^B - 1) - 1) / 2: twice the half step per unit
     if (threadIdx.x < 5) sm.hstep[threadIdx.x] = levels[threadIdx.x] * (PATH == PATH_AFFINE ? 2.0f : 1.0f);
   } else {
     lut = build_luts(dyn, levels, threadIdx.x, blockDim.x);
@@ -1877,7 +1875,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   __syncthreads();
   // Q fragment: lane (g, t) holds head g of group 8*(t+4i); k16 chunk (i, h) takes the
   // group's pairs 2h and 2h+1, i.e. coordinates 4h + (0, 1 | 2, 3) on the table path and
-  // 2h + (0, 4 | 1, 5) on the affine path (UGroup pairs coordinates p and p + 4). v6 on keeps
+  // 2h + (0, 4 | 1, 5) on the affine path (UGroup pairs coordinates p and p + 4). The affine path keeps
   // it in shared memory (qfrag), built by one warp: warp 0, or (EARLY) warp 3, which builds
   // none of the fast pages' fragments below.
   constexpr int QW = EARLY ? DEC_WARPS - 1 : 0;
@@ -1891,7 +1889,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float* src = qs + qs_at<D, QPAD>(g, i, 8 * t);
-        if constexpr (UNI) {
+        if constexpr (AFFINE) {
           src += 2 * h;
           qf[2 * i + h][0] = h2_as_u32(__floats2half2_rn(src[0] * inv, src[4] * inv));
           qf[2 * i + h][1] = h2_as_u32(__floats2half2_rn(src[1] * inv, src[5] * inv));
@@ -1921,9 +1919,9 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
   }
   if constexpr (F44) {
-    // v7 fast path: chunk c = 2i + h of lane (g, t) holds head g's coordinates 8w + 2h, + 4
+    // 4/4 fast path: chunk c = 2i + h of lane (g, t) holds head g's coordinates 8w + 2h, + 4
     // (b0) and 8w + 2h + 1, + 5 (b1) of word w = 4t + i, the latter (fields at bit 4) scaled
-    // by 2^-4 on DEC7_CONV = 0 (exact: a power of two; below 2^-10 the fp16 subnormal rounds
+    // by 2^-4 (exact: a power of two; below 2^-10 the fp16 subnormal rounds
     // by at most 2^-25 absolute). K1/K2 fold the scales and the code offset (page44).
     if (warp == 0) {
       const float inv = sm.qfac[g] > 0.0f ? 1.0f / (sm.qfac[g] * (float)D) : 0.0f;
@@ -1938,7 +1936,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
         const __half2 b1 = __floats2half2_rn(f1.x * s4, f1.y * s4);
         const float2 f0 = __half22float2(b0), g1 = __half22float2(b1);
         asum += (f0.x + f0.y) + (g1.x + g1.y) * (1.0f / s4);
-        sm.qfrag7[c][lane] = make_uint2(h2_as_u32(b0), h2_as_u32(b1));
+        sm.qfrag44[c][lane] = make_uint2(h2_as_u32(b0), h2_as_u32(b1));
       }
       asum += __shfl_xor_sync(0xffffffffu, asum, 1);
       asum += __shfl_xor_sync(0xffffffffu, asum, 2);
@@ -2015,7 +2013,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   const int h0 = 2 * t, h1 = 2 * t + 1;
   const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
   const int rbeg = cp.rbeg, pbeg = cp.pbeg, pend = cp.pend;
-  // v6 re-reads the CTA's page range from shared memory at each page: held in registers
+  // The affine path re-reads the CTA's page range from shared memory at each page: held in registers
   // across the page loop, ptxas spills it to local memory at the 128-register cap.
   if (AFFINE && threadIdx.x == 0) { sm.prange[0] = rbeg; sm.prange[1] = pend; }
   if constexpr (ILV) {
@@ -2032,7 +2030,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   float m0 = -SKV_INF, m1 = -SKV_INF, l0 = 0.0f, l1 = 0.0f, ps0 = 0.0f, ps1 = 0.0f;
 
   if constexpr (AFFINE) {
-    decode_pages7<D, PATH, NSUB, F44, F2, ILV, EARLY, AHEAD7>(pages, page_words, page_tier, page_count,
+    affine_pages<D, PATH, NSUB, F44, F2, ILV, EARLY, AHEAD>(pages, page_words, page_tier, page_count,
                                       indices, geom, pbeg + warp, prange, bufs, sm, qsrc, lut, pt,
                                       lane, acc, m0, m1, l0, l1, ps0, ps1, cur_c, mid_c);
   } else {
@@ -2123,7 +2121,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   for (int j = 0; j < D / 64; ++j) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      const int c = 8 * vgroup<AFFINE ? 1 : 0, D>(g, j) + (UNI ? p : 2 * p), c2 = c + (UNI ? 4 : 1);
+      const int c = 8 * vgroup<AFFINE ? 1 : 0, D>(g, j) + (AFFINE ? p : 2 * p), c2 = c + (AFFINE ? 4 : 1);
       float* o = obuf + (size_t)warp * DEC_HEADS * D;
       o[h0 * D + c] = acc[4 * j + p][0];
       o[h1 * D + c] = acc[4 * j + p][1];
@@ -2175,7 +2173,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   for (int k = 0; k < PER; ++k) obuf[threadIdx.x + k * DEC_WARPS * 32] = val[k];
   __syncthreads();
   if (num_splits == 1) {
-    // v7: the kv-head re-derived from the block index (held across the page loop, ptxas
+    // affine path: the kv-head re-derived from the block index (held across the page loop, ptxas
     // keeps it in local memory at 128 registers)
     const int kvh_o = AFFINE ? ctaid_y() % num_kv_heads : kvh;
     finish_heads<D>(obuf, G, sigma_v + (size_t)kvh_o * D, mean_v ? mean_v + (size_t)row * D : nullptr,
@@ -2188,8 +2186,6 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
 }
 
-// The v4 kernels (16-state softmax steps; affine pairs by shift, and, or, hadd2), kept for
-// the side-by-side benchmark and as a fallback (ada_decode(version=4)).
 // Table path (Lloyd–Max or any codebook): 37 KiB of replicated look-up tables in shared
 // memory, 16-state softmax steps, the query fragment in registers; TABLE_CTAS per SM.
 template <int D>
@@ -2208,7 +2204,7 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, AFF_CTAS) ada_decode_affine_ke
 // The merged log-sum-exp of one (row, head), natural log, for callers that merge this
 // attention with another (lse_out, optional): the splits' base-2 lse (M + log2 W, in the
 // kernel's units: scaled logits times log2 e) plus scale * q . mu_K, the shift every logit of
-// the row shares, which v6 and later leave out (the launcher passes mean_k only then).
+// the row shares, which the affine path leaves out (the launcher passes mean_k only then).
 // One thread, once per (row, head); -inf for a row without states.
 template <int D>
 __device__ __forceinline__ void merged_lse(float M, float W, const float* __restrict__ q,
@@ -2263,10 +2259,10 @@ ada_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ par
                   out + (long long)row * G * D, D);
 }
 
-// v7 split-K merge: one CTA per (head, row), 4 x D threads: the split weights w_s = 2^(lse_s - M)
+// Per-head split-K merge (the affine path's): one CTA per (head, row), 4 x D threads: the split weights w_s = 2^(lse_s - M)
 // in shared memory (warp 0), each quarter of the CTA sums a quarter of the splits (independent
-// loads, coalesced over the D coordinates), then Pi_V^T and mu_V of the one head. The v4-v6 merge
-// (one CTA per row, D threads, splits in sequence) is latency-bound when there are many splits
+// loads, coalesced over the D coordinates), then Pi_V^T and mu_V of the one head. The per-row merge
+// (ada_merge_kernel: one CTA per row, D threads, splits in sequence) is latency-bound when there are many splits
 // per row (1 x 128K: 66-132). num_splits <= MERGE_HEAD_MAX_SPLITS (the launcher checks).
 // The kernel is a short chain of dependent steps after the decode's last CTA, so warp 0 loads
 // the sigma_V and mu_V rows at entry (before pdl_wait: with a programmatic launch, while the
@@ -2298,7 +2294,7 @@ ada_merge_per_head_kernel(const float* __restrict__ part_o, const float* __restr
       mu[e] = mean_v ? mean_v[(size_t)row * D + V * tid + e] : 0.0f;
     }
   }
-  pdl_wait();   // the partials are the decode kernel's (a programmatic launch: see DEC7_PDL)
+  pdl_wait();   // the partials are the decode kernel's (a programmatic launch: see pdl_launch_dependents)
   float pre[MERGE_HEAD_PRE];
 #pragma unroll
   for (int i = 0; i < MERGE_HEAD_PRE; ++i) {

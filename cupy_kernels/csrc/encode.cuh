@@ -117,7 +117,7 @@ __device__ __forceinline__ void group_fwht(float (&y)[D / 8], int g) {
 }
 
 // ------------------------------------------------------------- cells without a search ----
-// Exactness of the float32 path (derivation in docs/PERF_NOTES.md "Encode"). With u = 2^-24
+// Exactness of the float32 path. With u = 2^-24
 // (each float32 rounding: relative error <= u), L = log2 D and M the row's largest |midpoint|,
 // the float32 t = z_j / ||x'|| (x' = (x - mu) sigma, z its unnormalised transform) differs
 // from the float64 reference's by at most (L + 1) u sqrt(D) (L butterfly stages and the

@@ -314,15 +314,15 @@ template <> struct UGroup<16> {
   }
 };
 
-// ------------------------------------------- uniform codebook, v5: lop3 + hfma2 per pair ----
-// v5 feeds the tensor cores u = c - 2^(B-1) (an integer in [-2^(B-1), 2^(B-1)), exact in
+// ------------------------------------------- uniform codebook: lop3 + hfma2 per pair ----
+// The affine path feeds the tensor cores u = c - 2^(B-1) (an integer in [-2^(B-1), 2^(B-1)), exact in
 // fp16) instead of 2c - (2^B - 1) = 2u + 1; the kernel doubles the half step and adds the
 // "+1" back once per head: + sum_j q'_j / 2 to a logit, + sum_i P'_i / 2 to an output.
 // A field of B bits at bit POS of both halves (POS + B <= 10) is OR-ed into the mantissa of
 // 0x6400 (= 1024) in one lop3 (mask and magic both immediates), which reads as
 // 1024 + c * 2^POS; one fma.f16x2 by 2^-POS minus (1024 * 2^-POS + 2^(B-1)) gives u exactly
-// (every operand and the result are exact in fp16). So a pair costs 2 instructions (v4: a
-// shift, an and, an or and an hadd2), plus a shift per two pairs at 4 bits.
+// (every operand and the result are exact in fp16). So a pair costs 2 instructions (UGroup's
+// pairs: a shift, an and, an or and an hadd2), plus a shift per two pairs at 4 bits.
 
 // fp16 bits of a positive integer v < 2048 (exact).
 __host__ __device__ constexpr u32 half_bits_of_int(u32 v, u32 e = 10) {
@@ -404,7 +404,7 @@ template <> struct VGroup<8> : UGroup<8> {
 };
 template <> struct VGroup<16> : UGroup<16> {};
 
-// Decode paths: the table path (any codebook), the v4 affine path, the v5 affine path.
+// Decode paths: the table path (any codebook), the affine path (the uniform codebook).
 enum DecodePath { PATH_TABLE = 0, PATH_AFFINE = 1 };
 
 // The group type of a bit width on each path.
@@ -444,7 +444,7 @@ __device__ __forceinline__ void block_fwht(float* buf, int rows) {
 
 // Unnormalised Walsh–Hadamard transform of the warp's vector in block_fwht's stage order (span
 // 1, 2, ...; pairs (j, j + h) -> (a + b, a - b)): spans below V inside the lane, the rest across
-// lanes. T = double (the encoders' float64 pipeline) or float (the v7 merge's inverse rotation).
+// lanes. T = double (the encoders' float64 pipeline) or float (the per-head merge's inverse rotation).
 template <int D, class T>
 __device__ __forceinline__ void warp_fwht(T (&y)[D / 32], int lane) {
   constexpr int V = D / 32;
