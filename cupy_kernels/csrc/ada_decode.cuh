@@ -100,7 +100,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
-__device__ __forceinline__ void cp_async_wait2() { asm volatile("cp.async.wait_group 2;\n" ::); }
 __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 // Where the logit mma reads its B operand (the rotated query, fp16): the table path holds the
@@ -237,19 +236,15 @@ __device__ __forceinline__ void tile_logits(const R& kbase, int kwords, int tile
 }
 
 // 4-bit affine pair p of a word holding nibbles 0..3 (low half) and 4..7 (high half) of a
-// group: on PATH_AFFINE c - 8 (lop3, fma; a shift per two pairs); otherwise 2c - 15 (shift,
-// and, or, hadd2).
+// group: u = c - 8 (lop3, fma; a shift per two pairs).
 template <int PATH>
 __device__ __forceinline__ u32 nib_pair(u32 x, int p) {
-  if constexpr (PATH == PATH_AFFINE) {
-    switch (p) {
-      case 0: return dq_pair<0, 4>(x);
-      case 1: return dq_pair<4, 4>(x);
-      case 2: return dq_pair<0, 4>(x >> 8);
-      default: return dq_pair<4, 4>(x >> 8);
-    }
-  } else {
-    return h2_as_u32(affine_pair<4>(to_bit1(x, 4 * p), 0x001e001eu));
+  static_assert(PATH == PATH_AFFINE, "nib_pair: the affine path's operand");
+  switch (p) {
+    case 0: return dq_pair<0, 4>(x);
+    case 1: return dq_pair<4, 4>(x);
+    case 2: return dq_pair<0, 4>(x >> 8);
+    default: return dq_pair<4, 4>(x >> 8);
   }
 }
 
@@ -1513,33 +1508,25 @@ __device__ __forceinline__ u32 stage_from_block(const u32* __restrict__ pages, i
   return v.y;
 }
 // The start of a warp's affine page stream: the header block of pages pi0, pi0 + stride, ... and
-// the copies of the first AHEAD pages (AFF_STAGES - 1) into buffers
-// 0 (and 1), one cp.async group each. affine_pages calls it before its loop, or
-// decode_cta at kernel entry, with the range in registers, so the dependent header loads and
-// the first copies overlap the query prologue. cur_c, mid_c: packed headers of pages pi0 and
-// pi0 + stride (0: none).
-template <bool F2, int AHEAD, class RG, bool PRE = false>
+// the copy of the first page into buffer 0 (one cp.async group). decode_cta calls it at kernel
+// entry, with the range in registers, so the dependent header loads and the first copy overlap
+// the query prologue. cur_c: the packed header of page pi0 (0: none).
+template <bool F2, class RG, bool PRE = false>
 __device__ __forceinline__ void affine_pages_start(const u32* __restrict__ pages, int page_words,
                                              const int* __restrict__ page_tier,
                                              const int* __restrict__ page_count,
                                              const int* __restrict__ indices,
                                              const int* __restrict__ geom, int pi0,
                                              const RG& range, int stride, u32 bufs_sh, u32 hsh,
-                                             int lane, bool f44ok, u32& cur_c, u32& mid_c,
+                                             int lane, bool f44ok, u32& cur_c,
                                              int4 gpre = {}) {
-  cur_c = mid_c = 0;
+  cur_c = 0;
   if (pi0 < range.end()) {
     header_refill<F2, RG, PRE>(hsh, pi0, lane, range, indices, page_tier, page_count, geom, f44ok,
                                stride, gpre);
     cur_c = stage_from_block<F2>(pages, page_words, hsh, 0, bufs_sh, lane);
   }
   cp_async_commit();
-  static_assert(AHEAD == 1 || AHEAD == 2, "affine_pages_start: one or two pages ahead");
-  if constexpr (AHEAD == 2) {
-    if (pi0 + stride < range.end())
-      mid_c = stage_from_block<F2>(pages, page_words, hsh, 1, bufs_sh + 4u * page_words, lane);
-    cp_async_commit();
-  }
 }
 
 
@@ -1557,18 +1544,15 @@ __device__ __forceinline__ void affine_pages_start(const u32* __restrict__ pages
 // other buffer while this one is decoded. The accumulators stay in one domain (generic: kinds
 // 0, 1, 6; F44: 2, 5; F2: 3, 4) while pages of that domain follow each other and change domain
 // (32 exact multiplies, domain_move) only between them. ILV: the warp's pages are pi0, pi0 + 4S, ...
-// (interleaved splits, decode_cta), else pi0, pi0 + 4, ... STARTED: affine_pages_start has run
-// with AHEAD pages and cur_c, mid_c are its headers; else the loop starts the
-// stream itself (AHEAD = AFF_STAGES - 1). AHEAD = 2 with two buffers: the first step's next
-// page is already staged (mid_c).
-template <int D, int PATH, int NSUB, bool F44, bool F2, bool ILV, bool STARTED, int AHEAD,
-          class SM, class QF>
+// (interleaved splits, decode_cta), else pi0, pi0 + 4, ... affine_pages_start has run at
+// kernel entry with the first page: cur_c is its header.
+template <int D, int PATH, int NSUB, bool F44, bool F2, bool ILV, class SM, class QF>
 __device__ __forceinline__ void affine_pages(
     const u32* __restrict__ pages, int page_words, const int* __restrict__ page_tier,
     const int* __restrict__ page_count, const int* __restrict__ indices,
     const int* __restrict__ geom, int pi0, u32 prange, u32* bufs, SM& sm, const QF& qsrc,
     const Luts& lut, __half* pt, int lane, float (&acc)[D / 16][4], float& m0, float& m1,
-    float& l0, float& l1, float& ps0, float& ps1, u32 cur_c, u32 mid_c) {
+    float& l0, float& l1, float& ps0, float& ps1, u32 cur_c) {
   const int g = lane >> 2, t = lane & 3;
   const bool f44ok = F44 && page_words == F44_WORDS;
   const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
@@ -1584,28 +1568,20 @@ __device__ __forceinline__ void affine_pages(
     c = stage_from_block<F2>(pages, page_words, hsh, jb, bufs_sh + 4u * which * page_words, lane);
   };
   constexpr int NST = AFF_STAGES;   // page buffers; pages pi + 4, ..., pi + 4 (NST - 1) in flight
-  static_assert(NST == 2 || NST == 3, "AFF_STAGES: 2 or 3");
+  static_assert(NST == 2, "AFF_STAGES: the page loop keeps one page in flight");
   bool d44 = false, d2 = false;   // domain of the accumulators (domain_move): generic at first
-  // cur_c, mid_c: headers of pages pi and (NST = 3) pi + 4
-  static_assert(AHEAD == NST - 1 || (STARTED && NST == 2 && AHEAD == 2), "affine_pages: AHEAD");
-  if constexpr (!STARTED)
-    affine_pages_start<F2, AHEAD>(pages, page_words, page_tier, page_count, indices, geom, pi0,
-                     RangeSmem{prange}, stride(), bufs_sh, hsh, lane, f44ok, cur_c, mid_c);
+  // cur_c: the header of page pi
   // One page: pi in buffer buf; page pi + stride (NST - 1) is staged now into buffer nbuf, at
   // place jb of its header block.
-  auto step = [&](int pi, int jb, int buf, int nbuf, bool staged) {
+  auto step = [&](int pi, int jb, int buf, int nbuf) {
     u32 nxt_c = 0;
-    if (staged) {   // AHEAD > NST - 1, first step: staged by affine_pages_start, no group committed
-      nxt_c = mid_c;
-    } else {
-      const int npi = pi + stride() * (NST - 1);
-      if (npi < lds_s32(prange + 4)) {
-        if (jb == 0) refill(npi);
-        stage(jb, nxt_c, nbuf);
-      }
-      cp_async_commit();
+    const int npi = pi + stride() * (NST - 1);
+    if (npi < lds_s32(prange + 4)) {
+      if (jb == 0) refill(npi);
+      stage(jb, nxt_c, nbuf);
     }
-    if constexpr (NST == 2) cp_async_wait1(); else cp_async_wait2();   // this lane's copies of
+    cp_async_commit();
+    cp_async_wait1();   // this lane's copies of
     __syncwarp();       // the current page are done, ... and every other lane's
     const u32 bsh = bufs_sh + 4u * buf * page_words;
     const int cur_kind = static_cast<int>(cur_c >> 28);
@@ -1644,12 +1620,7 @@ __device__ __forceinline__ void affine_pages(
                                     qsrc, lut, pt, g, t, acc, m0, m1, l0, l1, ps0, ps1);
     }
     __syncwarp();   // every lane is done with this buffer before it is refilled
-    if constexpr (NST == 2) {
-      cur_c = nxt_c;
-    } else {
-      cur_c = mid_c;
-      mid_c = nxt_c;
-    }
+    cur_c = nxt_c;
   };
   // k: the warp's pages so far. Page pi = pi0 + k stride sits in buffer k % NST, page
   // pi + stride (NST - 1) goes to place (k + NST - 1) & 31 of its header block. One counter
@@ -1658,7 +1629,7 @@ __device__ __forceinline__ void affine_pages(
   for (int k = 0;; ++k) {
     const int pi = (ILV ? DEC_WARPS * ctaid_x() + (tid_x() >> 5) : pi0) + k * stride();
     if (pi >= lds_s32(prange + 4)) break;
-    step(pi, (k + NST - 1) & 31, k % NST, (k + NST - 1) % NST, AHEAD > NST - 1 && k == 0);
+    step(pi, (k + NST - 1) & 31, k % NST, (k + NST - 1) % NST);
   }
   cp_async_wait0();
   domain_move<D>(acc, d44, d2, false, false);
@@ -1801,7 +1772,6 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   constexpr bool ILV = F2;                   // interleaved splits (cta_pages)
   // EARLY (affine): the page stream starts at kernel entry, the query is staged past the page buffers
   constexpr bool EARLY = AFFINE;
-  constexpr int AHEAD = AFF_STAGES - 1;     // pages in flight at entry (affine_pages_start)
   constexpr bool QPAD = EARLY;               // the rotated query's layout (qs_at)
   __shared__ typename SmemOf<D, AFFINE>::type sm;
   extern __shared__ __align__(16) unsigned char dyn[];
@@ -1815,7 +1785,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
               (size_t)warp * (AFFINE ? AFF_STAGES : 2) * page_words;
   const float* qrow = q + (long long)b * q_sb + (long long)(kvh * G) * q_sh;
   const float* sk = sigma_k + (size_t)kvh * D;
-  u32 cur_c = 0, mid_c = 0;   // EARLY: headers of the warp's first pages (affine_pages_start)
+  u32 cur_c = 0;   // EARLY: the header of the warp's first page (affine_pages_start)
   float qv[DEC_WHEADS][D / 32];   // EARLY: sigma_K * q of the warp's heads (warp_query_load)
   if constexpr (EARLY) {
     warp_query_load<D>(qv, qrow, q_sh, sk, G, warp, lane);
@@ -1826,12 +1796,12 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
                           ? __ldg(reinterpret_cast<const int4*>(geom + lane * SKV_GEOM_STRIDE))
                           : make_int4(0, 0, 0, 0);
     const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
-    affine_pages_start<F2, AHEAD, RangeRegs, true>(pages, page_words, page_tier, page_count,
+    affine_pages_start<F2, RangeRegs, true>(pages, page_words, page_tier, page_count,
                      indices, geom, cp.pbeg + warp,
                      RangeRegs{cp.rbeg, cp.pend}, ILV ? DEC_WARPS * num_splits : DEC_WARPS,
                      static_cast<u32>(__cvta_generic_to_shared(bufs)),
                      static_cast<u32>(__cvta_generic_to_shared(pt)), lane,
-                     F44 && page_words == F44_WORDS, cur_c, mid_c, gpre);
+                     F44 && page_words == F44_WORDS, cur_c, gpre);
   }
 
   Luts lut = {};
@@ -1875,7 +1845,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   __syncthreads();
   // Q fragment: lane (g, t) holds head g of group 8*(t+4i); k16 chunk (i, h) takes the
   // group's pairs 2h and 2h+1, i.e. coordinates 4h + (0, 1 | 2, 3) on the table path and
-  // 2h + (0, 4 | 1, 5) on the affine path (UGroup pairs coordinates p and p + 4). The affine path keeps
+  // 2h + (0, 4 | 1, 5) on the affine path (AffineFields pairs coordinates p and p + 4). The affine path keeps
   // it in shared memory (qfrag), built by one warp: warp 0, or (EARLY) warp 3, which builds
   // none of the fast pages' fragments below.
   constexpr int QW = EARLY ? DEC_WARPS - 1 : 0;
@@ -2030,9 +2000,9 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   float m0 = -SKV_INF, m1 = -SKV_INF, l0 = 0.0f, l1 = 0.0f, ps0 = 0.0f, ps1 = 0.0f;
 
   if constexpr (AFFINE) {
-    affine_pages<D, PATH, NSUB, F44, F2, ILV, EARLY, AHEAD>(pages, page_words, page_tier, page_count,
+    affine_pages<D, PATH, NSUB, F44, F2, ILV>(pages, page_words, page_tier, page_count,
                                       indices, geom, pbeg + warp, prange, bufs, sm, qsrc, lut, pt,
-                                      lane, acc, m0, m1, l0, l1, ps0, ps1, cur_c, mid_c);
+                                      lane, acc, m0, m1, l0, l1, ps0, ps1, cur_c);
   } else {
   // Page header of the warp's first page; a full page starts streaming at once.
   int pi = pbeg + warp;

@@ -224,84 +224,52 @@ __device__ __forceinline__ __half2 u32_as_h2(u32 v) { return *reinterpret_cast<_
 
 // ------------------------------------------------------- uniform codebook, no tables ----
 // With the uniform codebook C[c] = hs * (2c - (2^B - 1)) (hs = half the step, docs/format.md),
-// so the kernel feeds the tensor cores the small integers 2c - (2^B - 1), exact in fp16, and
-// multiplies hs into the per-state scale. Two of them come from one word with the fp16
-// "magic number": a field moved to bits 1.. (low half) and 17.. (high half) and OR-ed into
-// 0x6400 (= 1024.0, whose mantissa LSB is 1) reads as 1024 + 2c; one hsub2 of
-// 1024 + 2^B - 1 recentres both. So a pair costs a shift, a lop3 and an hsub2, and no
-// shared memory. A pair holds coordinates (p, p + 4) of its group of 8 (the same fields
-// land 16 bits apart after at most one prmt/imad per group), not (2p, 2p + 1) as the
+// so the kernel feeds the tensor cores small integers in the code, exact in fp16, and
+// multiplies hs into the per-state scale: no tables, no shared memory. AffineFields holds a
+// group's code fields so that a pair holds coordinates (p, p + 4) of its group of 8 (the same
+// fields land 16 bits apart after at most one prmt/imad per group), not (2p, 2p + 1) as the
 // table path does; the kernel permutes the query the same way.
 
-// Moves bit `pos` of both halves to bit 1 (pos is a compile-time constant after unrolling).
-__device__ __forceinline__ u32 to_bit1(u32 y, int pos) { return pos >= 1 ? y >> (pos - 1) : y << 1; }
-
 template <int B>
-__device__ __forceinline__ __half2 affine_pair(u32 x, u32 mask) {
-  const u32 h = (x & mask) | 0x64006400u;
-  const u32 bias = (0x6400u + ((1u << B) - 1u)) * 0x10001u;
-  return __hsub2(u32_as_h2(h), u32_as_h2(bias));
-}
+struct AffineFields;
 
-template <int B>
-struct UGroup;
-
-template <> struct UGroup<1> {
+template <> struct AffineFields<1> {
   u32 y;  // the group's byte b as b | b << 12: coordinate j at bit j, coordinate j + 4 at 16 + j
   template <class R> __device__ __forceinline__ void load(const R& row, int grp, int) {
     y = ((row.w(grp >> 2) >> ((grp & 3) * 8)) & 0xffu) * 0x1001u;
   }
   __device__ __forceinline__ void zero() { y = 0; }
-  __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
-    return affine_pair<1>(to_bit1(y, p), 0x00020002u);
-  }
 };
-template <> struct UGroup<2> {
+template <> struct AffineFields<2> {
   u32 y;  // coordinates 0..3 of the group in bits 0..7, coordinates 4..7 in bits 16..23
   template <class R> __device__ __forceinline__ void load(const R& row, int grp, int) {
     y = __byte_perm(row.w(grp >> 1), 0u, 0x4140u + 0x202u * (grp & 1));
   }
   __device__ __forceinline__ void zero() { y = 0; }
-  __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
-    return affine_pair<2>(to_bit1(y, 2 * p), 0x00060006u);
-  }
 };
-template <> struct UGroup<3> {
-  u32 lo;  // low 2-bit fields laid out as UGroup<2>
-  u32 hi;  // bit-2 plane laid out as UGroup<1>
+template <> struct AffineFields<3> {
+  u32 lo;  // low 2-bit fields laid out as AffineFields<2>
+  u32 hi;  // bit-2 plane laid out as AffineFields<1>
   template <class R> __device__ __forceinline__ void load(const R& row, int grp, int plane_word) {
     lo = __byte_perm(row.w(grp >> 1), 0u, 0x4140u + 0x202u * (grp & 1));
     hi = ((row.w(plane_word + (grp >> 2)) >> ((grp & 3) * 8)) & 0xffu) * 0x1001u;
   }
   __device__ __forceinline__ void zero() { lo = hi = 0; }
-  __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
-    // 2c = 2 lo + 8 hi: lo to bits 1..2, hi to bit 3
-    const u32 a = to_bit1(lo, 2 * p) & 0x00060006u;
-    const u32 b = (hi << (3 - p)) & 0x00080008u;
-    return affine_pair<3>(a | b, 0x000e000eu);
-  }
 };
-template <> struct UGroup<4> {
+template <> struct AffineFields<4> {
   u32 w;  // nibble j = coordinate j
   template <class R> __device__ __forceinline__ void load(const R& row, int grp, int) { w = row.w(grp); }
   __device__ __forceinline__ void zero() { w = 0; }
-  __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
-    return affine_pair<4>(to_bit1(w, 4 * p), 0x001e001eu);
-  }
 };
-template <> struct UGroup<8> {
+template <> struct AffineFields<8> {
   u32 w0, w1;  // bytes: coordinates 0..3, 4..7
   template <class R> __device__ __forceinline__ void load(const R& row, int grp, int) {
     uint2 v = row.w2(2 * grp);
     w0 = v.x; w1 = v.y;
   }
   __device__ __forceinline__ void zero() { w0 = w1 = 0; }
-  __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
-    const u32 sel = (u32)p * 0x11u + (u32)(4 + p) * 0x1100u;   // bytes [p, p, 4+p, 4+p]
-    return affine_pair<8>(__byte_perm(w0, w1, sel) << 1, 0x01fe01feu);
-  }
 };
-template <> struct UGroup<16> {
+template <> struct AffineFields<16> {
   u32 w[4];  // fp16 values, coordinate 2m in the low half of word m
   template <class R> __device__ __forceinline__ void load(const R& row, int grp, int) {
     uint2 a = row.w2(4 * grp);
@@ -321,8 +289,7 @@ template <> struct UGroup<16> {
 // A field of B bits at bit POS of both halves (POS + B <= 10) is OR-ed into the mantissa of
 // 0x6400 (= 1024) in one lop3 (mask and magic both immediates), which reads as
 // 1024 + c * 2^POS; one fma.f16x2 by 2^-POS minus (1024 * 2^-POS + 2^(B-1)) gives u exactly
-// (every operand and the result are exact in fp16). So a pair costs 2 instructions (UGroup's
-// pairs: a shift, an and, an or and an hadd2), plus a shift per two pairs at 4 bits.
+// (every operand and the result are exact in fp16). So a pair costs 2 instructions, plus a shift per two pairs at 4 bits.
 
 // fp16 bits of a positive integer v < 2048 (exact).
 __host__ __device__ constexpr u32 half_bits_of_int(u32 v, u32 e = 10) {
@@ -341,11 +308,12 @@ __device__ __forceinline__ u32 dq_pair(u32 x) {
   return r;
 }
 
-// The same pair layouts as UGroup (pair p = coordinates p, p + 4 of the group).
+// The affine path's groups: AffineFields' layout (pair p = coordinates p, p + 4 of the group),
+// pairs by dq_pair.
 template <int B>
-struct VGroup;
+struct AffineGroup;
 
-template <> struct VGroup<1> : UGroup<1> {
+template <> struct AffineGroup<1> : AffineFields<1> {
   __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
     switch (p) {
       case 0: return u32_as_h2(dq_pair<0, 1>(y));
@@ -355,7 +323,7 @@ template <> struct VGroup<1> : UGroup<1> {
     }
   }
 };
-template <> struct VGroup<2> : UGroup<2> {
+template <> struct AffineGroup<2> : AffineFields<2> {
   __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
     switch (p) {
       case 0: return u32_as_h2(dq_pair<0, 2>(y));
@@ -365,7 +333,7 @@ template <> struct VGroup<2> : UGroup<2> {
     }
   }
 };
-template <> struct VGroup<3> : UGroup<3> {
+template <> struct AffineGroup<3> : AffineFields<3> {
   // c = lo + 4 hi at bit 2p: lo's field stays, hi's bit p moves to 2p + 2 (one shift).
   template <int P> __device__ __forceinline__ u32 at() const {
     constexpr u32 mlo = (3u << (2 * P)) * 0x10001u, mhi = (4u << (2 * P)) * 0x10001u;
@@ -386,7 +354,7 @@ template <> struct VGroup<3> : UGroup<3> {
     }
   }
 };
-template <> struct VGroup<4> : UGroup<4> {
+template <> struct AffineGroup<4> : AffineFields<4> {
   __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
     switch (p) {
       case 0: return u32_as_h2(dq_pair<0, 4>(w));
@@ -396,20 +364,20 @@ template <> struct VGroup<4> : UGroup<4> {
     }
   }
 };
-template <> struct VGroup<8> : UGroup<8> {
+template <> struct AffineGroup<8> : AffineFields<8> {
   __device__ __forceinline__ __half2 pair(const Luts&, int p) const {
     const u32 sel = (u32)p * 0x11u + (u32)(4 + p) * 0x1100u;   // bytes [p, p, 4+p, 4+p]
     return u32_as_h2(dq_pair<0, 8>(__byte_perm(w0, w1, sel)));
   }
 };
-template <> struct VGroup<16> : UGroup<16> {};
+template <> struct AffineGroup<16> : AffineFields<16> {};
 
 // Decode paths: the table path (any codebook), the affine path (the uniform codebook).
 enum DecodePath { PATH_TABLE = 0, PATH_AFFINE = 1 };
 
 // The group type of a bit width on each path.
 template <int B, int PATH> struct GroupOf { typedef Group<B> type; };
-template <int B> struct GroupOf<B, PATH_AFFINE> { typedef VGroup<B> type; };
+template <int B> struct GroupOf<B, PATH_AFFINE> { typedef AffineGroup<B> type; };
 
 // D = A(16x16, row) * B(16x8, col) + C, fp16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
