@@ -4,7 +4,9 @@ validation scripts (STYLE: "declare a case once").
 A case is one layer's cache: rows (sequence b, kv-head h) with ragged lengths, each row's
 states split into chunks of random tiers (mixed across pages), encoded by the reference
 codec and laid into pages by ``pack_pages``; plus queries and the float64 reference output
-from ``spherical_kv_ref.paged.mixed_tier_attention``.
+from ``spherical_kv_ref.paged.mixed_tier_attention``. The benchmark pools (the shapes of one
+Llama-3.1-8B layer, ``bench_layout``, ``encoded_pool``, a captured decode step ``ada_step``)
+serve validation/decode_bench.py and the asv benchmarks alike.
 """
 from __future__ import annotations
 
