@@ -110,16 +110,44 @@ class Encoded:
         return Encoded(self.scale[index], self.codes[index], self.bits, self.dim, self.mean)
 
 
-def _as_float_matrix(x, name: str, dim: int) -> np.ndarray:
-    a = np.asarray(x)
+def as_real_array(x, name: str) -> np.ndarray:
+    """x as a NumPy array of reals (any float or integer dtype), not yet converted.
+
+    Takes NumPy arrays, sequences and torch tensors (on any device, with or without grad;
+    bfloat16 and the other dtypes NumPy lacks are upcast to float32, exactly) without
+    importing torch. Anything else that is not real numbers → ValueError naming ``name``."""
+    if type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach"):
+        x = x.detach()
+        if str(x.dtype) in _TORCH_UPCAST:
+            x = x.float()
+        x = x.cpu().numpy()
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{name} must be an array of real numbers ({e})") from None
     if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
         raise ValueError(f"{name} must be a real float array, got dtype {a.dtype}")
+    return a
+
+
+#: torch dtypes without a NumPy twin; float32 holds each of them exactly
+_TORCH_UPCAST = ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2",
+                 "torch.float8_e4m3fnuz", "torch.float8_e5m2fnuz")
+
+
+def check_finite(a: np.ndarray, name: str) -> None:
+    """ValueError naming ``name`` and how many rows (along the first axis) hold NaN or Inf."""
+    if not np.all(np.isfinite(a)):
+        bad = int(np.count_nonzero(~np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1))) if a.ndim else 1
+        raise ValueError(f"{name} contains NaN or Inf in {bad} row(s)")
+
+
+def _as_float_matrix(x, name: str, dim: int) -> np.ndarray:
+    a = as_real_array(x, name)
     if a.ndim != 2 or a.shape[1] != dim:
         raise ValueError(f"{name} must have shape (n, {dim}), got {a.shape}")
     a = a.astype(np.float64)
-    if not np.all(np.isfinite(a)):
-        bad = int(np.count_nonzero(~np.isfinite(a).all(axis=1)))
-        raise ValueError(f"{name} contains NaN or Inf in {bad} row(s); refusing to encode")
+    check_finite(a, name)
     return a
 
 
