@@ -24,7 +24,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .codec import SphericalCodec, as_real_array, check_finite
+from .ada import softmax_scale_of
+from .codec import SphericalCodec, as_real_array, check_finite, whole as _whole
 from .paged import PagedKV, PageTable, mixed_tier_attention, stored_rotated
 from .paged_decode import PagedDecodeTables, paged_decode
 from .rotation import KEY_SALT, VALUE_SALT
@@ -129,16 +130,6 @@ class _Sequence:
         self.since_compress = 0
 
 
-def _whole(name, v, lo=0, hi=None):
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {v!r}")
-    v = int(v)
-    if v < lo or (hi is not None and v >= hi):
-        rng = f"{lo}..{hi - 1}" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be in {rng}, got {v}")
-    return v
-
-
 class SphericalKVCache:
     """The compressed KV cache of one model (DESIGN §7).
 
@@ -179,9 +170,7 @@ class SphericalKVCache:
         self.policy = CompressPolicy() if policy is None else policy
         if not isinstance(self.policy, CompressPolicy):
             raise ValueError(f"policy must be a CompressPolicy, got {type(self.policy).__name__}")
-        self.softmax_scale = 1.0 / np.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
-        if not np.isfinite(self.softmax_scale) or self.softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale!r}")
+        self.softmax_scale = softmax_scale_of(softmax_scale, self.head_dim)
         self.codebook = codebook
         self.num_splits = _whole("num_splits", num_splits, 1)
         self.paged = PagedKV(self.ladder, self.head_dim, page_bytes, pool_bytes // page_bytes)
@@ -202,7 +191,7 @@ class SphericalKVCache:
 
     def codec(self, layer: int, head: int, bits: int, salt: int) -> SphericalCodec:
         """The codec of (layer, kv-head, bits, keys=KEY_SALT / values=VALUE_SALT), memoised."""
-        k = (layer, head, bits, salt)
+        k = (self._layer(layer), _whole("head", head, 0, self.num_kv_heads), bits, salt)
         if k not in self._codecs:
             self._codecs[k] = SphericalCodec(self.head_dim, bits, self.seed, layer=layer,
                                              head=head, salt=salt, codebook=self.codebook)
@@ -343,7 +332,11 @@ class SphericalKVCache:
     def protected_mask(self, seq, layer, pos) -> np.ndarray:
         """Which token positions of a layer are protected now (sinks, recent window, spans)."""
         s = self._seq(seq)
-        pos = np.asarray(pos, np.int64)
+        layer = self._layer(layer)
+        pos = as_real_array(pos, "pos")
+        if pos.dtype.kind not in "iu":
+            raise ValueError(f"pos must be integer token positions, got dtype {pos.dtype}")
+        pos = pos.astype(np.int64)
         pol = self.policy
         m = (pos < pol.sinks) | (pos >= s.length[layer] - pol.recent)
         for a, b in s.spans:

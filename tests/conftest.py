@@ -34,8 +34,9 @@ _BUDGET_DEFAULT = {"ci": 240.0}
 class _Fuzzing:
     """The run's fuzzing budget and tally. With a budget, each property gets an equal share
     of what is left of it when the property starts (a property that finishes early hands
-    its time on): a first round of CALIBRATE examples measures its cost, a second round
-    runs as many more examples as fit in the share (at most max_examples in all).
+    its time on). It runs in rounds, seeds S, S + 1, …: CALIBRATE examples first, then each
+    round half of what the time left allows at the last round's cost per example, until a
+    round would be small; at most max_examples in all.
     ``examples`` counts the test bodies that ran (generated, replayed and shrinking calls)."""
 
     CALIBRATE = 10
@@ -52,10 +53,12 @@ class _Fuzzing:
         self.pending.discard(nodeid)
         return max(self.budget - self.spent, 0.0) / (len(self.pending) + 1)
 
-    def second_round(self, share, first_s, first_n) -> int:
-        per = first_s / max(first_n, 1)
-        room = settings.default.max_examples - self.CALIBRATE
-        return int(max(1, min(room, (share - first_s) / max(per, 1e-6))))
+    def next_round(self, left_s, last_s, last_n, done) -> int:
+        """Examples for the next round: half the time left at the last round's cost per
+        example (examples grow as a run goes on), within max_examples in all."""
+        per = max(last_s / max(last_n, 1), 1e-6)
+        room = settings.default.max_examples - done
+        return int(max(0, min(room, 0.5 * left_s / per)))
 
 
 FUZZ = _Fuzzing()
@@ -165,16 +168,30 @@ def pytest_runtest_call(item):
         inner = handle.inner_test
         handle.inner_test = _counted(inner, nodeid)
     t0 = time.perf_counter()
+    r = 0
     try:
         if FUZZ.budget is not None:
-            share = FUZZ.share(nodeid)
-            core.global_force_seed = FUZZ.seed
-            prop.set_examples(FUZZ.CALIBRATE)
-            prop.run()
-            first_s = time.perf_counter() - t0
-            prop.set_examples(FUZZ.second_round(share, first_s, FUZZ.examples[nodeid]))
-            core.global_force_seed = FUZZ.seed + 1
-        yield
+            end = t0 + FUZZ.share(nodeid)
+            n = FUZZ.CALIBRATE
+            while True:
+                core.global_force_seed = FUZZ.seed + r
+                prop.set_examples(n)
+                t, done = time.perf_counter(), FUZZ.examples[nodeid]
+                try:
+                    prop.run()
+                except BaseException as e:
+                    e.add_note(_round_note(r))
+                    raise
+                r += 1
+                n = FUZZ.next_round(end - time.perf_counter(), time.perf_counter() - t,
+                                    FUZZ.examples[nodeid] - done, FUZZ.examples[nodeid])
+                if n < 2 * FUZZ.CALIBRATE:
+                    break
+            core.global_force_seed = FUZZ.seed + r
+            prop.set_examples(max(n, 1))       # the last round: pytest's own call
+        outcome = yield
+        if outcome.excinfo is not None and FUZZ.budget is not None:
+            outcome.excinfo[1].add_note(_round_note(r))
     finally:
         FUZZ.spent += time.perf_counter() - t0
         core.global_force_seed = FUZZ.seed
@@ -184,6 +201,12 @@ def pytest_runtest_call(item):
             stateful.get_state_machine_test = make
         else:
             handle.inner_test = inner
+
+
+def _round_note(r) -> str:
+    return (f"hypothesis: this property failed in round {r} (seed {FUZZ.seed + r}) of the run with "
+            f"seed {FUZZ.seed}; HYPOTHESIS_PROFILE={PROFILE} HYPOTHESIS_SEED={FUZZ.seed} reruns "
+            f"the run, the @reproduce_failure blob above this example")
 
 
 def pytest_terminal_summary(terminalreporter):
