@@ -13,6 +13,7 @@ Profiles (``HYPOTHESIS_PROFILE``, default ``fixed``):
 ``HYPOTHESIS_SEED`` (or ``--hypothesis-seed``) fixes the seed of an exploring run to
 reproduce it. Every failure prints its ``@reproduce_failure`` blob.
 """
+import functools
 import os
 import random
 import time
@@ -109,6 +110,7 @@ def pytest_collection_finish(session):
 
 
 def _counted(inner, nodeid):
+    @functools.wraps(inner)
     def counted(*a, **kw):
         FUZZ.examples[nodeid] += 1
         return inner(*a, **kw)

@@ -23,6 +23,8 @@ from spherical_kv_ref import Encoded, SphericalCodec, TierLadder, rdr
 from spherical_kv_ref.cache import CompressPolicy, SphericalKVCache
 from spherical_kv_ref.paged import PoolExhaustedError
 
+import cupy_kernels as ck
+
 from strategies_paged import assert_cache_same, cache_snapshot
 
 D = 16
@@ -34,6 +36,8 @@ CODEC = SphericalCodec(D, 4, seed=1)
 ENC = CODEC.encode(X)
 TOP = SphericalCodec(D, 16, seed=1)
 LADDER = TierLadder([(2, 2), (4, 4), (16, 16)])
+GPU_Q = RNG.standard_normal((1, 8, 64)).astype(np.float32)     # ada_decode's q: (batch, Hq, d)
+GPU = (pytest.mark.gpu,)
 
 # the kinds of bad value
 NAN, INF, DTYPE, SHAPE, NONCONTIG, EMPTY, INDEX, FREED, FLOAT = (
@@ -85,6 +89,30 @@ def E(name, make, call, vals=None, raises=ValueError, state=None, marks=(), alia
                  (cache_snapshot if make is _cache else _pickled), marks, alias)
 
 
+def _gpu_case():
+    from cupy_kernels.cases import build_case, to_device
+    import cupy as cp
+    case = build_case(1, 2, 4, 64, [20, 30], LADDER, [2, 3], seed=3, codebook="uniform")
+    dev = to_device(case)
+    dev["case"], dev["out"] = case, cp.full((1, 8, 64), 7.0, cp.float32)
+    return dev
+
+
+def _run_gpu_case(dev, **arrays):
+    """ada_decode on the case, with q or indices replaced (NumPy in, moved to the device)."""
+    import cupy as cp
+    from cupy_kernels.cases import run_case
+    d = dict(dev)
+    for k, a in arrays.items():
+        if a is not None:
+            d[k] = cp.asarray(a)
+    return run_case(dev["case"], d, out=dev["out"]).get()
+
+
+def _gpu_out(dev):
+    return None if dev is None else dev["out"].get().tobytes()
+
+
 ENTRIES = [
     # the codec (DESIGN §7)
     E("SphericalCodec", None, lambda _, dim=D, bits=4, seed=0: SphericalCodec(dim, bits, seed),
@@ -96,6 +124,7 @@ ENTRIES = [
     E("codec.logits", lambda: CODEC, lambda c, q=Q4, enc=ENC: c.logits(q, enc), q=ARRAY, enc=(DTYPE, SHAPE, NONCONTIG)),
     E("codec.logit_error_bound", lambda: CODEC, lambda c, q=Q4, enc=ENC: c.logit_error_bound(q, enc),
       q=ARRAY, enc=(DTYPE, SHAPE)),
+    E("codec.rotated_points", lambda: CODEC, lambda c, enc=ENC: c.rotated_points(enc), enc=(DTYPE, SHAPE)),
     E("codec.max_angle_error", lambda: CODEC, lambda c, enc=ENC: c.max_angle_error(enc), enc=(DTYPE, SHAPE)),
     E("codec.angle_error", lambda: CODEC, lambda c, x=X, enc=ENC: c.angle_error(x, enc), x=ARRAY, enc=(DTYPE,)),
     E("codec.rotate_query", lambda: CODEC, lambda c, q=Q4: c.rotate_query(q), q=ARRAY),
@@ -168,6 +197,15 @@ ENTRIES = [
       rdr.Problem(distortion, cost, np.zeros(3, np.int64), np.zeros(3, bool), 24, None),
       distortion=(NAN, INF, DTYPE, SHAPE, NONCONTIG), cost=(NAN, SHAPE),
       vals={("distortion", SHAPE): (np.ones(3), np.ones((3, 1)))}),
+    # kernel launchers (DESIGN §6): host-side set-up here, the launches in the GPU suite
+    E("kernel_tables", None, lambda _, dim=64, page_bytes=1024: ck.kernel_tables(LADDER, dim, page_bytes),
+      dim=INT, page_bytes=INT, vals={("dim", INDEX): (96, 0), ("page_bytes", INDEX): (8, 1000)}),
+    E("ada_decode", _gpu_case, lambda dev, q=GPU_Q: _run_gpu_case(dev, q=q), state=_gpu_out, marks=GPU,
+      q=(NAN, INF, DTYPE, SHAPE, NONCONTIG)),
+    E("ada_decode (indices)", _gpu_case, lambda dev, indices=None: _run_gpu_case(dev, indices=indices),
+      state=_gpu_out, marks=GPU, indices=(INDEX, DTYPE),
+      vals={("indices", INDEX): (np.full(4, 10 ** 6, np.int32), np.full(4, -1, np.int32)),
+            ("indices", DTYPE): (np.zeros(4, np.float32),)}),
     E("rdr.solve", None, lambda _, method="fast": rdr.solve(rdr.Problem(
         np.ones((3, 3)), np.array([0, 4, 8]), np.zeros(3, np.int64), np.zeros(3, bool), 24, None), method=method),
       method=(INDEX,), vals={("method", INDEX): ("exact", 3)}),
@@ -241,7 +279,7 @@ def test_bad_input_is_refused_naming_the_argument(entry, arg, kind):
     good = inspect.signature(entry.call).parameters[arg].default
     obj = entry.make() if entry.make else None
     if kind == NONCONTIG:          # accepted, with the contiguous input's answer
-        want = entry.call(copy.deepcopy(obj) if entry.make is not _cache else entry.make())
+        want = entry.call(entry.make() if entry.make else None)
         for value in bad_values(entry, arg, kind, good):
             o = entry.make() if entry.make else None
             _same(entry.call(o, **{arg: value}), want)
@@ -277,15 +315,18 @@ def _check_state(entry, before, after):
 
 
 def test_every_public_entry_point_is_in_the_matrix():
-    """Public names of the package and the cache's methods all have a row (or are exempt:
-    no arguments to get wrong, or not an entry point)."""
+    """The public names of both packages and the cache's methods all have a row, or are
+    named here: no argument to get wrong, not an entry point, or (cupy_kernels) launchers
+    whose checks tests/test_launcher_checks.py fuzzes and that have no row yet."""
     rows = {e.name.split(" ")[0] for e in ENTRIES}
-    exempt = {"Encoded", "SphericalKVCache.new_sequence", "SphericalKVCache.sequences",
-              "codebooks", "rotation", "TierLadder"}
-    public = set(skv.__all__) | {"SphericalKVCache"}
-    public |= {f"SphericalKVCache.{m}" for m, _ in inspect.getmembers(SphericalKVCache, inspect.isfunction)
-               if not m.startswith("_")}
-    named = {n.replace("SphericalKVCache.", "cache.") for n in public}
-    missing = {n for n in named - {x.replace("SphericalKVCache.", "cache.") for x in exempt}
-               if n not in rows and f"codec.{n}" not in rows}
+    exempt = {"Encoded", "cache.new_sequence", "cache.sequences", "codebooks", "rotation",
+              "TierLadder", "KernelTables", "PackedPages", "DecodeWorkspace"}
+    no_row_yet = {"encode_into_pages", "encode_kv_into_pages", "retier", "decode_cache",
+                  "kernel_inputs", "upload_pool", "make_workspace", "choose_splits",
+                  "pack_pages", "rotation_signs"}
+    public = set(skv.__all__) | {"SphericalKVCache"} | set(ck.__all__)
+    for prefix, cls in (("cache", SphericalKVCache), ("codec", SphericalCodec)):
+        public |= {f"{prefix}.{m}" for m, _ in inspect.getmembers(cls, inspect.isfunction)
+                   if not m.startswith("_")}
+    missing = {n for n in public - exempt - no_row_yet if n not in rows and f"codec.{n}" not in rows}
     assert not missing, f"public entry points without a row in ENTRIES: {sorted(missing)}"
