@@ -5,8 +5,8 @@ Profiles (``HYPOTHESIS_PROFILE``, default ``fixed``):
   fixed  derandomized, 40 examples per property: the same examples on every run, the
          regression suite of ``python -m pytest`` and the profile to debug with.
   ci     explores: a fresh seed per run (printed in the header and the summary), up to
-         1000 examples per property, the whole run's fuzzing held to a time budget
-         (``HYPOTHESIS_BUDGET_S``, default 240 s) shared out over the properties.
+         2500 examples per property, the whole run's fuzzing held to a time budget
+         (``HYPOTHESIS_BUDGET_S``, default 200 s) shared out over the properties.
   deep   explores longer: up to 20 000 examples per property, no budget unless
          ``HYPOTHESIS_BUDGET_S`` sets one.
   dev    15 random examples, for a quick local loop.
@@ -23,13 +23,13 @@ from hypothesis import HealthCheck, core, settings, stateful
 
 _COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("fixed", max_examples=40, derandomize=True, **_COMMON)
-settings.register_profile("ci", max_examples=1000, database=None, **_COMMON)
+settings.register_profile("ci", max_examples=2500, database=None, **_COMMON)
 settings.register_profile("deep", max_examples=20000, **_COMMON)
 settings.register_profile("dev", max_examples=15, **_COMMON)
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "fixed")
 settings.load_profile(PROFILE)
 #: seconds for all the properties of one run; None: each runs to max_examples
-_BUDGET_DEFAULT = {"ci": 240.0}
+_BUDGET_DEFAULT = {"ci": 200.0}
 
 
 class _Fuzzing:
@@ -48,6 +48,7 @@ class _Fuzzing:
         self.seed = None
         self.pending = set()        # node ids of the properties still to run
         self.examples = {}          # node id -> bodies run
+        self.seconds = {}           # node id -> seconds its rounds took
         self.spent = 0.0
 
     def share(self, nodeid) -> float:
@@ -195,7 +196,8 @@ def pytest_runtest_call(item):
         if outcome.excinfo is not None and FUZZ.budget is not None:
             outcome.excinfo[1].add_note(_round_note(r))
     finally:
-        FUZZ.spent += time.perf_counter() - t0
+        FUZZ.seconds[nodeid] = time.perf_counter() - t0
+        FUZZ.spent += FUZZ.seconds[nodeid]
         core.global_force_seed = FUZZ.seed
         if FUZZ.budget is not None:
             prop.restore()
@@ -206,9 +208,9 @@ def pytest_runtest_call(item):
 
 
 def _round_note(r) -> str:
-    return (f"hypothesis: this property failed in round {r} (seed {FUZZ.seed + r}) of the run with "
-            f"seed {FUZZ.seed}; HYPOTHESIS_PROFILE={PROFILE} HYPOTHESIS_SEED={FUZZ.seed} reruns "
-            f"the run, the @reproduce_failure blob above this example")
+    return (f"hypothesis: failed in round {r} (seed {FUZZ.seed + r}) of a {PROFILE} run with seed "
+            f"{FUZZ.seed}. Replay the example with the @reproduce_failure line above, or rerun "
+            f"the run with HYPOTHESIS_PROFILE={PROFILE} HYPOTHESIS_SEED={FUZZ.seed} (docs/testing.md)")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -220,7 +222,7 @@ def pytest_terminal_summary(terminalreporter):
     if FUZZ.seed is not None:
         tr.section("hypothesis examples per property")
         for nodeid, n in sorted(FUZZ.examples.items(), key=lambda kv: kv[1]):
-            tr.write_line(f"{n:8d}  {nodeid}")
+            tr.write_line(f"{n:8d} {FUZZ.seconds.get(nodeid, 0.0):6.1f} s  {nodeid}")
     tr.write_line(f"hypothesis: {total} examples over {len(FUZZ.examples)} properties, {seed}, "
                   f"profile {PROFILE}, {FUZZ.spent:.0f} s")
 
