@@ -284,23 +284,20 @@ def test_bad_input_is_refused_naming_the_argument(entry, arg, kind):
             o = entry.make() if entry.make else None
             _same(entry.call(o, **{arg: value}), want)
         return
+    name = entry.alias or ALIASES.get(arg, arg)
+    before = entry.state(obj)
     if kind == EMPTY:              # accepted with an empty answer, or refused naming the argument
-        before = entry.state(obj)
         for value in bad_values(entry, arg, kind, good):
             try:
                 entry.call(obj, **{arg: value})
             except ValueError as e:
-                assert re.search(rf"\b({entry.alias or ALIASES.get(arg, arg)})\b", str(e)), str(e)
+                assert re.search(rf"\b({name})\b", str(e)), str(e)
             _check_state(entry, before, entry.state(obj))
         return
-    before = entry.state(obj)
-    name = entry.alias or ALIASES.get(arg, arg)
     for value in bad_values(entry, arg, kind, good):
         kept = copy.deepcopy(value)
         with pytest.raises(entry.raises) as err:
             entry.call(obj, **{arg: value})
-        assert type(err.value) is entry.raises or entry.raises is not ValueError or \
-            isinstance(err.value, ValueError)
         assert re.search(rf"\b({name})\b", str(err.value)), \
             f"{entry.name}({arg}={value!r:.60}): the message does not name {arg!r}: {err.value}"
         _check_state(entry, before, entry.state(obj))
