@@ -139,6 +139,11 @@ def make_workspace(rows: int, group: int, dim: int, num_splits: int) -> DecodeWo
                            cp.empty((num_splits, rows, group), cp.float32))
 
 
+PAGE_TABLE_FAULTS = ("indptr[0] must be 0", "indptr[-1] must equal len(indices)",
+                     "indptr must be non-decreasing", "a page index is outside the pool",
+                     "a referenced page is free, has an unknown tier, or a count outside 1..P")
+
+
 def validate_page_table(page_tier, page_count, indptr, indices, tables: KernelTables, rows: int,
                         finite=()):
     """Checks the page table on the device, then raises ValueError (one host sync).
@@ -148,33 +153,43 @@ def validate_page_table(page_tier, page_count, indptr, indices, tables: KernelTa
     every array in ``finite`` (the queries and means) holds no NaN or Inf, checked in the
     same sync."""
     cp = cupy()
-    num_pages = page_tier.shape[0]
-    geom = device_tables(tables)["geom"]
-    bad = cp.zeros(6, cp.int32)
-    for a in finite:
-        if a is not None and a.size:
-            bad[5] |= ~cp.all(cp.isfinite(a))
-    bad[0] = indptr[0] != 0
-    bad[1] = (indptr[-1] != indices.shape[0])
-    if rows > 0:
-        bad[2] = cp.any(indptr[1:] < indptr[:-1])
-    if indices.shape[0]:
-        bad[3] = cp.any((indices < 0) | (indices >= num_pages))
-        idx = cp.clip(indices, 0, num_pages - 1)
-        tier = page_tier[idx]
-        tier_ok = (tier >= 1) & (tier <= tables.num_tiers)
-        cap = geom[cp.clip(tier, 0, tables.num_tiers), 2]
-        cnt = page_count[idx]
-        bad[4] = cp.any(~tier_ok | (cnt < 1) | (cnt > cap))
-    b = bad.get()   # the one host sync of validation
-    msgs = ("indptr[0] must be 0", "indptr[-1] must equal len(indices)",
-            "indptr must be non-decreasing", "a page index is outside the pool",
-            "a referenced page is free, has an unknown tier, or a count outside 1..P")
-    for flag, msg in zip(b, msgs):
+    bad = page_table_faults(cp, page_tier, page_count, indptr, indices, device_tables(tables)["geom"],
+                            tables.num_tiers, rows, finite)
+    raise_page_table_faults(bad.get())   # the one host sync of validation
+
+
+def raise_page_table_faults(b) -> None:
+    """ValueError for the first fault flagged in ``page_table_faults``' answer, if any."""
+    for flag, msg in zip(b, PAGE_TABLE_FAULTS):
         if flag:
             raise ValueError(f"bad page table: {msg}")
     if b[5]:
         raise ValueError("q, mean_k or mean_v contains NaN or Inf")
+
+
+def page_table_faults(xp, page_tier, page_count, indptr, indices, geom, num_tiers: int, rows: int,
+                      finite=()):
+    """The checks of ``validate_page_table`` as int32 flags (6,), one per PAGE_TABLE_FAULTS
+    entry and one for NaN/Inf in ``finite``, computed with the array module xp: CuPy on the
+    device, NumPy on the host (where the tests run them without a GPU)."""
+    num_pages = page_tier.shape[0]
+    bad = xp.zeros(6, xp.int32)
+    for a in finite:
+        if a is not None and a.size:
+            bad[5] |= ~xp.all(xp.isfinite(a))
+    bad[0] = indptr[0] != 0
+    bad[1] = (indptr[-1] != indices.shape[0])
+    if rows > 0:
+        bad[2] = xp.any(indptr[1:] < indptr[:-1])
+    if indices.shape[0]:
+        bad[3] = xp.any((indices < 0) | (indices >= num_pages))
+        idx = xp.clip(indices, 0, num_pages - 1)
+        tier = page_tier[idx]
+        tier_ok = (tier >= 1) & (tier <= num_tiers)
+        cap = geom[xp.clip(tier, 0, num_tiers), 2]
+        cnt = page_count[idx]
+        bad[4] = xp.any(~tier_ok | (cnt < 1) | (cnt > cap))
+    return bad
 
 
 def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelTables,

@@ -72,22 +72,28 @@ def check_inputs(*checks, finite=()) -> None:
     """Raises ValueError unless every (index array, bound, what) has all entries in
     [0, bound) and every array of ``finite`` is free of NaN/Inf: one device reduction per
     array, one host sync for all of them."""
-    cp = cupy()
+    msgs = input_faults(cupy(), checks, finite)
+    if msgs:
+        raise ValueError("; ".join(msgs))
+
+
+def input_faults(xp, checks, finite=()) -> list:
+    """The messages ``check_inputs`` raises, computed with the array module xp (CuPy on the
+    device, NumPy on the host, where the tests run them without a GPU)."""
     flags, msgs = [], []
     for a, hi, what in checks:
         if getattr(a, "size", 0):
-            flags.append(cp.any((a < 0) | (a >= int(hi))))
+            flags.append(xp.any((a < 0) | (a >= int(hi))))
             msgs.append(what)
     for a in finite:
         if a.size:
-            flags.append(~cp.all(cp.isfinite(a)))
+            flags.append(~xp.all(xp.isfinite(a)))
             msgs.append(dict(_STATUS)[1])   # the kernels' NaN/Inf status message
     if not flags:
-        return
-    bad = cp.stack(flags).get()
-    msgs = list(dict.fromkeys(m for flag, m in zip(bad, msgs) if flag))
-    if msgs:
-        raise ValueError("; ".join(msgs))
+        return []
+    bad = xp.stack(flags)
+    bad = bad.get() if hasattr(bad, "get") else bad    # CuPy: one host sync for all of them
+    return list(dict.fromkeys(m for flag, m in zip(bad, msgs) if flag))
 
 
 def _dest_ranges(dests, pt, sigmas, mi, means):

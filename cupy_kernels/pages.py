@@ -83,9 +83,10 @@ def kernel_tables(ladder, dim: int, page_bytes: int = 4096,
     tiers = tuple(tuple(int(b) for b in t) for t in getattr(ladder, "tiers", ladder))
     if not tiers:
         raise ValueError("the ladder needs at least one tier")
-    if dim not in (64, 128):
+    from spherical_kv_ref.codec import whole
+    if whole("dim", dim, 1) not in (64, 128):
         raise ValueError(f"the kernels are built for head dim 64 and 128, got {dim}")
-    if int(page_bytes) != page_bytes or page_bytes <= 0 or page_bytes % 16:
+    if whole("page_bytes", page_bytes, 16) % 16:
         raise ValueError(f"page_bytes must be a positive multiple of 16, got {page_bytes}")
     geom = np.zeros((len(tiers) + 1, GEOM_STRIDE), np.int32)
     for t, (kb, vb) in enumerate(tiers, start=1):

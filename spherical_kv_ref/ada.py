@@ -9,10 +9,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codec import Encoded, SphericalCodec, _as_float_matrix
+from .codec import Encoded, SphericalCodec, _as_float_matrix, as_real_array
+
+
+def softmax_scale_of(softmax_scale, dim: int) -> float:
+    """softmax_scale as a positive finite float (None: 1/√dim); ValueError otherwise."""
+    if softmax_scale is None:
+        return 1.0 / np.sqrt(dim)
+    s = softmax_scale
+    if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(s) or s <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return float(s)
 
 
 def softmax(z: np.ndarray, axis: int = -1) -> np.ndarray:
+    """softmax along ``axis``, float64; −inf entries (masked logits) get probability 0."""
+    z = as_real_array(z, "z").astype(np.float64)
+    if np.any(np.isnan(z)):
+        raise ValueError("z contains NaN")
     z = z - np.max(z, axis=axis, keepdims=True)
     e = np.exp(z)
     return e / np.sum(e, axis=axis, keepdims=True)
@@ -40,6 +55,8 @@ def attention(q, keys: Encoded, values: Encoded, key_codec: SphericalCodec,
 
     softmax_scale defaults to 1/√d. With return_lse, also the log-sum-exp of the scaled
     logits per query (m,), the quantity split-K merges combine."""
+    key_codec._check_encoded(keys, "keys")
+    value_codec._check_encoded(values, "values")
     if len(keys) != len(values):
         raise ValueError(f"{len(keys)} keys but {len(values)} values")
     if key_codec.dim != value_codec.dim:
@@ -47,7 +64,7 @@ def attention(q, keys: Encoded, values: Encoded, key_codec: SphericalCodec,
     q = _as_float_matrix(q, "q", key_codec.dim)
     if len(keys) == 0:
         raise ValueError("attention over zero kept states is undefined")
-    scale = 1.0 / np.sqrt(key_codec.dim) if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, key_codec.dim)
     z = scale * key_codec.logits(q, keys)
     zmax = z.max(axis=1, keepdims=True)
     e = np.exp(z - zmax)
@@ -63,8 +80,14 @@ def attention(q, keys: Encoded, values: Encoded, key_codec: SphericalCodec,
 
 def dense_attention(q, k, v, softmax_scale: float | None = None) -> np.ndarray:
     """Exact float64 attention of q (m, d) over k, v (n, d): the ground truth for tests."""
-    q = np.asarray(q, np.float64)
-    k = np.asarray(k, np.float64)
-    v = np.asarray(v, np.float64)
-    scale = 1.0 / np.sqrt(q.shape[1]) if softmax_scale is None else float(softmax_scale)
+    q = as_real_array(q, "q")
+    if q.ndim != 2:
+        raise ValueError(f"q must have shape (m, d), got {q.shape}")
+    q = _as_float_matrix(q, "q", q.shape[1])
+    k = _as_float_matrix(k, "k", q.shape[1])
+    v = as_real_array(v, "v")
+    if v.ndim != 2 or v.shape[0] != k.shape[0]:
+        raise ValueError(f"v must have shape (n, d_v) with n = {k.shape[0]} (one per key), got {v.shape}")
+    v = _as_float_matrix(v, "v", v.shape[1])
+    scale = softmax_scale_of(softmax_scale, q.shape[1])
     return softmax(scale * q @ k.T) @ v

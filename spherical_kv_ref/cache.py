@@ -24,7 +24,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .codec import SphericalCodec
+from .ada import softmax_scale_of
+from .codec import SphericalCodec, as_real_array, check_finite, whole as _whole
 from .paged import PagedKV, PageTable, mixed_tier_attention, stored_rotated
 from .paged_decode import PagedDecodeTables, paged_decode
 from .rotation import KEY_SALT, VALUE_SALT
@@ -129,16 +130,6 @@ class _Sequence:
         self.since_compress = 0
 
 
-def _whole(name, v, lo=0, hi=None):
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {v!r}")
-    v = int(v)
-    if v < lo or (hi is not None and v >= hi):
-        rng = f"{lo}..{hi - 1}" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be in {rng}, got {v}")
-    return v
-
-
 class SphericalKVCache:
     """The compressed KV cache of one model (DESIGN §7).
 
@@ -179,9 +170,7 @@ class SphericalKVCache:
         self.policy = CompressPolicy() if policy is None else policy
         if not isinstance(self.policy, CompressPolicy):
             raise ValueError(f"policy must be a CompressPolicy, got {type(self.policy).__name__}")
-        self.softmax_scale = 1.0 / np.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
-        if not np.isfinite(self.softmax_scale) or self.softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale!r}")
+        self.softmax_scale = softmax_scale_of(softmax_scale, self.head_dim)
         self.codebook = codebook
         self.num_splits = _whole("num_splits", num_splits, 1)
         self.paged = PagedKV(self.ladder, self.head_dim, page_bytes, pool_bytes // page_bytes)
@@ -202,7 +191,7 @@ class SphericalKVCache:
 
     def codec(self, layer: int, head: int, bits: int, salt: int) -> SphericalCodec:
         """The codec of (layer, kv-head, bits, keys=KEY_SALT / values=VALUE_SALT), memoised."""
-        k = (layer, head, bits, salt)
+        k = (self._layer(layer), _whole("head", head, 0, self.num_kv_heads), bits, salt)
         if k not in self._codecs:
             self._codecs[k] = SphericalCodec(self.head_dim, bits, self.seed, layer=layer,
                                              head=head, salt=salt, codebook=self.codebook)
@@ -212,9 +201,11 @@ class SphericalKVCache:
         return lambda bits, salt: self.codec(layer, head, bits, salt)
 
     def _seq(self, seq) -> _Sequence:
-        if isinstance(seq, (int, np.integer)) and int(seq) in self._seqs:
+        if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)):
+            raise ValueError(f"seq must be an integer sequence id, got {seq!r}")
+        if int(seq) in self._seqs:
             return self._seqs[int(seq)]
-        if isinstance(seq, (int, np.integer)) and int(seq) in self._freed:
+        if int(seq) in self._freed:
             raise ValueError(f"sequence {int(seq)} has been freed")
         raise ValueError(f"unknown sequence {seq!r}")
 
@@ -222,15 +213,12 @@ class SphericalKVCache:
         return _whole("layer", layer, 0, self.num_layers)
 
     def _queries(self, q) -> np.ndarray:
-        a = np.asarray(q)
-        if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
-            raise ValueError(f"q must be a real float array, got dtype {a.dtype}")
+        a = as_real_array(q, "q")
         if a.shape != (self.num_q_heads, self.head_dim):
             raise ValueError(f"q must have shape (num_q_heads, head_dim) = "
                              f"({self.num_q_heads}, {self.head_dim}), got {a.shape}")
         a = a.astype(np.float64)
-        if not np.all(np.isfinite(a)):
-            raise ValueError("q contains NaN or Inf")
+        check_finite(a, "q")
         return a
 
     def sequences(self) -> List[int]:
@@ -275,13 +263,13 @@ class SphericalKVCache:
         H, d = self.num_kv_heads, self.head_dim
         arrays = []
         for name, x in (("k", k), ("v", v)):
-            a = np.asarray(x)
-            if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
-                raise ValueError(f"{name} must be a real float array, got dtype {a.dtype}")
+            a = as_real_array(x, name)
             if a.ndim != 3 or a.shape[0] != H or a.shape[2] != d:
                 raise ValueError(f"{name} must have shape (num_kv_heads, t, head_dim) = ({H}, t, {d}), "
                                  f"got {a.shape}")
-            arrays.append(a.astype(np.float64))
+            a = a.astype(np.float64)
+            check_finite(a.swapaxes(0, 1), name)       # rows = tokens
+            arrays.append(a)
         k, v = arrays
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
@@ -328,18 +316,27 @@ class SphericalKVCache:
     def protect(self, seq, start, stop) -> None:
         """Keep the tokens at positions start..stop−1 (every layer) at the top tier from now
         on. A state already demoted stays at its tier (nothing regains bits) but is no longer
-        demoted or evicted; one already evicted stays evicted."""
+        demoted or evicted; one already evicted stays evicted. The span must lie within the
+        tokens appended so far (to the layer that holds the most): stop <= that length."""
         s = self._seq(seq)
         start = _whole("start", start, 0)
         stop = _whole("stop", stop, 0)
         if stop <= start:
             raise ValueError(f"protect needs start < stop, got [{start}, {stop})")
+        length = int(s.length.max())
+        if stop > length:
+            raise ValueError(f"protect span [{start}, {stop}) goes past the sequence's {length} "
+                             f"token(s): stop must be <= {length}")
         s.spans.append((start, stop))
 
     def protected_mask(self, seq, layer, pos) -> np.ndarray:
         """Which token positions of a layer are protected now (sinks, recent window, spans)."""
         s = self._seq(seq)
-        pos = np.asarray(pos, np.int64)
+        layer = self._layer(layer)
+        pos = as_real_array(pos, "pos")
+        if pos.dtype.kind not in "iu":
+            raise ValueError(f"pos must be integer token positions, got dtype {pos.dtype}")
+        pos = pos.astype(np.int64)
         pol = self.policy
         m = (pos < pol.sinks) | (pos >= s.length[layer] - pol.recent)
         for a, b in s.spans:
@@ -503,6 +500,23 @@ class SphericalKVCache:
             return 1.0
         return max(1.0, coherent / independent)
 
+    def _budget(self, sid, budget_bytes, budget_fraction) -> int:
+        if (budget_bytes is None) == (budget_fraction is None):
+            raise ValueError("compress needs exactly one of budget_bytes (bytes) and "
+                             "budget_fraction (a fraction of the bytes in use)")
+        if budget_fraction is not None:
+            f = budget_fraction
+            if isinstance(f, (bool, np.bool_)) or not isinstance(f, (int, float, np.integer, np.floating)) \
+                    or not 0.0 <= f <= 1.0:
+                raise ValueError(f"budget_fraction must be a number in [0, 1], got {f!r}")
+            return int(np.floor(float(f) * self.bytes_in_use(sid)))
+        if isinstance(budget_bytes, (float, np.floating)):
+            hint = (f"; for a fraction of the bytes in use pass budget_fraction={budget_bytes!r}"
+                    if 0 < budget_bytes < 1 else "")
+            raise ValueError(f"budget_bytes must be an integer number of bytes, got the float "
+                             f"{budget_bytes!r}{hint}")
+        return _whole("budget_bytes", budget_bytes, 0)
+
     def demote_all(self, seq, tier: int) -> None:
         """Fixed-rate compression without RDR: every unprotected state of a sequence above
         ``tier`` (1..top) is re-encoded at ``tier``; none is evicted, states at or below it
@@ -524,8 +538,13 @@ class SphericalKVCache:
         self.paged.retier(items)
         s.since_compress = 0
 
-    def compress(self, seq, budget_bytes, method: Optional[str] = None) -> CompressReport:
+    def compress(self, seq, budget_bytes: Optional[int] = None, method: Optional[str] = None, *,
+                 budget_fraction: Optional[float] = None) -> CompressReport:
         """RDR over every layer and kv-head of a sequence, applied (DESIGN §5, §7).
+
+        The budget is ``budget_bytes`` (an integer number of bytes; a float is a ValueError,
+        so that 0.25 is never read as 0 bytes) or ``budget_fraction`` in [0, 1], the
+        fraction of ``bytes_in_use(seq)`` now (rounded down to whole bytes): one of the two.
 
         Gathers per-state statistics, builds one rdr.Problem (groups = (layer, kv-head),
         page padding charged with page_bytes), solves it and applies the tiers: evict,
@@ -536,10 +555,7 @@ class SphericalKVCache:
         from . import rdr       # imported here so that importing the package never needs the solver
         s = self._seq(seq)
         sid = int(seq)
-        if isinstance(budget_bytes, (bool, np.bool_)) or not np.isscalar(budget_bytes) \
-                or not np.isfinite(budget_bytes) or budget_bytes < 0 or int(budget_bytes) != budget_bytes:
-            raise ValueError(f"budget_bytes must be a non-negative whole number, got {budget_bytes!r}")
-        budget = int(budget_bytes)
+        budget = self._budget(sid, budget_bytes, budget_fraction)
         method = self.policy.method if method is None else method
         if method not in ("fast", "milp"):
             raise ValueError(f"method must be 'fast' or 'milp', got {method!r}")

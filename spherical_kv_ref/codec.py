@@ -20,8 +20,27 @@ FP16_HALF_ULP_ABS = 2.0 ** -25     # half of the smallest subnormal spacing
 _SLACK = 1e-9                       # float64 rounding of the reference arithmetic itself
 
 
+def whole(name: str, v, lo: int = 0, hi=None) -> int:
+    """v as an int, which it must be (a Python or NumPy integer, not a bool or a float),
+    in lo..hi−1 (hi None: no upper bound); ValueError naming ``name`` otherwise."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    v = int(v)
+    if v < lo or (hi is not None and v >= hi):
+        rng = f"{lo}..{hi - 1}" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be in {rng}, got {v}")
+    return v
+
+
+def _bits(bits) -> int:
+    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer)) or bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    return int(bits)
+
+
 def code_words(bits: int, dim: int) -> int:
     """uint32 words per vector (docs/format.md "Packing")."""
+    bits, dim = _bits(bits), whole("dim", dim, 1)
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
     if bits == 3:
@@ -51,12 +70,18 @@ def _unpack_fields(words: np.ndarray, bits: int, dim: int) -> np.ndarray:
     per_word = 32 // bits
     shifts = (np.arange(per_word, dtype=np.uint32) * np.uint32(bits))
     fields = (words[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)
-    return fields.reshape(words.shape[0], -1)[:, :dim].astype(np.uint16)
+    return fields.reshape(words.shape[0], words.shape[1] * per_word)[:, :dim].astype(np.uint16)
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """Codes (n, d) in [0, 2^bits) → packed uint32 words (n, code_words(bits, d))."""
-    codes = np.asarray(codes)
+    bits = _bits(bits)
+    codes = as_real_array(codes, "codes")
+    if codes.dtype.kind not in "iu" or codes.ndim != 2:
+        raise ValueError(f"codes must be an integer array (n, d), got {codes.dtype} {codes.shape}")
+    if codes.size and (codes.min() < 0 or codes.max() >= (1 << min(bits, 16))):
+        raise ValueError(f"codes must be in 0..{(1 << min(bits, 16)) - 1} at {bits} bits")
+    codes = codes.astype(np.uint64)
     if bits == 3:
         return np.concatenate([_pack_fields(codes & 3, 2), _pack_fields(codes >> 2, 1)], axis=1)
     return _pack_fields(codes, bits)
@@ -64,7 +89,12 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 def unpack_codes(words: np.ndarray, bits: int, dim: int) -> np.ndarray:
     """Inverse of ``pack_codes``: (n, words) uint32 → (n, d) uint16 codes."""
-    words = np.asarray(words, dtype=np.uint32)
+    bits, dim = _bits(bits), whole("dim", dim, 1)
+    words = as_real_array(words, "words")
+    if words.dtype.kind not in "iu" or words.ndim != 2 or words.shape[1] != code_words(bits, dim):
+        raise ValueError(f"words must be integer (n, {code_words(bits, dim)}) for {bits} bits at "
+                         f"dim {dim}, got {words.dtype} {words.shape}")
+    words = words.astype(np.uint32)
     if bits == 3:
         w2 = -(-2 * dim // 32)
         return _unpack_fields(words[:, :w2], 2, dim) | (_unpack_fields(words[:, w2:], 1, dim) << 2)
@@ -75,14 +105,14 @@ def _pack_fp16(y16: np.ndarray) -> np.ndarray:
     n, d = y16.shape
     if d % 2:
         y16 = np.concatenate([y16, np.zeros((n, 1), np.float16)], axis=1)
-    return np.ascontiguousarray(y16).view(np.uint16).astype(np.uint32).reshape(n, -1, 2) \
+    return np.ascontiguousarray(y16).view(np.uint16).astype(np.uint32).reshape(n, y16.shape[1] // 2, 2) \
         .dot(np.array([1, 1 << 16], dtype=np.uint32)).astype(np.uint32)
 
 
 def _unpack_fp16(words: np.ndarray, dim: int) -> np.ndarray:
     lo = (words & np.uint32(0xFFFF)).astype(np.uint16)
     hi = (words >> np.uint32(16)).astype(np.uint16)
-    return np.stack([lo, hi], axis=2).reshape(words.shape[0], -1)[:, :dim].view(np.float16)
+    return np.stack([lo, hi], axis=2).reshape(words.shape[0], 2 * words.shape[1])[:, :dim].view(np.float16)
 
 
 # ---------------------------------------------------------------------------- encoded
@@ -110,16 +140,44 @@ class Encoded:
         return Encoded(self.scale[index], self.codes[index], self.bits, self.dim, self.mean)
 
 
-def _as_float_matrix(x, name: str, dim: int) -> np.ndarray:
-    a = np.asarray(x)
+def as_real_array(x, name: str) -> np.ndarray:
+    """x as a NumPy array of reals (any float or integer dtype), not yet converted.
+
+    Takes NumPy arrays, sequences and torch tensors (on any device, with or without grad;
+    bfloat16 and the other dtypes NumPy lacks are upcast to float32, exactly) without
+    importing torch. Anything else that is not real numbers → ValueError naming ``name``."""
+    if type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach"):
+        x = x.detach()
+        if str(x.dtype) in _TORCH_UPCAST:
+            x = x.float()
+        x = x.cpu().numpy()
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{name} must be an array of real numbers ({e})") from None
     if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
         raise ValueError(f"{name} must be a real float array, got dtype {a.dtype}")
+    return a
+
+
+#: torch dtypes without a NumPy twin; float32 holds each of them exactly
+_TORCH_UPCAST = ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2",
+                 "torch.float8_e4m3fnuz", "torch.float8_e5m2fnuz")
+
+
+def check_finite(a: np.ndarray, name: str) -> None:
+    """ValueError naming ``name`` and how many rows (along the first axis) hold NaN or Inf."""
+    if not np.all(np.isfinite(a)):
+        bad = int(np.count_nonzero(~np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1))) if a.ndim else 1
+        raise ValueError(f"{name} contains NaN or Inf in {bad} row(s)")
+
+
+def _as_float_matrix(x, name: str, dim: int) -> np.ndarray:
+    a = as_real_array(x, name)
     if a.ndim != 2 or a.shape[1] != dim:
         raise ValueError(f"{name} must have shape (n, {dim}), got {a.shape}")
     a = a.astype(np.float64)
-    if not np.all(np.isfinite(a)):
-        bad = int(np.count_nonzero(~np.isfinite(a).all(axis=1)))
-        raise ValueError(f"{name} contains NaN or Inf in {bad} row(s); refusing to encode")
+    check_finite(a, name)
     return a
 
 
@@ -135,11 +193,9 @@ class SphericalCodec:
     def __init__(self, dim: int, bits: int = 4, seed: int = 0, *, layer: int = 0,
                  head: int = 0, salt: int = KEY_SALT, codebook: str = "lloyd-max",
                  rotation: str = "auto"):
-        if bits not in BITS:
-            raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
-        if int(dim) != dim or dim < 4:
-            raise ValueError(f"dim must be an integer >= 4, got {dim!r}")
-        self.dim, self.bits, self.codebook_kind = int(dim), int(bits), codebook
+        bits = _bits(bits)
+        dim = whole("dim", dim, 4)
+        self.dim, self.bits, self.codebook_kind = dim, bits, codebook
         self.rotation = Rotation(self.dim, seed, layer, head, salt, rotation)
         self.levels = None if bits == 16 else codebooks.codebook(bits, self.dim, codebook)
         self.words = code_words(self.bits, self.dim)
@@ -194,14 +250,14 @@ class SphericalCodec:
         return Encoded(scale.astype(np.float16), pack_codes(codes, self.bits),
                        self.bits, self.dim, mean32)
 
-    def _check_encoded(self, enc: Encoded) -> None:
+    def _check_encoded(self, enc: Encoded, name: str = "enc") -> None:
         if not isinstance(enc, Encoded):
-            raise ValueError(f"expected an Encoded, got {type(enc).__name__}")
+            raise ValueError(f"{name} must be an Encoded, got {type(enc).__name__}")
         if enc.bits != self.bits or enc.dim != self.dim:
-            raise ValueError(f"Encoded has bits={enc.bits}, dim={enc.dim}; this codec has "
+            raise ValueError(f"{name} has bits={enc.bits}, dim={enc.dim}; this codec has "
                              f"bits={self.bits}, dim={self.dim}")
         if enc.codes.shape != (len(enc), self.words):
-            raise ValueError(f"codes must have shape ({len(enc)}, {self.words}), got {enc.codes.shape}")
+            raise ValueError(f"{name}.codes must have shape ({len(enc)}, {self.words}), got {enc.codes.shape}")
 
     def codes(self, enc: Encoded) -> np.ndarray:
         """Unpacked codes (n, d) (16 bits: the fp16 values' bit patterns)."""
@@ -219,6 +275,7 @@ class SphericalCodec:
 
     def decode(self, enc: Encoded) -> np.ndarray:
         """x̂ = Πᵀ(s·ĉ) + μ, (n, d) float64. For analysis and tests; attention never calls it."""
+        self._check_encoded(enc)
         xr = enc.scale.astype(np.float64)[:, None] * self.rotated_points(enc)
         x = self.rotation.inverse(xr)
         return x if enc.mean is None else x + enc.mean.astype(np.float64)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
+from .codec import as_real_array
+
 __all__ = ["Problem", "Allocation", "solve", "distortion", "tier_error_constants"]
 
 
@@ -188,7 +190,7 @@ class Problem:
     effective_cost: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self):
-        d = np.asarray(self.distortion, dtype=np.float64)
+        d = as_real_array(self.distortion, "distortion").astype(np.float64)
         if d.ndim != 2 or d.shape[1] < 2:
             raise ValueError(f"distortion must be (n, T+1) with T >= 1, got shape {d.shape}")
         n, k = d.shape

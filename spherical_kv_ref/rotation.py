@@ -42,7 +42,7 @@ def hadamard_transform(x: np.ndarray) -> np.ndarray:
 def rotation_rng(seed: int, layer: int = 0, head: int = 0, salt: int = KEY_SALT):
     """The generator every rotation of (model seed, layer, kv-head, key/value) draws from."""
     for name, v in (("seed", seed), ("layer", layer), ("head", head), ("salt", salt)):
-        if int(v) != v or v < 0:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(head), int(salt)]))
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codec import BITS, vector_bytes
+from .codec import BITS, vector_bytes, whole
 
 
 class TierLadder:
@@ -39,13 +39,11 @@ class TierLadder:
 
     def bits(self, tier: int):
         """(key_bits, value_bits) of tier 1..T."""
-        if not 1 <= tier <= len(self.tiers):
-            raise ValueError(f"tier must be in 1..{len(self.tiers)}, got {tier}")
-        return self.tiers[tier - 1]
+        return self.tiers[whole("tier", tier, 1, len(self.tiers) + 1) - 1]
 
     def bytes_per_state(self, tier: int, dim: int) -> int:
         """Bytes of one (key, value) state at this tier: codes + fp16 scales; 0 if evicted."""
-        if tier == 0:
+        if whole("tier", tier, 0, len(self.tiers) + 1) == 0:
             return 0
         kb, vb = self.bits(tier)
         return vector_bytes(kb, dim) + vector_bytes(vb, dim)
@@ -59,7 +57,7 @@ class TierLadder:
         per = self.bytes_per_state(tier, dim)
         if per == 0:
             raise ValueError("evicted states occupy no page")
-        n = page_bytes // per
+        n = whole("page_bytes", page_bytes, 1) // per
         if n < 1:
             raise ValueError(f"page_bytes={page_bytes} cannot hold one state of tier {tier} ({per} bytes)")
         return n

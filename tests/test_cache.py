@@ -366,7 +366,10 @@ S_LADDER = TierLadder([(2, 2), (4, 4), (16, 16)])
 
 class CacheMachine(RuleBasedStateMachine):
     """Random interleavings of new_sequence / append / protect / observe / compress /
-    decode / free over several sequences, checking DESIGN §4's invariants after each step."""
+    decode / free over several sequences, checking DESIGN §4's invariants after each step:
+    bytes in use ≤ budget after compress, one sequence's operations never change another's
+    decode, protected states kept where they are (new ones at the top tier), every refused
+    call leaves the whole cache as it was, a freed sequence returns exactly its pages."""
 
     seqs = Bundle("seqs")
 
@@ -376,10 +379,10 @@ class CacheMachine(RuleBasedStateMachine):
                                       num_q_heads=4, seed=1, policy=CompressPolicy(sinks=1, recent=2, window=3))
         self.rng = np.random.default_rng(0)
         self.live = set()
-        self.probe = {}       # seq -> (probe query, outputs per layer or None)
+        self.probe = {}       # seq -> probe query
 
     def _outputs(self, sid):
-        q = self.probe[sid][0]
+        q = self.probe[sid]
         outs = []
         for layer in range(2):
             try:
@@ -400,36 +403,49 @@ class CacheMachine(RuleBasedStateMachine):
                     np.testing.assert_array_equal(x, y)
         return result
 
+    def _refused(self, op, match, error=ValueError):
+        """op must raise error (matching) and leave everything as it was."""
+        snap = cache_snapshot(self.cache)
+        with pytest.raises(error, match=match):
+            op()
+        assert_cache_same(snap, cache_snapshot(self.cache))
+
     @precondition(lambda self: len(self.live) < 4)
-    @rule(target=seqs, prefill=st.integers(0, 12))
+    @rule(target=seqs, prefill=st.sampled_from([0, 1, 3, 7, 12]))
     def new_sequence(self, prefill):
         sid = self._others_unchanged(None, self.cache.new_sequence)
         self.live.add(sid)
-        self.probe[sid] = (self.rng.standard_normal((4, SD)),)
+        self.probe[sid] = self.rng.standard_normal((4, SD))
         if prefill:
-            self.append(sid, prefill)
+            self.append(sid, prefill, (0, 1))
         return sid
 
-    @rule(sid=seqs, t=st.integers(1, 12))
-    def append(self, sid, t):
+    @rule(sid=seqs, t=st.sampled_from([1, 1, 2, 3, 5, 7, 13, 17]),
+          layers=st.sampled_from([(0, 1), (0, 1), (0,), (1,)]))
+    def append(self, sid, t, layers):
+        """A chunk of t tokens into some layers (one layer alone: a prefill in progress)."""
         if sid not in self.live:
-            with pytest.raises(ValueError, match="freed"):
-                self.cache.append(sid, 0, np.ones((2, t, SD)), np.ones((2, t, SD)))
+            self._refused(lambda: self.cache.append(sid, 0, np.ones((2, t, SD)), np.ones((2, t, SD))), "freed")
             return
-        for layer in range(2):
+        for layer in layers:
             k = self.rng.standard_normal((2, t, SD)) + 0.5
             v = self.rng.standard_normal((2, t, SD))
-            snap = cache_snapshot(self.cache)
-            try:
-                self._others_unchanged(sid, lambda: self.cache.append(sid, layer, k, v))
-            except PoolExhaustedError:
+            need = sum(self.cache.paged.pages_needed((sid, layer, h), t) for h in range(2))
+            if self.cache.paged.pool.num_free < need:
+                self._refused(lambda: self.cache.append(sid, layer, k, v), "pool exhausted", PoolExhaustedError)
                 event("append: pool exhausted")
-                assert_cache_same(snap, cache_snapshot(self.cache))
                 return
+            self._others_unchanged(sid, lambda: self.cache.append(sid, layer, k, v))
 
     @rule(sid=seqs, start=st.integers(0, 30), width=st.integers(1, 6))
     def protect(self, sid, start, width):
-        if sid in self.live:
+        if sid not in self.live:
+            return
+        length = int(self.cache._seqs[sid].length.max())
+        if start + width > length:
+            self._refused(lambda: self.cache.protect(sid, start, start + width), "goes past")
+            event("protect: past the end")
+        else:
             self.cache.protect(sid, start, start + width)
 
     @rule(sid=seqs, layer=st.integers(0, 1))
@@ -437,24 +453,35 @@ class CacheMachine(RuleBasedStateMachine):
         if sid in self.live:
             self.cache.observe(sid, layer, self.rng.standard_normal((4, SD)) * 2)
 
-    @rule(sid=seqs, frac=st.floats(0.0, 1.2))
-    def compress(self, sid, frac):
+    @rule(sid=seqs, frac=st.floats(0.0, 1.2), absolute=st.sampled_from([None, None, 0, 256, 1024]),
+          as_fraction=st.booleans())
+    def compress(self, sid, frac, absolute, as_fraction):
+        """RDR to a random budget: a fraction of what the sequence holds (given as bytes or
+        as budget_fraction), or a few pages (often less than the protected states need)."""
         if sid not in self.live:
+            self._refused(lambda: self.cache.compress(sid, 1024), "freed")
             return
         c = self.cache
-        budget = int(frac * c.bytes_in_use(sid))
+        if absolute is not None:
+            kw = dict(budget_bytes=absolute)
+        elif as_fraction and frac <= 1.0:
+            kw = dict(budget_fraction=frac)
+        else:
+            kw = dict(budget_bytes=int(frac * c.bytes_in_use(sid)))
+        budget = kw.get("budget_bytes", int(np.floor(frac * c.bytes_in_use(sid))))
         before = {k: dict(zip(c.paged.states(k).pos, c.paged.states(k).tier))
                   for k in c.paged.rows if k[0] == sid}
         snap = cache_snapshot(c)
         try:
-            self._others_unchanged(sid, lambda: c.compress(sid, budget))
+            self._others_unchanged(sid, lambda: c.compress(sid, **kw))
         except ValueError as e:
-            assert "protected states" in str(e) or "pool exhausted" in str(e)
+            assert "protected states" in str(e)
             event("compress: refused")
             assert_cache_same(snap, cache_snapshot(c))
             return
         assert c.bytes_in_use(sid) <= budget
         event("compress: applied")
+        top = S_LADDER.top
         for k, old in before.items():
             stt = c.paged.states(k)
             now = dict(zip(stt.pos, stt.tier))
@@ -464,10 +491,13 @@ class CacheMachine(RuleBasedStateMachine):
             for p, is_prot in zip(sorted(old), prot):
                 if is_prot:
                     assert now.get(p) == old[p], f"protected position {p} changed"
+                    if old[p] == top:
+                        event("compress: protected state at the top tier")
 
     @rule(sid=seqs, layer=st.integers(0, 1))
     def decode(self, sid, layer):
         if sid not in self.live:
+            self._refused(lambda: self.cache.decode(sid, layer, self.rng.standard_normal((4, SD))), "freed")
             return
         q = self.rng.standard_normal((4, SD))
         try:
@@ -479,13 +509,31 @@ class CacheMachine(RuleBasedStateMachine):
         ref = self.cache.reference_decode(sid, layer, q)
         assert rel_err(out, ref) < REL
 
+    @rule(sid=seqs, which=st.integers(0, 5))
+    def bad_call(self, sid, which):
+        """A call with one bad argument: refused, nothing changes."""
+        c, ok = self.cache, np.ones((2, 1, SD))
+        calls = [
+            (lambda: c.append(sid, 2, ok, ok), "layer"),
+            (lambda: c.append(sid, 0, ok * np.nan, ok), "k contains NaN"),
+            (lambda: c.append(sid, 1, ok, ok[..., :8]), "v must have shape"),
+            (lambda: c.compress(sid, 0.5), "budget_fraction"),
+            (lambda: c.compress(sid, budget_fraction=1.5), "budget_fraction"),
+            (lambda: c.decode(sid, 0, np.full((4, SD), np.inf)), "q contains NaN"),
+        ]
+        call, match = calls[which]
+        self._refused(call, match if sid in self.live else "freed")
+
     @rule(sid=consumes(seqs))
     def free(self, sid):
         if sid in self.live:
+            pool = self.cache.paged.pool
+            held = self.cache.bytes_in_use(sid) // self.cache.page_bytes
+            free0 = pool.num_free
             self._others_unchanged(sid, lambda: self.cache.free(sid))
             self.live.discard(sid)
-            with pytest.raises(ValueError, match="freed"):
-                self.cache.bytes_in_use(sid)
+            assert pool.num_free == free0 + held, "a freed sequence did not return all its pages"
+            self._refused(lambda: self.cache.bytes_in_use(sid), "freed")
 
     @invariant()
     def pool_invariants(self):

@@ -211,3 +211,20 @@ def test_expected_error_is_exact_for_haar_rotations_even_on_adversarial_keys(bit
     emp, codec = _empirical_over_rotations(bits, dim, q, k, "haar", 400)
     pred = codec.expected_sq_logit_error(q, k)
     assert abs(emp.sum() / pred.sum() - 1) < 0.10
+
+
+def test_torch_tensors_in_any_float_dtype_encode_as_their_float32_values():
+    """A serving engine hands over bfloat16 tensors: they are upcast (exactly) to float32,
+    on the host, without the reference importing torch; gradients do not get in the way."""
+    torch = pytest.importorskip("torch")
+    codec = skv.SphericalCodec(64, 4, seed=3)
+    x = torch.randn(7, 64, dtype=torch.bfloat16, requires_grad=True)
+    want = codec.encode(x.detach().float().numpy())
+    for t in (x, x.half(), x.float(), x.detach().double()):
+        got = codec.encode(t)
+        np.testing.assert_array_equal(got.codes, want.codes)
+        np.testing.assert_array_equal(got.scale, want.scale)
+    q = torch.randn(2, 64, dtype=torch.bfloat16)
+    np.testing.assert_array_equal(codec.logits(q, want), codec.logits(q.float().numpy(), want))
+    with pytest.raises(ValueError, match="x must be a real float array"):
+        codec.encode(torch.zeros(3, 64, dtype=torch.complex64))
