@@ -1,4 +1,4 @@
-"""Angle-Domain Attention: decode attention straight from stored codes (DESIGN §3).
+"""Angle-Domain Attention: decode attention straight from stored codes (docs/ada.md).
 
 The reference decode for one kv-head and the query heads of its GQA group:
     ℓ̂[m, i] = logits from key codes (codec.logits), p = softmax(softmax_scale·ℓ̂),

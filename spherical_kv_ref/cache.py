@@ -1,4 +1,4 @@
-"""SphericalKVCache: the compressed KV cache an engine holds per model (DESIGN §4, §5, §7).
+"""SphericalKVCache: the compressed KV cache an engine holds per model (docs/paged.md, docs/rdr.md).
 
 A cache owns one page pool (``paged.PagedKV``) shared by all its sequences. A row of the
 pool is one (sequence, layer, kv-head). Per row the cache keeps, beside its page table,
@@ -39,7 +39,7 @@ class CompressPolicy:
     """How the cache protects states and when it re-runs RDR by itself.
 
     sinks: the first ``sinks`` tokens of every layer are protected (attention sinks; with
-        centring on they are the largest-error vectors, DESIGN §3 step 0).
+        centring on they are the largest-error vectors, docs/format.md "Centring").
     recent: the last ``recent`` tokens of every layer are protected (the recent window).
     window: how many recent queries per (sequence, layer) are kept, from ``decode`` and
         ``observe``, to estimate attention probabilities for RDR.
@@ -105,6 +105,15 @@ class CompressReport:
     states_demoted: int
     allocation: Optional["rdr.Allocation"]
 
+    def __repr__(self) -> str:
+        # a summary: the allocation's per-state tiers (one entry per state) stay in .allocation
+        a = self.allocation
+        how = "no allocation" if a is None else (
+            f"{a.method}, {'optimal' if a.optimal else 'not proved optimal'}, gap {a.gap:.3g}")
+        return (f"CompressReport(bytes {self.bytes_before} -> {self.bytes_after} of budget "
+                f"{self.budget_bytes}; states {self.states_before} -> {self.states_kept} kept, "
+                f"{self.states_demoted} demoted; {how})")
+
 
 @dataclass(frozen=True)
 class LayerPageTable:
@@ -131,19 +140,19 @@ class _Sequence:
 
 
 class SphericalKVCache:
-    """The compressed KV cache of one model (DESIGN §7).
+    """The compressed KV cache of one model (docs/paged.md).
 
     num_layers, num_kv_heads, head_dim: the model's KV shape. ladder: TierLadder (default
     ``TierLadder()``). page_bytes: page size (multiple of 16). pool_bytes: pool size, rounded
     down to whole pages (default 64 MiB). seed: the model seed of the rotations.
     num_q_heads: query heads (a multiple of num_kv_heads; default num_kv_heads).
-    centre: subtract per-row means μ_K, μ_V (DESIGN §3 step 0; on by default).
+    centre: subtract per-row means μ_K, μ_V (docs/format.md "Centring"; on by default).
     policy: CompressPolicy (default: 4 sinks and 32 recent tokens protected).
     softmax_scale: default 1/√head_dim. codebook: "uniform" (default) or "lloyd-max": the
     same bytes, the uniform codebook's decode is affine in the code (the GPU kernel's fast
     path, ~1.8x the Lloyd–Max look-up path at 4/4 bits) for 0–7 % more attention error
-    (docs/PERF_NOTES.md, "Codebook quality"; DESIGN §3.5 asks for the winner at the kernel's
-    speed).
+    (docs/PERF_NOTES.md, "Codebook quality": the default is the better codebook at the
+    kernel's speed).
     num_splits: page splits per row in the paged decode (split-K)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -431,7 +440,7 @@ class SphericalKVCache:
 
     # ------------------------------------------------------------------ compress
     def _row_statistics(self, sid, s, layer, h, st, candidates):
-        """Per-state surrogate inputs of one row, DESIGN §5 and docs/rdr.md §1:
+        """Per-state surrogate inputs of one row, docs/rdr.md §1:
         (p, Q², r, ‖v‖, res, κ) for ``rdr.distortion``.
 
         The controller reads the stored states as rotated float64 vectors on the host
@@ -540,7 +549,7 @@ class SphericalKVCache:
 
     def compress(self, seq, budget_bytes: Optional[int] = None, method: Optional[str] = None, *,
                  budget_fraction: Optional[float] = None) -> CompressReport:
-        """RDR over every layer and kv-head of a sequence, applied (DESIGN §5, §7).
+        """RDR over every layer and kv-head of a sequence, applied (docs/rdr.md).
 
         The budget is ``budget_bytes`` (an integer number of bytes; a float is a ValueError,
         so that 0.25 is never read as 0 bytes) or ``budget_fraction`` in [0, 1], the

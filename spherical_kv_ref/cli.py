@@ -1,4 +1,5 @@
-"""The ``spherical-kv`` command: ``evaluate`` (the real-model evaluation) and ``demo``."""
+"""The ``spherical-kv`` command: ``demo`` here, and the subcommands other packages register
+under the entry-point group ``spherical_kv.commands`` (``evaluate``, from ``spherical_kv_eval``)."""
 from __future__ import annotations
 
 import argparse
@@ -37,20 +38,43 @@ def demo(argv=None) -> int:
     return 0
 
 
+COMMAND_GROUP = "spherical_kv.commands"   # entry points: name -> main(argv) -> exit code
+
+
+def _commands() -> dict:
+    """The subcommands: ``demo`` here, and every entry point of ``COMMAND_GROUP`` (the
+    evaluation registers ``evaluate``); the reference never imports the packages that
+    register them."""
+    from importlib.metadata import entry_points
+    found = {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
+    found.pop("demo", None)
+    return found
+
+
 def main(argv=None) -> int:
+    from . import __version__
     argv = list(sys.argv[1:] if argv is None else argv)
+    commands = _commands()
+    if argv and argv[0] == "--version":
+        print(f"spherical-kv {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: spherical-kv {evaluate,demo} [options]\n"
-              "  evaluate  real-model evaluation against the baselines (tables, JSON, plot)\n"
+        names = ["demo"] + sorted(commands)
+        print(f"usage: spherical-kv [--version] {{{','.join(names)}}} [options]\n"
               "  demo      codec bytes, logit errors and bounds on random data")
+        for name, ep in sorted(commands.items()):
+            print(f"  {name:<9} from {ep.value.split(':')[0]} (spherical-kv {name} --help)")
+        if "evaluate" not in commands:
+            print("  (evaluate: the real-model evaluation comes with the installed package, "
+                  "pip install 'spherical-kv[eval]')")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
         return demo(rest)
-    if cmd == "evaluate":
-        from validation.evaluate import main as evaluate_main
-        return evaluate_main(rest)
-    print(f"spherical-kv: unknown command {cmd!r} (expected evaluate or demo)", file=sys.stderr)
+    if cmd in commands:
+        return int(commands[cmd].load()(rest) or 0)
+    print(f"spherical-kv: unknown command {cmd!r} (expected one of "
+          f"{', '.join(['demo'] + sorted(commands))})", file=sys.stderr)
     return 2
 
 

@@ -1,4 +1,4 @@
-"""Scalar codebooks for one coordinate of a uniform point on S^{d−1} (DESIGN §3 step 3).
+"""Scalar codebooks for one coordinate of a uniform point on S^{d−1} (docs/format.md "Scalar codebook").
 
 If u is uniform on the sphere, t = √d·u_j has density
     f_d(t) = c_d · (1 − t²/d)^((d−3)/2)  on [−√d, √d],   c_d = Γ(d/2) / (√(πd) Γ((d−1)/2)),

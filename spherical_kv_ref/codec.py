@@ -1,6 +1,6 @@
 """Spherical codec: radius + packed direction code, and logits straight from the codes.
 
-Implements DESIGN §3 steps 0–5 and the storage format of docs/format.md. The error
+Implements the encoding and storage format of docs/format.md (centring, rotation, scale, scalar codes). The error
 analysis behind ``logit_error_bound`` and ``expected_sq_logit_error`` is in docs/ada.md.
 """
 from __future__ import annotations
@@ -182,7 +182,7 @@ def _as_float_matrix(x, name: str, dim: int) -> np.ndarray:
 
 
 class SphericalCodec:
-    """One rotation + one codebook: encode/decode and logits from codes (DESIGN §3, §7).
+    """One rotation + one codebook: encode/decode and logits from codes (docs/format.md, docs/ada.md).
 
     dim: head dimension d. bits: bits per coordinate, one of 1, 2, 3, 4, 8, 16
     (16 = fp16 of the rotated vector, the top tier). seed, layer, head, salt pick the
@@ -290,7 +290,7 @@ class SphericalCodec:
 
         q: (m, d) float; enc: Encoded with n vectors. Returns (m, n) float64. Each term is
         a per-coordinate look-up in the table T[m, j, c] = (Πq)[m, j]·C[c]/√d; no key
-        matrix is decoded (DESIGN §3)."""
+        matrix is decoded (docs/ada.md)."""
         self._check_encoded(enc)
         q = _as_float_matrix(q, "q", self.dim)
         qr = self.rotation.apply(q)

@@ -1,4 +1,4 @@
-"""Tier-homogeneous page pool and CSR page tables (DESIGN §4, docs/format.md "Pages").
+"""Tier-homogeneous page pool and CSR page tables (docs/paged.md, docs/format.md "Pages").
 
 One pool of ``num_pages`` fixed-size pages of ``page_bytes`` bytes serves every tier, so one
 free list is enough; a page holds states of one row (one (sequence, layer, kv-head)) and one
@@ -520,7 +520,7 @@ class PagedKV:
         return PageTable(indptr, indices, last)
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if a DESIGN §4 invariant is broken (tests and debugging)."""
+        """Raise AssertionError if an invariant of docs/paged.md is broken (tests and debugging)."""
         seen = {}
         for key, row in self.rows.items():
             for p in row:

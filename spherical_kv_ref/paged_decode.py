@@ -1,6 +1,6 @@
 """CPU paged decode (numba) that walks page headers and pages the way the CUDA kernel does.
 
-Implements DESIGN §6 "ADA paged decode" on the host, for testing the algorithm and as the
+Implements the paged decode of docs/paged.md on the host, for testing the algorithm and as the
 CPU fast path of ``SphericalKVCache.decode``. Work decomposition, mirroring the kernel:
 
     one work item per (row, split); a row is one (sequence, kv-head) of one layer and its

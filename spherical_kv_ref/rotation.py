@@ -1,4 +1,4 @@
-"""Seeded orthogonal rotations Π (DESIGN §3 step 1, docs/format.md "Rotation").
+"""Seeded orthogonal rotations Π (docs/format.md "Rotation").
 
 A power-of-two dimension gets the randomized Hadamard rotation Π = H·diag(σ)/√d, applied
 in O(d log d); any other dimension (or ``kind="haar"``) gets a dense Haar-random

@@ -1,4 +1,4 @@
-"""The tier ladder: (key_bits, value_bits) per tier and exact bytes per state (DESIGN §4)."""
+"""The tier ladder: (key_bits, value_bits) per tier and exact bytes per state (docs/format.md "Tier ladder and pages")."""
 from __future__ import annotations
 
 import numpy as np

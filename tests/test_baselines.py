@@ -1,4 +1,4 @@
-"""KV-compression baselines (validation/baselines): bytes, budgets, quantizer errors."""
+"""KV-compression baselines (spherical_kv_eval/baselines): bytes, budgets, quantizer errors."""
 import math
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from validation.baselines import (
+from spherical_kv_eval.baselines import (
     FP8_MAX, H2O, KIVI, AttentionStats, Dense, FP8E4M3, SnapKV, StreamingLLM,
     asymmetric_quantize, attention_stats, bf16_round, dense_bytes, fp8_e4m3_round,
     max_pool_1d, standard_methods)

@@ -1,5 +1,5 @@
-"""The R-serialization reader and the Austen corpus (validation/data.py), and the
-model loader (validation/model.py).
+"""The R-serialization reader and the Austen corpus (spherical_kv_eval/data.py), and the
+model loader (spherical_kv_eval/model.py).
 
 The reader is tested on serializations built here by a tiny writer that follows R's
 format, so it is checked without the Debian package; one test reads the real package
@@ -14,8 +14,8 @@ import zlib
 import numpy as np
 import pytest
 
-from validation import data as D
-from validation import model as M
+from spherical_kv_eval import data as D
+from spherical_kv_eval import model as M
 
 # ---- a minimal writer of R's XDR serialization, enough for the tests ----------------
 
@@ -254,7 +254,7 @@ def test_real_package_has_six_novels(austen):
         assert 300_000 < len(text) < 1_200_000, title
 
 
-# ---- the model (validation/model.py); skips without its packages -----------------
+# ---- the model (spherical_kv_eval/model.py); skips without its packages -----------------
 
 
 def test_missing_package_is_named(monkeypatch):
@@ -290,7 +290,7 @@ def test_model_geometry_and_mode(smollm2):
 
 
 def test_perplexity_on_austen_is_reasonable(smollm2):
-    from validation.data import DataUnavailable, load_austen
+    from spherical_kv_eval.data import DataUnavailable, load_austen
     model, tokenizer = smollm2
     try:
         corpus = load_austen(fallback=False)

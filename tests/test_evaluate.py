@@ -2,6 +2,9 @@
 are zero for the exact store and move for a lossy one, greedy margins line up with the
 tokens, and the line-up holds the extra RDR point once."""
 import copy
+import json
+import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated"
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from validation import evaluate as E  # noqa: E402
+from spherical_kv_eval import evaluate as E  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +195,54 @@ def test_deferred_greedy_protocol_compresses_after_the_dense_lookahead(worker):
     # the scoring side is the same in both protocols
     assert got["nll"] == before["nll"] and got["bytes"] == before["bytes"]
     assert deferred["dense_gaps"] != at_prefill["dense_gaps"]
+
+
+COMMITTED = pathlib.Path(__file__).resolve().parent.parent / "validation" / "results" / "evaluation"
+
+
+def test_default_output_is_in_the_working_directory_never_the_committed_results(monkeypatch):
+    monkeypatch.delenv("SPHERICAL_KV_RESULTS", raising=False)
+    assert E.parse([]).out == pathlib.Path("spherical-kv-results")
+    assert E.parse(["--quick"]).out == pathlib.Path("spherical-kv-results") / "quick"
+    assert E.parse(["--quick", "--out", "x"]).out == pathlib.Path("x")
+    monkeypatch.setenv("SPHERICAL_KV_RESULTS", "elsewhere")
+    assert E.parse([]).out == pathlib.Path("elsewhere")
+
+
+def test_main_says_where_results_and_model_go_and_that_quick_is_a_smoke_test(
+        tmp_path, monkeypatch, capsys):
+    rows = json.loads((COMMITTED / "default" / "evaluate.json").read_text())
+    meta = json.loads((COMMITTED / "default" / "evaluate_meta.json").read_text())
+    monkeypatch.setattr(E, "run", lambda args: (rows, meta))     # no model run here
+    monkeypatch.delenv("SPHERICAL_KV_CACHE", raising=False)
+    assert E.main(["--quick", "--out", str(tmp_path / "r"), "--cache-dir", str(tmp_path / "c")]) == 0
+    err = capsys.readouterr().err
+    assert f"results written to {(tmp_path / 'r').resolve()}/" in err
+    assert "evaluate.json" in err and "pareto.png" in err and "smoke test" in err
+    assert f"under {tmp_path / 'c'} (~0.5 GB" in err and "SPHERICAL_KV_CACHE" in err
+    assert "Q4_1 GGUF" in err
+    for f in ("evaluate.json", "evaluate_meta.json", "evaluate.md", "pareto.png", "greedy.png"):
+        assert (tmp_path / "r" / f).stat().st_size > 0
+
+
+def test_replot_redraws_the_figures_from_the_json_alone(tmp_path, capsys):
+    shutil.copy(COMMITTED / "4k_16windows" / "evaluate.json", tmp_path / "evaluate.json")
+    assert E.main(["--replot", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["greedy.png", "pareto.png"]
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("scale", ["log", "symlog", "linear"])
+def test_plot_limits_hold_every_point_with_room(scale):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    ax.set_yscale(scale)
+    values = [-0.3, 0.002, 1.0, 17.0] if scale != "log" else [3e-5, 0.01, 0.2]
+    lo, hi = E._padded_limits(ax.yaxis, values)
+    assert lo < min(values) and hi > max(values)
+    t = ax.yaxis.get_transform()
+    span = t.transform(np.array([max(values)]))[0] - t.transform(np.array([min(values)]))[0]
+    assert t.transform(np.array([hi]))[0] - t.transform(np.array([max(values)]))[0] > 0.05 * span
+    plt.close(fig)

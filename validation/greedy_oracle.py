@@ -7,12 +7,12 @@ greedy run itself. This script gives RDR exactly those queries (every position o
 dense greedy run, recorded through the exact cache) as its observation window, which no
 deployable cache can know, and measures the greedy margin error, the flip rate and the
 greedy agreement against the default estimate, on the windows of the evaluation
-(``--context``/``--windows`` pick the same windows as ``validation.evaluate``). The
+(``--context``/``--windows`` pick the same windows as ``spherical_kv_eval.evaluate``). The
 ``last*`` and ``default-p*`` variants are deployable at the prefill: more of the trailing
 prefill queries, other priors. ``lookahead*`` estimate from the first N greedy tokens'
 queries (generated on the dense cache, then regenerated through the compressed one: partly
 the oracle). ``defer*`` compress after the first N greedy tokens, from their queries, and
-measure the G tokens after them (``validation.evaluate --defer N`` for every method);
+measure the G tokens after them (``spherical-kv evaluate --defer N`` for every method);
 ``defer64-est-default`` is their control (the same store, the prefill's estimate). Each row
 carries the dense near-tie statistics of the windows it is measured on.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from validation import evaluate as E
+from spherical_kv_eval import evaluate as E
 
 VARIANTS = {   # name: (queries of the estimate, how many (None: all; prefill: the last N,
                # greedy: the first N), prior)
@@ -149,12 +149,12 @@ def main(argv=None) -> int:
     p.add_argument("--first", type=int, default=None,
                    help="only the first N of the --windows windows (same windows, less time)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.20])
-    p.add_argument("--continuation", type=int, default=256, help="as in validation.evaluate (window spacing)")
+    p.add_argument("--continuation", type=int, default=256, help="as in spherical-kv evaluate (window spacing)")
     p.add_argument("--generate", type=int, default=128)
     p.add_argument("--variants", nargs="+", default=["default", "oracle", "oracle-no-prior"],
                    choices=sorted(VARIANTS))
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--out", type=Path, default=E.RESULTS / "greedy_oracle.json")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "evaluation" / "greedy_oracle.json")
     args = p.parse_args(argv)
     rows = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Real-model evaluation: Spherical KV against the baselines (the library's main job).
 
-``spherical-kv evaluate`` (= ``python -m validation.evaluate``): SmolLM2-135M-Instruct on
+``spherical-kv evaluate`` (= ``python -m spherical_kv_eval.evaluate``): SmolLM2-135M-Instruct on
 Jane Austen. For each context length T and window of the corpus: one dense prefill of
 T tokens; every method compresses that prefill cache (bytes counted as each method
 stores them, against the dense bf16 cache = 100 %); then, through the compressed cache
@@ -24,7 +24,8 @@ chunk, merged exactly):
   tokens (queries the compression never saw; every 4th position), averaged over layers.
 
 Writes ``evaluate.json``, ``evaluate_meta.json``, ``evaluate.md``, ``pareto.png`` and
-``greedy.png`` under ``--out``.
+``greedy.png`` under ``--out`` (default ``./spherical-kv-results/``; ``quick/`` in it for
+``--quick``) and says where.
 """
 from __future__ import annotations
 
@@ -46,7 +47,6 @@ from spherical_kv_ref.cache import CompressPolicy, SphericalKVCache
 from spherical_kv_ref.tiers import TierLadder
 
 OBSERVE = 32          # trailing prefill queries: SnapKV's window and RDR's estimate
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass
@@ -121,10 +121,10 @@ def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(),
 
 
 def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,)):
-    """Baselines (validation/baselines) + Spherical KV at fixed tiers and with RDR (at
+    """Baselines (spherical_kv_eval/baselines) + Spherical KV at fixed tiers and with RDR (at
     ``budgets`` and the extra points ``rdr_extra``; one RDR method per protected recent window
     in ``rdr_recent``, the first unnamed: ``skv-rdr@20%``, the others ``skv-rdr@20%+r256``)."""
-    from validation import baselines as B
+    from spherical_kv_eval import baselines as B
     nq = cfg.num_attention_heads
     methods = []
     for m in B.standard_methods(budgets, kivi_residual=kivi_residual):
@@ -140,7 +140,7 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,)):
 
         def build(pre, ladder=ladder, protect=()):
             # the whole context at one tier: no RDR, no protection, so no centring (centring
-            # only pays with sinks protected, DESIGN §3 step 0); new tokens enter at the fp16
+            # only pays with sinks protected, docs/format.md "Centring"); new tokens enter at the fp16
             # top tier, as in every other method
             store, _ = _spherical_store(pre, cfg, ladder, None, centre=False,
                                         policy=CompressPolicy(sinks=0, recent=0, window=OBSERVE))
@@ -177,8 +177,8 @@ class Runner:
         also keep that many of the last queries of every layer (``Prefill.trailing_queries``,
         (num_q_heads, n, d) float32)."""
         from spherical_kv_ref.hf import SphericalCache
-        from validation.baselines import attention_stats
-        from validation.model import capture_qkv
+        from spherical_kv_eval.baselines import attention_stats
+        from spherical_kv_eval.model import capture_qkv
         torch = self.torch
         cache = SphericalCache(self.cfg, observe=observe)
         with torch.no_grad():
@@ -283,7 +283,7 @@ def attention_error(store, pre: Prefill, queries) -> float:
 # ----------------------------------------------------------------------------- main
 
 def corpus_tokens(tokenizer, need: int) -> tuple[np.ndarray, str]:
-    from validation.data import load_austen
+    from spherical_kv_eval.data import load_austen
     corpus = load_austen()
     text = corpus.joined()
     ids = np.array(tokenizer(text[: max(need * 8, 200000)])["input_ids"], dtype=np.int64)
@@ -319,7 +319,7 @@ def _worker_setup(threads: Optional[int]) -> None:
     if _WORKER:
         return
     import torch
-    from validation.model import load_model
+    from spherical_kv_eval.model import load_model
     if threads:
         torch.set_num_threads(threads)
     model, tok = load_model()
@@ -422,7 +422,7 @@ def _main_setup(procs: int):
     if procs <= 1:
         _worker_setup(None)
         return _WORKER["cfg"], _WORKER["tok"]
-    from validation.model import load_model
+    from spherical_kv_eval.model import load_model
     model, tok = load_model()
     return model.config, tok
 
@@ -551,9 +551,7 @@ def write_reports(rows, meta, out: Path) -> None:
                              f"{p['diff']:+.2f} ± {p['se']:.2f} | {p['lower']}/{p['windows']} |")
             lines.append("")
     (out / "evaluate.md").write_text("\n".join(lines))
-    plot(rows, out / "pareto.png")
-    if any(r.get("greedy_margin_err") is not None for r in rows):
-        plot(rows, out / "greedy.png", GREEDY_METRICS)
+    plot_reports(rows, out)
 
 
 def rdr_against_baselines(rows) -> list[dict]:
@@ -580,19 +578,39 @@ def rdr_against_baselines(rows) -> list[dict]:
     return out
 
 
-PARETO_METRICS = [("delta_ppl_pct", "ΔPPL vs dense, % (symmetric log)", "symlog", 1.0),
+PARETO_METRICS = [("delta_ppl_pct", "ΔPPL vs dense, % (symmetric log)", "symlog", (1.0, "target: ΔPPL 1 %")),
                   ("kl_nats", "next-token KL(dense ‖ method), nats (log)", "log", None)]
-GREEDY_METRICS = [("greedy_agreement", "greedy agreement: common prefix / generated", "linear", 0.9),
+GREEDY_METRICS = [("greedy_agreement", "greedy agreement: common prefix / generated", "linear",
+                   (0.9, "target: agreement 0.9")),
                   ("greedy_margin_err", "RMS change of the greedy margin, logits (log)", "log", None)]
+# one marker shape per method family, so points that coincide stay told apart
+MARKERS = {"skv-rdr": "o", "skv-fixed": "s", "fp8e4m3": "D", "kivi": "^", "h2o": "v",
+           "snapkv": "P", "streamingllm": "X"}
+COLORS = {"fp8e4m3": "tab:blue", "h2o": "tab:orange", "kivi": "tab:green", "skv-fixed": "tab:red",
+          "skv-rdr": "tab:purple", "snapkv": "tab:brown", "streamingllm": "tab:pink"}
+NUDGE = 0.012     # points of one family shift by up to ±NUDGE·x sideways (log x): ties stay visible
+
+
+def _padded_limits(axis, values, pad=0.06):
+    """(low, high) holding every value with ``pad`` of the span either side, measured in
+    the axis's own scale (log, symlog or linear), so no marker is cut by the frame."""
+    t = axis.get_transform()
+    lo, hi = (float(v) for v in t.transform(np.array([min(values), max(values)], dtype=float)))
+    span = (hi - lo) or abs(hi) or 1.0
+    out = t.inverted().transform(np.array([lo - pad * span, hi + pad * span]))
+    return float(out[0]), float(out[1])
 
 
 def plot(rows, path: Path, metrics=PARETO_METRICS) -> None:
-    """Bytes vs each of ``metrics`` (one plot row each: key, label, y scale, reference
-    line), one line per method family, one column per context length. Default: ΔPPL (top)
+    """Bytes vs each of ``metrics`` (one plot row each: key, label, y scale, labelled reference
+    line or None), one line and marker shape per method family, one column per context
+    length; the families' points are nudged slightly sideways so equal ones do not hide
+    each other, and the axes hold every point and the reference line. Default: ΔPPL (top)
     and next-token KL (bottom); ``GREEDY_METRICS``: greedy agreement and margin error."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(len(metrics), len(contexts), figsize=(6 * len(contexts), 4.5 * len(metrics)),
                              squeeze=False)
@@ -602,23 +620,36 @@ def plot(rows, path: Path, metrics=PARETO_METRICS) -> None:
             for r in rows:
                 if r["context"] == T and r["family"] != "dense" and r.get(key) is not None:
                     fams.setdefault(r["family"], []).append(r)
-            for fam, rs in sorted(fams.items()):
-                rs.sort(key=lambda r: r["bytes_fraction"])
-                x = [100 * r["bytes_fraction"] for r in rs]
-                y = [max(r[key], 1e-5) if scale == "log" else r[key] for r in rs]
-                ax.plot(x, y, marker="o", lw=2.5 if fam == "skv-rdr" else 1.2, label=fam)
             ax.set_xscale("log")
             if scale == "symlog":
                 ax.set_yscale("symlog", linthresh=0.1)    # ΔPPL can be slightly negative (noise)
                 ax.axhline(0.0, color="k", lw=0.6)
             else:
                 ax.set_yscale(scale)
+            xs, ys = [], []
+            for i, (fam, rs) in enumerate(sorted(fams.items())):
+                rs.sort(key=lambda r: r["bytes_fraction"])
+                shift = 1 + NUDGE * (2 * i / max(len(fams) - 1, 1) - 1)
+                x = [100 * r["bytes_fraction"] * shift for r in rs]
+                y = [max(r[key], 1e-5) if scale == "log" else r[key] for r in rs]
+                ax.plot(x, y, marker=MARKERS.get(fam, "o"), color=COLORS.get(fam),
+                        ms=7 if fam == "skv-rdr" else 6,
+                        mfc="none" if fam != "skv-rdr" else None, mew=1.4,
+                        lw=2.5 if fam == "skv-rdr" else 1.2, label=fam)
+                xs += x
+                ys += y
             if ref is not None:
-                ax.axhline(ref, color="k", ls=":", lw=1)
-            top = max(100 * r["bytes_fraction"] for r in rows
-                      if r["context"] == T and r["family"] != "dense")
-            ticks = [t for t in (10, 15, 20, 25, 30, 40, 50, 65, 80, 100) if t <= top + 1]
+                value, text = ref
+                ax.axhline(value, color="k", ls=":", lw=1.2, label=text)
+                ys.append(value)
+            if not xs:
+                continue
+            ax.set_xlim(*_padded_limits(ax.xaxis, xs))
+            ax.set_ylim(*_padded_limits(ax.yaxis, ys, pad=0.08))
+            lo, hi = ax.get_xlim()
+            ticks = [t for t in (10, 15, 20, 25, 30, 40, 50, 65, 80, 100) if lo <= t <= hi]
             ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xlabel("cache bytes, % of bf16 (all overheads counted)")
             ax.set_ylabel(label)
             ax.set_title(f"context {T} tokens")
@@ -629,10 +660,25 @@ def plot(rows, path: Path, metrics=PARETO_METRICS) -> None:
     plt.close(fig)
 
 
+def plot_reports(rows, out: Path) -> list[Path]:
+    """Draw ``pareto.png`` and, where the rows have greedy metrics, ``greedy.png`` under
+    ``out``; returns the files written."""
+    written = [out / "pareto.png"]
+    plot(rows, written[0])
+    if any(r.get("greedy_margin_err") is not None for r in rows):
+        written.append(out / "greedy.png")
+        plot(rows, written[-1], GREEDY_METRICS)
+    return written
+
+
+DEFAULT_OUT = Path("spherical-kv-results")   # in the working directory, never the committed results
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="spherical-kv evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="smoke test (under 5 minutes on 2 cores): 512-token contexts, one budget")
+                   help="smoke test (a few minutes on 2 cores): 512-token contexts, one budget, "
+                        "two windows; its numbers show the job runs, not how good the methods are")
     p.add_argument("--long", action="store_true", help="also an 8K context")
     p.add_argument("--contexts", type=int, nargs="+", default=None)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.50, 0.25, 0.15, 0.10],
@@ -654,26 +700,57 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="worker processes, one thread each (default: 2, or 1 on one core)")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"results folder (default: $SPHERICAL_KV_RESULTS or ./{DEFAULT_OUT}/, "
+                        f"with --quick its quick/ subfolder)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="where the corpus and the model's float32 copy (~0.5 GB) are kept "
+                        "(default: $SPHERICAL_KV_CACHE or ~/.cache/spherical_kv)")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw the figures from the evaluate.json under --out (no model run)")
     a = p.parse_args(argv)
     if a.quick:
         a.contexts = a.contexts or [512]
         a.budgets, a.rdr_extra = [0.25], []
         a.windows, a.continuation, a.generate, a.probe = 2, 32, 8, 16
-        a.out = a.out or Path(os.environ.get("SPHERICAL_KV_RESULTS", "results-quick"))
     a.contexts = a.contexts or ([2048, 4096] + ([8192] if a.long else []))
     if max(a.continuation, a.generate, a.probe) > 512:
         p.error("--continuation, --generate and --probe are at most 512 tokens "
                 "(the page pools are sized for 512 appended tokens)")
-    a.out = a.out or RESULTS
+    if a.out is None:
+        a.out = Path(os.environ.get("SPHERICAL_KV_RESULTS") or DEFAULT_OUT)
+        if a.quick:
+            a.out = a.out / "quick"
     return a
+
+
+def _say(msg: str) -> None:
+    print(f"spherical-kv evaluate: {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.replot:
+        rows = json.loads((args.out / "evaluate.json").read_text())
+        for f in plot_reports(rows, args.out):
+            print(f"wrote {f}")
+        return 0
+    if args.cache_dir is not None:          # read by this process and the worker processes
+        os.environ["SPHERICAL_KV_CACHE"] = str(args.cache_dir)
+    from .data import cache_dir
+    from .model import GGUF_PACKAGE, describe_model
+    _say(f"model: {describe_model()}; corpus and model copy under {cache_dir()} (~0.5 GB "
+         f"once; --cache-dir or SPHERICAL_KV_CACHE moves it; weights from '{GGUF_PACKAGE}')")
+    if args.quick:
+        _say("--quick is a smoke test: 512-token contexts, 2 windows, 32 scored tokens; its "
+             "numbers show that the job runs, not how well the methods do (run without --quick "
+             "for the results)")
     rows, meta = run(args)
     write_reports(rows, meta, args.out)
     print((args.out / "evaluate.md").read_text())
+    files = ", ".join(sorted(f.name for f in args.out.iterdir() if f.is_file()))
+    _say(f"results written to {args.out.resolve()}/ ({files})"
+         + (" -- smoke-test numbers (--quick)" if args.quick else ""))
     return 0
 
 

