@@ -13,8 +13,8 @@ sliding-window hybrids such as Gemma-3)::
 
 ``generate`` takes the whole sequence (transformers runs only the tokens the cache does not
 hold yet, so the cache must hold fewer tokens than ``ids``: here all but the last).
-``past_key_values=`` is the keyword every transformers 5 release reads (later ones also
-read ``cache=`` and warn about the old name).
+``past_key_values=`` is the keyword transformers 5.2 reads; 5.24 also reads ``cache=`` and
+warns that models' ``forward`` drops the old name in 5.40.
 
 Before ``compress`` the cache behaves like a dynamic dense cache and records the last
 ``observe`` queries of each layer (RDR's attention estimates). After it, each layer's new
