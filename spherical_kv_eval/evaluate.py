@@ -194,12 +194,7 @@ class Runner:
 
     def _cache(self, store, length):
         from spherical_kv_ref.hf import SphericalCache
-        cache = SphericalCache(self.cfg)
-        cache.set_store(store)
-        for lay in cache.layers:
-            lay.length = length
-            lay.is_initialized = True
-        return cache
+        return SphericalCache.from_store(self.cfg, store, length)
 
     def logprobs(self, store, pre: Prefill, cont: np.ndarray) -> np.ndarray:
         """Log-probabilities (len(cont), vocab) of the next token at each position of

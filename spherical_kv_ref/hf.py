@@ -1,13 +1,20 @@
 """transformers integration: a ``Cache`` whose attention reads compressed state.
 
-Usage (batch 1, any Llama-family model of transformers ≥ 5)::
+Usage (batch 1, decoder models of transformers 5.2 and later: Llama-family, and
+sliding-window hybrids such as Gemma-3)::
 
     from spherical_kv_ref.hf import SphericalCache, use_spherical_attention
     use_spherical_attention(model)                    # registers and selects the attention
     cache = SphericalCache(model.config)              # dense until compressed
-    model(prompt_ids, past_key_values=cache)          # prefill (dense, records queries)
-    cache.compress(budget_bytes)                      # → SphericalKVCache + RDR
-    model.generate(next_ids, past_key_values=cache)   # decode reads the codes
+    with torch.no_grad():
+        model(ids[:, :-1], past_key_values=cache)     # prefill (dense, records queries)
+        cache.compress(budget_bytes)                  # → SphericalKVCache + RDR
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+
+``generate`` takes the whole sequence (transformers runs only the tokens the cache does not
+hold yet, so the cache must hold fewer tokens than ``ids``: here all but the last).
+``past_key_values=`` is the keyword transformers 5.2 reads; 5.24 also reads ``cache=`` and
+warns that models' ``forward`` drops the old name in 5.40.
 
 Before ``compress`` the cache behaves like a dynamic dense cache and records the last
 ``observe`` queries of each layer (RDR's attention estimates). After it, each layer's new
@@ -16,6 +23,13 @@ tokens are attended in two parts merged by their log-sum-exp: the stored context
 (causal: each token reads itself exactly and the chunk's earlier tokens as the store holds
 them, so a chunk computes what one-token steps compute). New tokens enter the store at the
 top tier for Spherical KV.
+
+Sliding-window layers (``config.layer_types`` "sliding_attention") keep transformers' own
+semantics and their own dense window (the last ``sliding_window`` − 1 states, as
+transformers' ``DynamicSlidingWindowLayer`` holds them); only the full-attention layers
+enter the context store, so RDR spends the whole budget on them (``held_bytes`` says which
+layers hold what). The registered attention carries sdpa's mask function, so masks (causal
+from any offset, sliding windows) are built as for sdpa.
 
 torch and transformers are imported here only; the core reference never needs them.
 """
@@ -27,13 +41,15 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from .cache import CompressPolicy, SphericalKVCache
 from .rotation import KEY_SALT, VALUE_SALT
 
 ATTENTION_NAME = "spherical_kv"
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 # ------------------------------------------------------------------------- context stores
@@ -260,14 +276,46 @@ def fill_cache(kv: SphericalKVCache, keys, values, queries=None, protect=()) -> 
 
 # ------------------------------------------------------------------------- the HF cache
 
+def layer_kinds(config):
+    """Each layer's attention, ``FULL`` or ``SLIDING``, and the window (tokens; None without
+    sliding layers), read from a model config as transformers' own dynamic cache reads it:
+    ``layer_types`` if the config has them, else every layer sliding when ``sliding_window``
+    is set. ValueError for any other kind of layer (chunked, linear, shared-KV)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    kinds = getattr(text, "layer_types", None)
+    if kinds is None:
+        kinds = [SLIDING if window is not None else FULL] * text.num_hidden_layers
+    kinds = list(kinds)
+    other = sorted(set(kinds) - {FULL, SLIDING})
+    if other:
+        raise ValueError(f"config.layer_types: SphericalCache serves {FULL!r} and {SLIDING!r} "
+                         f"layers, got {other}")
+    if len(kinds) != text.num_hidden_layers:
+        raise ValueError(f"config.layer_types names {len(kinds)} layers, the model has "
+                         f"{text.num_hidden_layers}")
+    if SLIDING in kinds and (window is None or int(window) < 1):
+        raise ValueError(f"config.sliding_window must be a positive whole number for sliding "
+                         f"layers, got {window!r}")
+    return kinds, (None if SLIDING not in kinds else int(window))
+
+
+def _tokens(query) -> int:
+    """The query length ``get_mask_sizes`` is asked about: transformers < 5.3 passes the
+    chunk's cache positions (a tensor), later ones the length."""
+    return int(query.shape[0]) if isinstance(query, torch.Tensor) else int(query)
+
+
 class _Layer(CacheLayerMixin):
-    """One layer: dense tensors before compression, a pending chunk after."""
+    """One full-attention layer: dense tensors before compression, a pending chunk after.
+    ``slot`` is its layer index in the context store (the model's full-attention layers,
+    in order)."""
 
     is_sliding = False
 
-    def __init__(self, owner: "SphericalCache", index: int):
+    def __init__(self, owner: "SphericalCache", index: int, slot: int):
         super().__init__()
-        self.owner, self.index = owner, index
+        self.owner, self.index, self.slot = owner, index, slot
         self.length = 0
         self.pending = None
 
@@ -296,8 +344,13 @@ class _Layer(CacheLayerMixin):
         k._spherical_kv = (self.owner, self.index, mode)
         return k, v
 
-    def get_mask_sizes(self, query_length):
-        return self.length + query_length, 0
+    def get_mask_sizes(self, query):
+        n = _tokens(query)
+        if n == 0:      # what generate() leaves of ids the cache already holds
+            raise ValueError(f"a forward pass of 0 new tokens (the cache holds {self.length}): "
+                             f"generate() takes the whole sequence, the tokens the cache holds "
+                             f"and at least one more")
+        return self.length + n, 0
 
     def get_seq_length(self):
         return self.length
@@ -305,65 +358,175 @@ class _Layer(CacheLayerMixin):
     def get_max_length(self):
         return -1
 
+    get_max_cache_shape = get_max_length     # the same question under transformers < 5.3's name
+
     def reset(self):
         self.keys = self.values = None
         self.length = 0
         self.pending = None
 
 
+class _Window(DynamicSlidingWindowLayer):
+    """A sliding-window layer: transformers' own (its states, its mask sizes), batch 1, and
+    taking a window given as float64 arrays (``SphericalCache.from_store``) in the model's
+    dtype at the first update."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise ValueError(f"SphericalCache serves batch 1, got batch {key_states.shape[0]}")
+        if self.is_initialized and self.keys.dtype != key_states.dtype:
+            self.keys = self.keys.to(key_states.device, key_states.dtype)
+            self.values = self.values.to(value_states.device, value_states.dtype)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldBytes:
+    """What a ``SphericalCache`` holds, by kind of layer (bytes).
+
+    store: the full-attention layers' context: the store's bytes after ``compress`` or
+    ``set_store`` (Spherical KV: pages × page_bytes), before it their dense states at 2
+    bytes a coordinate (bf16, the baseline every budget is a fraction of). window: the
+    sliding-window layers' states (at most sliding_window − 1 per layer and kv-head, all
+    a later token can see), 2 bytes a coordinate. store_layers, window_layers: the model
+    layers each covers."""
+    store: int
+    window: int
+    store_layers: tuple
+    window_layers: tuple
+
+    @property
+    def total(self) -> int:
+        return self.store + self.window
+
+
 class SphericalCache(Cache):
     """A transformers ``Cache`` backed by a context store (batch 1).
 
     config: the model config (num_hidden_layers, num_attention_heads, num_key_value_heads,
-    head_dim). observe: how many of the latest queries per layer to record for RDR's
-    attention estimate: the prefill's last ones, rolled on by any tokens run before
-    ``compress`` (so compressing after a few dense decode steps estimates from them).
-    Keyword arguments go to ``SphericalKVCache`` when ``compress`` builds it."""
+    head_dim; layer_types and sliding_window for hybrid models). observe: how many of the
+    latest queries per full-attention layer to record for RDR's attention estimate: the
+    prefill's last ones, rolled on by any tokens run before ``compress`` (so compressing
+    after a few dense decode steps estimates from them). Keyword arguments go to
+    ``SphericalKVCache`` when ``compress`` builds it (its ``softmax_scale`` defaults to the
+    scale the model's attention used in the dense phase).
+
+    Full-attention layers go to the store; sliding-window layers keep their window dense
+    (module docstring). ``store_layers``: the model layers the store's layer indices
+    0, 1, … stand for; ``window_layers``: the others."""
 
     def __init__(self, config, observe: int = 32, **cache_kwargs):
-        self.num_layers = config.num_hidden_layers
-        self.num_q_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
-        super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        kinds, self.sliding_window = layer_kinds(config)
+        self.num_layers = text.num_hidden_layers
+        self.num_q_heads = text.num_attention_heads
+        self.num_kv_heads = text.num_key_value_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_q_heads
+        self.store_layers = tuple(i for i, k in enumerate(kinds) if k == FULL)
+        self.window_layers = tuple(i for i, k in enumerate(kinds) if k == SLIDING)
+        slot = {layer: j for j, layer in enumerate(self.store_layers)}
+        super().__init__(layers=[_Layer(self, i, slot[i]) if k == FULL else
+                                 _Window(sliding_window=self.sliding_window)
+                                 for i, k in enumerate(kinds)])
         self.observe = int(observe)
         self.observed: List[Optional[np.ndarray]] = [None] * self.num_layers
+        self.scaling: Optional[float] = None
         self.store: Optional[ContextStore] = None
         self.cache_kwargs = cache_kwargs
         self.kv: Optional[SphericalKVCache] = None
         self.seq: Optional[int] = None
 
+    @classmethod
+    def from_store(cls, config, store: ContextStore, length: int, windows=None, **kw):
+        """A cache ``length`` tokens into a sequence whose full-attention layers read
+        ``store`` (indexed by ``store_layers``) and whose sliding-window layers hold
+        ``windows``: per window layer, in order, (keys, values) (num_kv_heads, n, d) arrays
+        of its last n ≤ min(length, sliding_window − 1) post-RoPE states (what ``dense_kv``
+        gives for that layer after a prefill of ``length`` tokens)."""
+        cache = cls(config, **kw)
+        length = int(length)
+        if length < 1:
+            raise ValueError(f"length must be at least 1, got {length}")
+        windows = [] if windows is None else list(windows)
+        if len(windows) != len(cache.window_layers):
+            raise ValueError(f"windows: the model has {len(cache.window_layers)} sliding-window "
+                             f"layers, got {len(windows)} windows")
+        most = min(length, (cache.sliding_window or 1) - 1)
+        for layer, (k, v) in zip(cache.window_layers, windows):
+            k, v = torch.as_tensor(np.asarray(k))[None], torch.as_tensor(np.asarray(v))[None]
+            if k.shape != v.shape or k.shape[1] != cache.num_kv_heads or k.shape[3] != cache.head_dim \
+                    or k.shape[2] != most:
+                raise ValueError(f"windows: layer {layer} needs keys and values of shape "
+                                 f"({cache.num_kv_heads}, {most}, {cache.head_dim}), got "
+                                 f"{tuple(k.shape[1:])} and {tuple(v.shape[1:])}")
+        for layer, (k, v) in zip(cache.window_layers, windows):
+            lay = cache.layers[layer]
+            k, v = torch.as_tensor(np.asarray(k))[None], torch.as_tensor(np.asarray(v))[None]
+            lay.lazy_initialization(k, v)
+            lay.keys, lay.values = k, v
+            lay.cumulative_length = length
+        cache.set_store(store)
+        for layer in cache.store_layers:
+            lay = cache.layers[layer]
+            lay.length = length
+            lay.is_initialized = True
+        return cache
+
     # -- dense phase ----------------------------------------------------------------
     def dense_kv(self, layer: int):
-        """The dense post-RoPE keys and values of a layer, (num_kv_heads, n, d) float64."""
+        """The dense post-RoPE keys and values of a layer, (num_kv_heads, n, d) float64: a
+        full-attention layer's whole prefill (until compressed), a sliding-window layer's
+        window (its last states, at most sliding_window − 1)."""
         lay = self.layers[layer]
-        if lay.keys is None:
+        if lay.keys is None or lay.keys.numel() == 0:
             raise ValueError(f"layer {layer} holds no dense states (nothing prefilled, or compressed)")
         return (lay.keys[0].detach().double().numpy(), lay.values[0].detach().double().numpy())
 
+    def held_bytes(self) -> HeldBytes:
+        """The bytes held, by kind of layer (``HeldBytes``)."""
+        window = sum(2 * 2 * self.layers[i].keys.numel() for i in self.window_layers
+                     if self.layers[i].keys is not None)
+        if self.store is not None:
+            store = self.store.nbytes()
+        else:
+            store = sum(2 * 2 * self.layers[i].keys.numel() for i in self.store_layers
+                        if self.layers[i].keys is not None)
+        return HeldBytes(int(store), int(window), self.store_layers, self.window_layers)
+
     def set_store(self, store: ContextStore) -> None:
-        """Replace the dense states by a context store (a baseline's, or Spherical KV's)."""
+        """Replace the full-attention layers' dense states by a context store (a baseline's,
+        or Spherical KV's) whose layer j is model layer ``store_layers[j]``; the
+        sliding-window layers keep their windows."""
         self.store = store
-        for lay in self.layers:
-            lay.keys = lay.values = None
+        for i in self.store_layers:
+            self.layers[i].keys = self.layers[i].values = None
 
     def compress(self, budget_bytes: int, protect: Sequence[tuple] = (), ladder=None,
                  method: str = "fast"):
-        """Move the dense prefill into a ``SphericalKVCache``, protect the given token spans,
-        run RDR to ``budget_bytes`` and switch attention to the compressed states."""
+        """Move the full-attention layers' dense prefill into a ``SphericalKVCache``, protect
+        the given token spans, run RDR to ``budget_bytes`` (for those layers: the windows
+        are not in it) and switch attention to the compressed states. Returns the
+        ``CompressReport``."""
         if self.store is not None:
             raise ValueError("this cache is already compressed")
+        if not self.store_layers:
+            raise ValueError("the model has no full-attention layer: its sliding windows are "
+                             "all the cache holds, there is nothing to compress")
         kw = dict(self.cache_kwargs)
         if ladder is not None:
             kw["ladder"] = ladder
         kw["policy"] = observing(kw.get("policy"), self.observe)
-        n = self.layers[0].length
+        if self.scaling is not None:
+            kw.setdefault("softmax_scale", self.scaling)
+        L = len(self.store_layers)
+        n = self.layers[self.store_layers[0]].length
         if "pool_bytes" not in kw:
-            kw["pool_bytes"] = max(4 << 20, 2 * self.num_layers * self.num_kv_heads * n * 4 * self.head_dim)
-        kv = SphericalKVCache(self.num_layers, self.num_kv_heads, self.head_dim,
+            kw["pool_bytes"] = max(4 << 20, 2 * L * self.num_kv_heads * n * 4 * self.head_dim)
+        kv = SphericalKVCache(L, self.num_kv_heads, self.head_dim,
                               num_q_heads=self.num_q_heads, **kw)
-        keys, values = zip(*[self.dense_kv(layer) for layer in range(self.num_layers)])
-        seq = fill_cache(kv, keys, values, self.observed, protect)
+        keys, values = zip(*[self.dense_kv(layer) for layer in self.store_layers])
+        seq = fill_cache(kv, keys, values, [self.observed[layer] for layer in self.store_layers],
+                         protect)
         report = kv.compress(seq, int(budget_bytes), method=method)
         self.kv, self.seq = kv, seq
         self.set_store(SphericalStore(kv, seq))
@@ -375,8 +538,9 @@ class SphericalCache(Cache):
 def spherical_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function registered as ``"spherical_kv"`` (batch 1).
 
-    Dense phase: sdpa, plus recording the trailing queries. Store phase: the chunk's
-    queries attend to the store (compressed context) and causally to the chunk itself."""
+    Dense phase (and sliding-window layers): sdpa with the mask transformers built, plus
+    recording the trailing queries. Store phase: the chunk's queries attend to the store
+    (compressed context) and causally to the chunk itself."""
     handle = getattr(key, "_spherical_kv", None)
     if handle is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -384,6 +548,7 @@ def spherical_attention(module, query, key, value, attention_mask, scaling=None,
     owner, layer, mode = handle
     scale = float(scaling) if scaling is not None else 1.0 / np.sqrt(query.shape[-1])
     if mode == "dense":
+        owner.scaling = scale
         if owner.observe:         # the latest queries, across chunks (a prefill, then decode steps)
             new = query[0, :, -owner.observe:].detach().double().numpy()
             old = owner.observed[layer]
@@ -391,15 +556,16 @@ def spherical_attention(module, query, key, value, attention_mask, scaling=None,
                 np.concatenate([old, new], axis=1)[:, -owner.observe:]
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    lay = owner.layers[layer]
     q = query[0].detach().double().numpy()                       # (nq, T, d)
-    k_new, v_new = (t[0].detach().double().numpy() for t in owner.layers[layer].pending)
+    k_new, v_new = (t[0].detach().double().numpy() for t in lay.pending)
     store = owner.store
     G = store.num_q_heads // store.num_kv_heads
-    out_s, lse_s = store.attend(layer, q, scale)
+    out_s, lse_s = store.attend(lay.slot, q, scale)
     # A chunk reads its earlier tokens as the store holds them and itself exactly, so a
     # chunk of T tokens computes what T one-token steps compute.
-    k_held, v_held = store.append(layer, k_new, v_new)
-    owner.layers[layer].pending = None
+    k_held, v_held = store.append(lay.slot, k_new, v_new)
+    lay.pending = None
     out_c = np.empty(q.shape)
     lse_c = np.empty(q.shape[:2])
     exact = k_held is k_new and v_held is v_new       # the store keeps the chunk as given
@@ -414,8 +580,11 @@ def spherical_attention(module, query, key, value, attention_mask, scaling=None,
 
 
 def use_spherical_attention(model) -> None:
-    """Register ``spherical_attention`` and select it for ``model``."""
+    """Register ``spherical_attention`` with sdpa's mask function (masks are built per
+    attention implementation: without one, transformers builds none, and sliding windows
+    and causal masks from an offset are lost) and select it for ``model``."""
     AttentionInterface.register(ATTENTION_NAME, spherical_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     model.config._attn_implementation = ATTENTION_NAME
     for m in model.modules():
         cfg = getattr(m, "config", None)
