@@ -4,7 +4,9 @@ import pytest
 from hypothesis import given
 from scipy.optimize import linprog
 
-from spherical_kv_ref import rdr, retention_stats as rs
+from spherical_kv_ref import rdr
+from spherical_kv_ref.rdr import statistics as rs
+from spherical_kv_ref.rdr.pages import _group_transport
 from strategies_rdr import tiny_problems
 
 REL = 1e-9
@@ -424,7 +426,7 @@ def test_group_transport_optimal_under_caps(seed):
     cap = np.concatenate([[m], rng.integers(0, m + 1, k - 1)])
     rows = np.arange(m, dtype=np.int64)
     tier = np.empty(m, dtype=np.int64)
-    total = rdr._group_transport(d, rows, cap.astype(np.int64), tier)
+    total = _group_transport(d, rows, cap.astype(np.int64), tier)
     assert np.all(np.bincount(tier, minlength=k)[1:] <= cap[1:])
     assert total == pytest.approx(d[rows, tier].sum(), rel=1e-12)
     assert total == pytest.approx(_capped_optimum(d, cap), rel=1e-9, abs=1e-12)
