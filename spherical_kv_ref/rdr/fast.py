@@ -5,7 +5,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .pages import _search_pages
+from .pages import _group_order, search_pages
 from .problem import Problem, _allocation, _trivial
 
 @numba.njit(cache=True)
@@ -193,22 +193,26 @@ def _solve_fast(problem: Problem) -> Allocation:
     tier[free] = ftier
     if page_bytes:
         obj = problem.objective_of(tier)
-        if obj > 0 and obj - lower > _SEARCH_GAP * obj and free.size <= _SEARCH_MAX_STATES:
-            lam = seg_gain[srt[m_lp]] if m_lp < srt.size else 0.0
-            better = _search_pages(problem, free, gorder, gstart, counts, lam)
+        if obj > 0 and obj - lower > _SEARCH_GAP * obj and _search_affordable(problem, free.size):
+            per_t = problem.states_per_page[1:]
+            seed_pages = ((counts[:, 1:] + per_t - 1) // per_t).sum(axis=1)
+            better, lower = search_pages(problem, free, fgroup, lower, sorted_state,
+                                         sorted_cost, seg_gain[srt], seed_pages)
             if better is not None and problem.objective_of(better) < obj:
                 tier = better
     return _allocation(problem, tier, lower, "fast", None)
 
 
-#: fast runs the page-count search only when its certificate leaves more than this relative
-#: gap: the search cannot win more than the gap, and with many pages per group (the serving
-#: case) the greedy is already that close
+#: fast runs the page-count search (step 6) only when its certificate leaves more than this
+#: relative gap: the search cannot win more than the gap, and with many pages per group
+#: (the serving case) the greedy is already that close
 _SEARCH_GAP = 1e-5
-#: ... and only up to this many free states: the search costs about a quarter second per
-#: group of 500 states on one core (23 s for 90 groups of a 512-token prefill of SmolLM2),
-#: far more than it can win where groups hold many pages
-_SEARCH_MAX_STATES = 20_000
+#: ... and only where the groups hold at most this many pages each on average
+_SEARCH_MAX_PAGES = 32
+
+
+def _search_affordable(problem, num_free):
+    return problem.budget_bytes // problem.page_bytes <= _SEARCH_MAX_PAGES * problem.num_groups
 
 
 @numba.njit(cache=True)
@@ -229,23 +233,6 @@ def _sort_segments(srt, seg_state, nv, vert, ce):
         sorted_state[r] = f
         sorted_cost[r] = ce[vert[f, j + 1]] - ce[vert[f, j]]
     return sorted_state, sorted_cost
-
-
-@numba.njit(cache=True)
-def _group_order(fgroup, num_groups):
-    """Counting sort of the free states by group: (order, start offsets (G+1,))."""
-    start = np.zeros(num_groups + 1, dtype=np.int64)
-    for f in range(fgroup.size):
-        start[fgroup[f] + 1] += 1
-    for g in range(num_groups):
-        start[g + 1] += start[g]
-    fill = start[:-1].copy()
-    order = np.empty(fgroup.size, dtype=np.int64)
-    for f in range(fgroup.size):
-        g = fgroup[f]
-        order[fill[g]] = f
-        fill[g] += 1
-    return order, start
 
 
 @numba.njit(cache=True)
