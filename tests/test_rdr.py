@@ -6,7 +6,7 @@ from scipy.optimize import linprog
 
 from spherical_kv_ref import rdr
 from spherical_kv_ref.rdr import statistics as rs
-from spherical_kv_ref.rdr.pages import _group_transport
+from spherical_kv_ref.rdr.pages import _group_transport, _prices
 from strategies_rdr import coarse_paged_problems, tiny_problems
 
 REL = 1e-9
@@ -418,7 +418,7 @@ def _capped_optimum(d, cap):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_group_transport_optimal_under_caps(seed):
+def test_group_transport_optimal_under_caps_and_its_prices_bound(seed):
     # the assignment of one group under fixed page counts (a transportation problem) is
     # exact: equal to brute force over every assignment that respects the slot caps
     rng = np.random.default_rng(seed)
@@ -431,6 +431,13 @@ def test_group_transport_optimal_under_caps(seed):
     assert np.all(np.bincount(tier, minlength=k)[1:] <= cap[1:])
     assert total == pytest.approx(d[rows, tier].sum(), rel=1e-12)
     assert total == pytest.approx(_capped_optimum(d, cap), rel=1e-9, abs=1e-12)
+    # its slot prices: the dual equals the optimum here, and bounds it at any other caps
+    mu = np.empty(k)
+    a = _prices(d, rows, cap.astype(np.int64), tier, mu)
+    assert np.all(mu >= 0)
+    assert a - mu[1:] @ cap[1:] == pytest.approx(total, rel=1e-9, abs=1e-12)
+    other = np.concatenate([[m], rng.integers(0, m + 1, k - 1)])
+    assert a - mu[1:] @ other[1:] <= _capped_optimum(d, other) + 1e-9
 
 
 @pytest.mark.parametrize("groups", [2, 3])

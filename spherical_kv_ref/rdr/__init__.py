@@ -20,9 +20,11 @@ Two solvers, one answer type (:class:`Allocation`):
 * ``"milp"``: the exact model for HiGHS (scipy.optimize.milp) — one-hot binaries per free
   state, integer page counts per (group, tier). The oracle of the tests.
 * ``"fast"``: lower convex hull per state, greedy by distortion saved per byte (the LP
-  optimum of the relaxation), then page repair and a greedy fill; numba, no Python loop
-  over states. Its certificate's ``lower_bound`` is the optimum of the LP relaxation of the
-  *paged* model that ``"milp"`` solves, so it bounds the paged optimum from below.
+  optimum of the relaxation), then page repair and a greedy fill; where groups hold few
+  pages, a page-aware search (per-group page profiles, a knapsack over page totals);
+  numba, no Python loop over states. Its certificate's ``lower_bound`` is the larger of the
+  LP relaxation of the *paged* model that ``"milp"`` solves and the page search's bound,
+  both lower bounds of the paged optimum.
 
 The package, by concern: ``surrogate`` (the distortion model), ``problem`` (Problem,
 Allocation), ``milp`` (the exact solver), ``fast`` (hull, greedy, certificate), ``pages``

@@ -194,10 +194,10 @@ def _solve_fast(problem: Problem) -> Allocation:
     if page_bytes:
         obj = problem.objective_of(tier)
         if obj > 0 and obj - lower > _SEARCH_GAP * obj and _search_affordable(problem, free.size):
-            per_t = problem.states_per_page[1:]
-            seed_pages = ((counts[:, 1:] + per_t - 1) // per_t).sum(axis=1)
+            seed_y = np.zeros_like(counts)
+            seed_y[:, 1:] = (counts[:, 1:] + per[1:] - 1) // per[1:]
             better, lower = search_pages(problem, free, fgroup, lower, sorted_state,
-                                         sorted_cost, seg_gain[srt], seed_pages)
+                                         sorted_cost, seg_gain[srt], seed_y)
             if better is not None and problem.objective_of(better) < obj:
                 tier = better
     return _allocation(problem, tier, lower, "fast", None)
@@ -207,12 +207,13 @@ def _solve_fast(problem: Problem) -> Allocation:
 #: relative gap: the search cannot win more than the gap, and with many pages per group
 #: (the serving case) the greedy is already that close
 _SEARCH_GAP = 1e-5
-#: ... and only where the groups hold at most this many pages each on average
-_SEARCH_MAX_PAGES = 32
+#: ... and only while its work, about (free states) × (capped assignments per group), stays
+#: below this: about 125 assignments per group in a window around steps 1–5's page counts
+_SEARCH_MAX_WORK = 1e7
 
 
 def _search_affordable(problem, num_free):
-    return problem.budget_bytes // problem.page_bytes <= _SEARCH_MAX_PAGES * problem.num_groups
+    return num_free * 125 <= _SEARCH_MAX_WORK
 
 
 @numba.njit(cache=True)

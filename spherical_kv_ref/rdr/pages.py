@@ -7,11 +7,14 @@ y_t with Σ y_t = p, each assignment under its slot caps P_t·y_t solved exactly
     optimum = min Σ_g f_g(p_g)   subject to   Σ_g p_g ≤ ⌊budget / page_bytes⌋,
 
 a knapsack over the page total solved by dynamic programming (:func:`_choose_pages`).
-The search builds each f_g over the page totals the budget allows: exactly, by every page
-count vector, where there are few; otherwise by adding pages one at a time from the least
-the group needs, each followed by a local search that moves a page between tiers. The
-same knapsack over lower bounds of f_g (each enumerated vector's transport dual, or the
-group's own LP relaxation where not enumerated) bounds the paged optimum from below.
+f_g(p) is the least, over page counts per tier y with Σ y = p, of the capped assignment
+(:func:`_group_transport`, exact). Each group's profile comes from two searches: pages added
+one at a time from the least the group needs, with page moves between tiers; and, on
+every total whose vectors are few enough to list, Benders' cuts: each solved assignment's
+slot prices (:func:`_prices`) bound every vector from below, and the least-bounded vector
+is solved next until the bound meets the best value (then f_g(p) is exact). The same
+knapsack over lower bounds of f_g (the cuts' bound, or the group's own LP relaxation
+where no cuts ran) bounds the paged optimum from below.
 """
 from __future__ import annotations
 
@@ -27,16 +30,23 @@ BENDERS_ITERS = 24
 MAX_CUTS = 4096
 #: local-search rounds per page total of the upper search
 SWAP_ROUNDS = 1
+#: groups given more pages than this by steps 1–5 are searched around those page counts,
+#: WINDOW totals up and down, instead of from the least they need
+FROM_LEAST = 32
+WINDOW = 2
 
 
 def search_pages(problem, free, fgroup, lower_lp, sorted_state, sorted_cost, sorted_gain,
-                 seed_pages):
+                 seed_y):
     """Step 6 (docs/rdr.md §4). free: (nf,) rows of the free states; fgroup: their group
     index. lower_lp: the LP certificate; sorted_*: the free states' hull segments in the
-    greedy's order (state, effective bytes, gain per byte); seed_pages: (G,) pages of each
-    group in steps 1–5's answer (the upper search looks up to a quarter further). Returns (tier (n,), lower_bound): the allocation of
-    the knapsack over the groups' page profiles, and the larger of lower_lp and the
-    knapsack over the groups' lower bounds."""
+    greedy's order (state, effective bytes, gain per byte); seed_y: (G, K) page counts of
+    steps 1–5's answer (y[:, 0] unused): groups of up to FROM_LEAST pages are searched from
+    the least they need up to a quarter more pages than these, larger ones in a window of
+    WINDOW totals around them.
+    Returns (tier (n,) or None, lower_bound): the allocation of the knapsack over the
+    groups' page profiles, and the larger of lower_lp and the knapsack over the groups'
+    lower bounds."""
     d, k = problem.distortion, problem.num_options
     top = k - 1
     G = problem.num_groups
@@ -57,9 +67,12 @@ def search_pages(problem, free, fgroup, lower_lp, sorted_state, sorted_cost, sor
     p_hi = np.minimum(np.maximum(useful, lo), lo + max_pages - int(lo.sum()))
     bender = _vector_counts(lo, hi, p_hi) <= VEC_MAX
     const = float(d[problem.protected, top].sum())
+    seed_pages = seed_y[:, 1:].sum(axis=1)
+    from_seed = seed_pages > FROM_LEAST
     p_up = np.minimum(p_hi, seed_pages + 2 + seed_pages // 4)
     ub, ys, lb = _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, bender,
-                           SWAP_ROUNDS, BENDERS_ITERS, MAX_CUTS)
+                           SWAP_ROUNDS, BENDERS_ITERS, MAX_CUTS, from_seed,
+                           seed_y.astype(np.int64), WINDOW)
     lp = _group_lp_profiles(problem, free, fgroup, prot_top, p_hi, sorted_state, sorted_cost,
                             sorted_gain)
     lbp = np.maximum(lb, lp)
@@ -239,15 +252,70 @@ def _add_cut(cut_a, cut_mu, cut_total, nc, a, mu, total):
 
 
 @numba.njit(cache=True)
+def _step(d, rows, prot, per, y, hi_g, low, sign, rounds, cap, tier, mu, cand, best_y,
+          cut_a, cut_mu, cut_total, nc, p):
+    """One page more (sign 1) or less (sign −1) for y, in the tier where it helps most,
+    then page moves between tiers (:func:`_improve`). Updates y; returns (value, nc)."""
+    k = y.size
+    best_v = np.inf
+    for t in range(1, k):
+        if (sign > 0 and y[t] >= hi_g[t - 1]) or (sign < 0 and y[t] <= low[t]):
+            continue
+        cand[:] = y
+        cand[t] += sign
+        v, a = _eval(d, rows, prot, per, cand, cap, tier, mu)
+        nc = _add_cut(cut_a, cut_mu, cut_total, nc, a, mu, p)
+        if v < best_v:
+            best_v = v
+            best_y[:] = cand
+    if best_v == np.inf:
+        return best_v, nc
+    y[:] = best_y
+    return _improve(d, rows, prot, per, y, hi_g, low, best_v, rounds, cap, tier, mu, cand,
+                    best_y, cut_a, cut_mu, cut_total, nc, p)
+
+
+@numba.njit(cache=True)
+def _improve(d, rows, prot, per, y, hi_g, low, best_v, rounds, cap, tier, mu, cand, best_y,
+             cut_a, cut_mu, cut_total, nc, p):
+    """Move one page from a tier to another while that lowers the distortion, at most
+    ``rounds`` times (best move each round). Updates y; returns (value, nc)."""
+    k = y.size
+    best_y[:] = y
+    for _ in range(rounds):
+        improved = False
+        for s in range(1, k):
+            if y[s] <= low[s]:
+                continue
+            for b in range(1, k):
+                if b == s or y[b] >= hi_g[b - 1]:
+                    continue
+                cand[:] = y
+                cand[s] -= 1
+                cand[b] += 1
+                v, a = _eval(d, rows, prot, per, cand, cap, tier, mu)
+                nc = _add_cut(cut_a, cut_mu, cut_total, nc, a, mu, p)
+                if v < best_v * (1.0 - 1e-12):
+                    best_v = v
+                    best_y[:] = cand
+                    improved = True
+        if not improved:
+            break
+        y[:] = best_y
+    return best_v, nc
+
+
+@numba.njit(cache=True)
 def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, bender, rounds,
-              iters, max_cuts):
+              iters, max_cuts, from_seed, y_seed, window):
     """Per group g and page total p (lo[g] ≤ p ≤ p_hi[g]): ub[g, p] the least distortion
     found with Σ y = p, ys[g, p] its page counts, lb[g, p] a lower bound of the optimum at
     that exact total (−inf where none was computed).
 
     Upper: from the least vector, pages are added one at a time (the tier that lowers the
     distortion most), each step followed by page moves between tiers while they help (at
-    most ``rounds``), up to p_up[g]. Lower, and a better upper, where bender[g, p] (the
+    most ``rounds``), up to p_up[g]; on the groups marked from_seed (many pages), from
+    y_seed[g] instead, ``window`` totals up and down. Lower, and a better upper, where bender[g, p] (the
     total's vectors are few enough to list): Benders' cuts. Every capped assignment solved
     gives optimal slot prices, hence a linear lower bound of the capped optimum of every
     vector (:func:`_prices`); the vector whose best bound is least is solved next (at most
@@ -278,48 +346,43 @@ def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, bender
         tier = np.empty(m, dtype=np.int64)
         low = np.zeros(k, dtype=np.int64)
         low[top] = lo[g]
-        y[:] = low
-        v, a = _eval(d, rows, prot_top[g], per, y, cap, tier, mu)
-        nc = _add_cut(cut_a, cut_mu, cut_total, 0, a, mu, lo[g])
-        ub[g, lo[g]] = v
-        ys[g, lo[g]] = y
-        for p in range(lo[g] + 1, p_up[g] + 1):
-            best_v = np.inf
+        nc = 0
+        if from_seed[g]:
+            # many pages: search a window of totals around steps 1–5's page counts
+            y[:] = y_seed[g]
+            p0 = 0
             for t in range(1, k):
-                if y[t] >= hi[g, t - 1]:
-                    continue
-                cand[:] = y
-                cand[t] += 1
-                v, a = _eval(d, rows, prot_top[g], per, cand, cap, tier, mu)
-                nc = _add_cut(cut_a, cut_mu, cut_total, nc, a, mu, p)
-                if v < best_v:
-                    best_v = v
-                    best_y[:] = cand
-            if best_v == np.inf:
-                break
-            y[:] = best_y
-            for _ in range(rounds):
-                improved = False
-                for s in range(1, k):
-                    if y[s] <= low[s]:
-                        continue
-                    for b in range(1, k):
-                        if b == s or y[b] >= hi[g, b - 1]:
-                            continue
-                        cand[:] = y
-                        cand[s] -= 1
-                        cand[b] += 1
-                        v, a = _eval(d, rows, prot_top[g], per, cand, cap, tier, mu)
-                        nc = _add_cut(cut_a, cut_mu, cut_total, nc, a, mu, p)
-                        if v < best_v * (1.0 - 1e-12):
-                            best_v = v
-                            best_y[:] = cand
-                            improved = True
-                if not improved:
+                p0 += y[t]
+            v, a = _eval(d, rows, prot_top[g], per, y, cap, tier, mu)
+            v, nc = _improve(d, rows, prot_top[g], per, y, hi[g], low, v, rounds + 2, cap, tier,
+                             mu, cand, best_y, cut_a, cut_mu, cut_total, nc, p0)
+            ub[g, p0] = v
+            ys[g, p0] = y
+            for sign in (1, -1):
+                y[:] = ys[g, p0]
+                for step in range(1, window + 1):
+                    p = p0 + sign * step
+                    if p < lo[g] or p > p_hi[g]:
+                        break
+                    v, nc = _step(d, rows, prot_top[g], per, y, hi[g], low, sign, rounds, cap,
+                                  tier, mu, cand, best_y, cut_a, cut_mu, cut_total, nc, p)
+                    if v == np.inf:
+                        break
+                    ub[g, p] = v
+                    ys[g, p] = y
+        else:
+            y[:] = low
+            v, a = _eval(d, rows, prot_top[g], per, y, cap, tier, mu)
+            nc = _add_cut(cut_a, cut_mu, cut_total, nc, a, mu, lo[g])
+            ub[g, lo[g]] = v
+            ys[g, lo[g]] = y
+            for p in range(lo[g] + 1, p_up[g] + 1):
+                v, nc = _step(d, rows, prot_top[g], per, y, hi[g], low, 1, rounds, cap, tier,
+                              mu, cand, best_y, cut_a, cut_mu, cut_total, nc, p)
+                if v == np.inf:
                     break
-                y[:] = best_y
-            ub[g, p] = best_v
-            ys[g, p] = y
+                ub[g, p] = v
+                ys[g, p] = y
         for p in range(lo[g], p_hi[g] + 1):
             if not bender[g, p]:
                 continue
