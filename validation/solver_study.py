@@ -1,7 +1,7 @@
 """RDR solver study over the regimes (docs/rdr.md §4, §6): the fast solver against the exact
 MILP (HiGHS), and the fast solver's reported gap against its true gap.
 
-    python -m validation.solver_study [--quick] [--milp-limit S]
+    python -m validation.solver_study [--quick] [--milp-limit S] [--report-only]
 
 Writes validation/results/rdr/solver_study.{json,md,png}. Regimes: states per group 50 to
 10^5, page bytes 1–16 KiB, groups 1–256, budgets 5–50 % of the top-tier bytes; one axis
@@ -10,7 +10,7 @@ lognormal attention weights, the example ladder (5 tiers + evict), 5 % of the st
 protected at random, per-group query norms and eviction factors. The MILP gets
 mip_rel_gap 1e-6 and a time limit (default 30 s); whether it proved its answer is recorded.
 The speed target is measured in the same run: fast on 10^6 states × 6 options (256
-groups) against one numpy argsort of 6·10^6 float64 (best of 3 each).
+groups) against one numpy argsort of 6·10^6 float64 (interleaved, best of 5 each).
 """
 import argparse
 import json
@@ -97,38 +97,45 @@ def study_row(per_group, groups, page_bytes, budget_fraction, milp_limit):
             "true_gap_high": (obj - bound) / obj if obj else 0.0}
 
 
-def timing(repeat=3):
+def timing(repeat=5):
+    """fast on 10^6 states × 6 options against one argsort of 6·10^6 float64: the two runs
+    interleaved, best of ``repeat`` each (the machine is shared; the best is the least
+    disturbed)."""
     p = rdr.synthetic_problem(10**6, num_groups=256)
     keys = np.random.default_rng(0).random(p.n * p.num_options)
-
-    def best_of(fn):
-        best = np.inf
-        for _ in range(repeat):
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-        return best
-
-    fast = best_of(lambda: rdr.solve(p, "fast"))
-    sort = best_of(lambda: np.argsort(keys))
+    fast = sort = np.inf
+    for _ in range(repeat):
+        t = time.perf_counter()
+        rdr.solve(p, "fast")
+        fast = min(fast, time.perf_counter() - t)
+        t = time.perf_counter()
+        np.argsort(keys)
+        sort = min(sort, time.perf_counter() - t)
     return {"states": p.n, "options": p.num_options, "groups": p.num_groups,
             "page_bytes": p.page_bytes, "fast_s": fast, "argsort_s": sort, "ratio": fast / sort,
-            "fast_reported_gap": rdr.solve(p).gap}
+            "repeat": repeat, "fast_reported_gap": rdr.solve(p).gap}
 
 
 #: where the targets apply and how they are read: fast within 0.5 % of the MILP's best
-#: objective, and its reported gap at most twice the true gap (the true gap's upper end, as
-#: far as the MILP bounds it), with a floor of 1e-4 so that a true gap of 0 asks a reported
-#: gap below 0.01 %, not exactly 0
+#: objective; its reported gap at most twice the true gap, with a floor of 1e-4 (a true gap
+#: of 0 asks a reported gap below 0.01 %, not exactly 0). The true gap is known only as an
+#: interval unless the MILP proves: "yes" when the reported gap is within 2× of the
+#: interval's low end (so of any true gap in it), "undetermined" otherwise
 TARGET_PAGES, TARGET_REL, GAP_FACTOR, GAP_FLOOR = 2.0, 0.005, 2.0, 1e-4
 
 
 def verdict(r):
+    """(objective target, certificate target) of a row, or n/a below TARGET_PAGES."""
     if r["pages_per_group"] < TARGET_PAGES:
-        return "n/a"
-    ok_obj = r["fast_vs_milp"] <= TARGET_REL
-    ok_gap = r["fast_reported_gap"] <= GAP_FACTOR * r["true_gap_high"] + GAP_FLOOR
-    return "yes" if ok_obj and ok_gap else ("objective only" if ok_obj else "no")
+        return "n/a", "n/a"
+    obj = "yes" if r["fast_vs_milp"] <= TARGET_REL else "no"
+    if r["fast_reported_gap"] <= GAP_FACTOR * r["true_gap_low"] + GAP_FLOOR:
+        gap = "yes"
+    elif r["fast_reported_gap"] > GAP_FACTOR * r["true_gap_high"] + GAP_FLOOR:
+        gap = "no"
+    else:
+        gap = "undetermined"
+    return obj, gap
 
 
 def write(rows, speed, args):
@@ -143,8 +150,10 @@ def write(rows, speed, args):
              "(lognormal attention, 5 tiers + evict, 5 % protected at random). *pages/group*: "
              "the budget in pages per group. *true gap*: (fast − optimum)/fast, an interval "
              "[fast vs the best objective known, fast vs the best bound known] when the MILP "
-             "does not prove. *target*: where pages/group ≥ 2, fast within 0.5 % of the MILP "
-             "and reported gap ≤ 2 × true gap (high end) + 0.01 %.", ""]
+             "does not prove. Targets, where pages/group ≥ 2: *objective*: fast within 0.5 % "
+             "of the MILP's best; *certificate*: reported gap ≤ 2 × true gap + 0.01 % — yes "
+             "when that holds for the interval's low end, undetermined when only the MILP's "
+             "unproven bound could decide.", ""]
     if speed:
         lines += ["## Speed target (≤ 3× one argsort of n·(T+1) float64)", "",
                   "| states | options | groups | fast (s) | argsort (s) | ratio | fast reported gap |",
@@ -154,8 +163,9 @@ def write(rows, speed, args):
                   f"{speed['fast_reported_gap']:.2e} |", ""]
     lines += ["## Regimes", "",
               "| states/group | groups | page | budget | pages/group | fast (s) | milp (s) | "
-              "milp proven | fast vs milp | fast reported gap | true gap | target |",
-              "|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|---:|:---:|"]
+              "milp proven | fast vs milp | fast reported gap | true gap | objective | "
+              "certificate |",
+              "|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|---:|:---:|:---:|"]
     for r in rows:
         tg = (f"{100 * r['true_gap_low']:.3f} %" if r["milp_proven"] else
               f"{100 * r['true_gap_low']:.3f}–{100 * r['true_gap_high']:.3f} %")
@@ -164,7 +174,7 @@ def write(rows, speed, args):
             f"{100 * r['budget_fraction']:.0f} % | {r['pages_per_group']:.1f} | {r['fast_s']:.2f} | "
             f"{r['milp_s']:.1f} | {'yes' if r['milp_proven'] else 'no'} | "
             f"{100 * r['fast_vs_milp']:+.3f} % | {100 * r['fast_reported_gap']:.3f} % | {tg} | "
-            f"{verdict(r)} |")
+            f"{' | '.join(verdict(r))} |")
     lines.append("")
     with open(os.path.join(OUT, "solver_study.md"), "w") as f:
         f.write("\n".join(lines))
@@ -206,7 +216,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small regimes only, no 10^6 timing")
     ap.add_argument("--milp-limit", type=float, default=30.0, help="HiGHS time limit (s)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rewrite the markdown and the picture from the last run's JSON")
     args = ap.parse_args()
+    if args.report_only:
+        with open(os.path.join(OUT, "solver_study.json")) as f:
+            last = json.load(f)
+        args.quick = last["meta"]["command"].endswith("--quick")
+        args.milp_limit = last["meta"]["milp_limit_s"]
+        print(write(last["rows"], last["timing"], args))
+        return
     rdr.solve(study_problem(50, 2, 4096, 0.2))          # compile the numba kernels
     speed = None if args.quick else timing()
     if speed:
