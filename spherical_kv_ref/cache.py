@@ -440,21 +440,11 @@ class SphericalKVCache:
 
     # ------------------------------------------------------------------ compress
     def _row_statistics(self, sid, s, layer, h, st, candidates):
-        """Per-state surrogate inputs of one row, docs/rdr.md §1:
-        (p, Q², r, ‖v‖, res, κ) for ``rdr.distortion``.
-
-        The controller reads the stored states as rotated float64 vectors on the host
-        (decode never does). Each recorded query q of the GQA group (a query head at one
-        step) attends with P_q = (1 − prior)·softmax_q + prior/n over the row's kept states
-        and outputs o_q = Σ P_qi·v̂_i. The surrogate is the mean over those queries of each
-        query's expected squared output error, so p_i² = mean_q P_qi² and
-        p_i²·res_i² = mean_q P_qi²·‖v̂_i − o_q‖² (the errors of different heads and steps
-        do not cancel). Q² is the queries' mean ‖q‖². κ_i (eviction factor): the exact
-        single-eviction shift carries 1/(1 − P_qi), and evictions of one row add coherently;
-        with ``policy.coherence`` κ is multiplied by the row's measured coherence, the
-        mean_q ‖Σ_S P_qi (o_q − v̂_i)‖² over mean_q Σ_S P_qi² ‖o_q − v̂_i‖² for S = the
-        ``candidates`` (free states) below their median p. Without recorded queries:
-        p = 1/n, Q² = mean r², κ = 1."""
+        """Per-state surrogate inputs of one row (rdr.statistics.row_statistics): the stored
+        states as rotated float64 vectors on the host (decode never does), the group's
+        recorded queries rotated alike; κ includes the row's coherence with
+        ``policy.coherence``."""
+        from .rdr.statistics import row_statistics
         n = len(st)
         d = self.head_dim
         yk = np.empty((n, d))
@@ -464,50 +454,13 @@ class SphericalKVCache:
             sel = st.tier == t
             yk[sel] = stored_rotated(self.codec(layer, h, kb, KEY_SALT), ke)
             yv[sel] = stored_rotated(self.codec(layer, h, vb, VALUE_SALT), ve)
-        r = np.linalg.norm(yk, axis=1)
-        vn = np.linalg.norm(yv, axis=1)
-        G = self.group_size
-        if not s.queries[layer]:
-            p = np.full(n, 1.0 / n)
-            res = np.linalg.norm(yv - (p @ yv)[None, :], axis=1)
-            return p, float(np.mean(r * r)), r, vn, res, np.ones(n)
-        qs = np.stack(list(s.queries[layer]))[:, h * G:(h + 1) * G].reshape(-1, d)
-        qr = self.codec(layer, h, 16, KEY_SALT).rotation.apply(qs)
-        z = self.softmax_scale * (qr @ yk.T)
-        z -= z.max(axis=1, keepdims=True)
-        P = np.exp(z)
-        P /= P.sum(axis=1, keepdims=True)
-        P = (1.0 - self.policy.prior) * P + self.policy.prior / n           # (queries, n)
-        o = P @ yv                                                           # (queries, d)
-        # ‖v̂_i − o_q‖² for every query and state, by one product
-        dist2 = np.maximum(vn[None, :] ** 2 - 2.0 * (o @ yv.T) + np.sum(o * o, axis=1)[:, None], 0.0)
-        w = P * P
-        p2 = w.mean(axis=0)
-        e = (w * dist2).mean(axis=0)
-        e_evict = (w * dist2 / np.maximum(1.0 - P, 1e-12) ** 2).mean(axis=0)
-        tiny = np.finfo(float).tiny
-        kappa = np.where(e > tiny, e_evict / np.maximum(e, tiny), 1.0)
-        if self.policy.coherence:
-            kappa *= self._coherence(P, o, yv, dist2, p2, candidates)
-        p = np.sqrt(p2)
-        res = np.sqrt(e / np.maximum(p2, tiny))
-        return p, float(np.mean(np.sum(qs * qs, axis=1))), r, vn, res, np.maximum(kappa, 1.0)
-
-    @staticmethod
-    def _coherence(P, o, yv, dist2, p2, candidates) -> float:
-        """How much larger the output shift of evicting a row's low-attention states is
-        than the sum of their squares (≥ 1; 1 when there is nothing to measure)."""
-        idx = np.flatnonzero(candidates)
-        if idx.size < 2:
-            return 1.0
-        S = idx[p2[idx] <= np.median(p2[idx])]
-        Ps = P[:, S]
-        shift = Ps.sum(axis=1)[:, None] * o - Ps @ yv[S]                    # (queries, d)
-        coherent = float(np.mean(np.sum(shift * shift, axis=1)))
-        independent = float(np.mean(np.sum(Ps * Ps * dist2[:, S], axis=1)))
-        if not independent > 0.0:
-            return 1.0
-        return max(1.0, coherent / independent)
+        qr = None
+        if s.queries[layer]:
+            G = self.group_size
+            qs = np.stack(list(s.queries[layer]))[:, h * G:(h + 1) * G].reshape(-1, d)
+            qr = self.codec(layer, h, 16, KEY_SALT).rotation.apply(qs)
+        return row_statistics(yk, yv, qr, self.softmax_scale, self.policy.prior,
+                              candidates if self.policy.coherence else None)
 
     def _budget(self, sid, budget_bytes, budget_fraction) -> int:
         if (budget_bytes is None) == (budget_fraction is None):

@@ -9,6 +9,7 @@ import spherical_kv_ref as skv
 from spherical_kv_ref import TierLadder, attention, dense_attention
 from spherical_kv_ref.cache import CompressPolicy, SphericalKVCache
 from spherical_kv_ref.paged import PoolExhaustedError
+from spherical_kv_ref.rdr.statistics import eviction_coherence
 
 from strategies_paged import assert_cache_same, cache_snapshot
 
@@ -220,7 +221,7 @@ def test_coherence_factor_matches_its_definition():
     p2 = (P * P).mean(axis=0)
     cand = np.ones(n, bool)
     cand[:3] = False                                   # protected: never in S
-    got = SphericalKVCache._coherence(P, o, yv, dist2, p2, cand)
+    got = eviction_coherence(P, o, yv, dist2, p2, cand)
     idx = np.flatnonzero(cand)
     S = idx[p2[idx] <= np.median(p2[idx])]
     coh = np.mean([np.sum((P[q, S] @ (o[q] - yv[S])) ** 2) for q in range(nq)])
@@ -231,8 +232,8 @@ def test_coherence_factor_matches_its_definition():
     yv2[S] = yv[S[0]]
     o2 = P @ yv2
     d2 = np.sum((yv2[None] - o2[:, None]) ** 2, axis=2)
-    assert SphericalKVCache._coherence(P, o2, yv2, d2, p2, cand) > 0.5 * len(S)
-    assert SphericalKVCache._coherence(P, o, yv, dist2, p2, np.zeros(n, bool)) == 1.0
+    assert eviction_coherence(P, o2, yv2, d2, p2, cand) > 0.5 * len(S)
+    assert eviction_coherence(P, o, yv, dist2, p2, np.zeros(n, bool)) == 1.0
 
 
 def test_coherence_is_large_only_when_evicted_values_align():

@@ -2,7 +2,8 @@
 argsort the fast path is held against (its budget: 3× one argsort of n·(T+1) float64).
 
 Instances come from rdr.synthetic_problem (the example ladder: 5 tiers + evict, 4 KiB pages,
-20 % of the top-tier bytes), the case the tests and validation/rdr_gap.py also use.
+20 % of the top-tier bytes), the case the tests and validation/solver_study.py (its speed
+target) also use.
 """
 import numpy as np
 

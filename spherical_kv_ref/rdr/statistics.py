@@ -1,4 +1,5 @@
-"""Per-state statistics for RDR's distortion surrogate, and protection masks (DESIGN §5).
+"""Per-state statistics for RDR's distortion surrogate, and protection masks (docs/rdr.md §1): the one home of these statistics; ``SphericalKVCache.compress`` reads
+its rows through :func:`row_statistics`.
 
 Shapes: keys/values of one layer are (num_kv_heads, n, d), queries (num_q_heads, w, d) with
 num_q_heads = G · num_kv_heads (GQA: query head h reads kv-head h // G). Every statistic is
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["window_attention", "AttentionAccumulator", "output_statistics",
+__all__ = ["row_statistics", "eviction_coherence", "window_attention", "AttentionAccumulator", "output_statistics",
            "sink_mask", "recent_mask", "span_mask", "outlier_mask"]
 
 
@@ -25,6 +26,71 @@ def _finite(name, x):
     if not np.all(np.isfinite(x)):
         raise ValueError(f"{name} has NaN or infinite entries")
     return x
+
+
+def row_statistics(keys, values, queries, softmax_scale, prior, candidates=None):
+    """Surrogate inputs of one (layer, kv-head) row from its observed queries (docs/rdr.md §1):
+    (p, Q², r, ‖v‖, res, κ) for ``rdr.distortion``.
+
+    keys, values: (n, d) the row's states as the cache holds them (rotated, centred);
+    queries: (m, d) the recorded queries of the GQA group (a query head at one step), in
+    the keys' rotated coordinates, or None / empty when none was recorded.
+    Each query q attends with P_q = (1 − prior)·softmax(s·q·k) + prior/n and outputs
+    o_q = Σ P_qi·v_i. The surrogate is the mean over queries of each query's expected
+    squared output error, so p_i² = mean_q P_qi² and p_i²·res_i² = mean_q P_qi²·‖v_i − o_q‖²
+    (the errors of different heads and steps do not cancel). Q² is the queries' mean ‖q‖².
+    κ_i (eviction factor): the exact single-eviction shift carries 1/(1 − P_qi); with
+    ``candidates`` (n,) bool, κ is also multiplied by the row's measured coherence
+    (:func:`eviction_coherence` over the candidates below their median p). Without
+    queries: p = 1/n, Q² = mean r², κ = 1. Returns six float64 arrays of (n,) (Q² a float).
+    """
+    yk = _finite("keys", keys)
+    yv = _finite("values", values)
+    n = yk.shape[0]
+    r = np.linalg.norm(yk, axis=1)
+    vn = np.linalg.norm(yv, axis=1)
+    if queries is None or len(queries) == 0:
+        p = np.full(n, 1.0 / n)
+        res = np.linalg.norm(yv - (p @ yv)[None, :], axis=1)
+        return p, float(np.mean(r * r)), r, vn, res, np.ones(n)
+    qr = _finite("queries", queries)
+    z = softmax_scale * (qr @ yk.T)
+    z -= z.max(axis=1, keepdims=True)
+    P = np.exp(z)
+    P /= P.sum(axis=1, keepdims=True)
+    P = (1.0 - prior) * P + prior / n                                    # (queries, n)
+    o = P @ yv                                                           # (queries, d)
+    # ‖v_i − o_q‖² for every query and state, by one product
+    dist2 = np.maximum(vn[None, :] ** 2 - 2.0 * (o @ yv.T) + np.sum(o * o, axis=1)[:, None], 0.0)
+    w = P * P
+    p2 = w.mean(axis=0)
+    e = (w * dist2).mean(axis=0)
+    e_evict = (w * dist2 / np.maximum(1.0 - P, 1e-12) ** 2).mean(axis=0)
+    tiny = np.finfo(float).tiny
+    kappa = np.where(e > tiny, e_evict / np.maximum(e, tiny), 1.0)
+    if candidates is not None:
+        kappa *= eviction_coherence(P, o, yv, dist2, p2, candidates)
+    p = np.sqrt(p2)
+    res = np.sqrt(e / np.maximum(p2, tiny))
+    return p, float(np.mean(np.sum(qr * qr, axis=1))), r, vn, res, np.maximum(kappa, 1.0)
+
+
+def eviction_coherence(P, o, values, dist2, p2, candidates) -> float:
+    """How much larger the output shift of evicting a row's low-attention states is than
+    the sum of their squares (≥ 1; 1 when there is nothing to measure): with S = the
+    candidates below their median p2, mean_q ‖Σ_S P_qi (o_q − v_i)‖² over
+    mean_q Σ_S P_qi² ‖o_q − v_i‖². P (m, n), o (m, d), values (n, d), dist2 (m, n)."""
+    idx = np.flatnonzero(candidates)
+    if idx.size < 2:
+        return 1.0
+    S = idx[p2[idx] <= np.median(p2[idx])]
+    Ps = P[:, S]
+    shift = Ps.sum(axis=1)[:, None] * o - Ps @ values[S]                # (queries, d)
+    coherent = float(np.mean(np.sum(shift * shift, axis=1)))
+    independent = float(np.mean(np.sum(Ps * Ps * dist2[:, S], axis=1)))
+    if not independent > 0.0:
+        return 1.0
+    return max(1.0, coherent / independent)
 
 
 def window_attention(queries, keys, softmax_scale=None, causal=True):
