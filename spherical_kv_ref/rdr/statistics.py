@@ -1,5 +1,5 @@
-"""Per-state statistics for RDR's distortion surrogate, and protection masks (docs/rdr.md §1): the one home of these statistics; ``SphericalKVCache.compress`` reads
-its rows through :func:`row_statistics`.
+"""Per-state statistics for RDR's distortion surrogate, and protection masks (docs/rdr.md §1):
+the one home of these statistics; ``SphericalKVCache.compress`` reads its rows through :func:`row_statistics`.
 
 Shapes: keys/values of one layer are (num_kv_heads, n, d), queries (num_q_heads, w, d) with
 num_q_heads = G · num_kv_heads (GQA: query head h reads kv-head h // G). Every statistic is
