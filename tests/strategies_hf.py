@@ -3,11 +3,10 @@ from hypothesis import strategies as st
 
 
 @st.composite
-def chunk_plans(draw, max_tokens=40, dense_chunks=True):
+def chunk_plans(draw, max_tokens=40):
     """How a sequence is fed to a model with a cache: (chunks, compress_at). chunks: a
     prefill then prompt chunks and one-token steps, sizes summing to at most max_tokens;
-    compress_at: how many chunks run before ``compress`` (None: never compressed). Without
-    ``dense_chunks`` every chunk between the prefill and the compress is one token."""
+    compress_at: how many chunks run before ``compress`` (None: never compressed)."""
     prefill = draw(st.integers(1, max_tokens // 2))
     chunks, left = [prefill], max_tokens - prefill
     for _ in range(draw(st.integers(0, 6))):
@@ -17,7 +16,4 @@ def chunk_plans(draw, max_tokens=40, dense_chunks=True):
         chunks.append(size)
         left -= size
     compress_at = draw(st.one_of(st.none(), st.integers(1, len(chunks))))
-    if not dense_chunks:
-        dense = len(chunks) if compress_at is None else compress_at
-        chunks = [c if i == 0 or i >= dense else 1 for i, c in enumerate(chunks)]
     return chunks, compress_at
