@@ -501,12 +501,16 @@ class SphericalCache(Cache):
         for i in self.store_layers:
             self.layers[i].keys = self.layers[i].values = None
 
-    def compress(self, budget_bytes: int, protect: Sequence[tuple] = (), ladder=None,
-                 method: str = "fast"):
+    def compress(self, budget_bytes: Optional[int] = None, protect: Sequence[tuple] = (),
+                 ladder=None, method: str = "fast", *, budget_fraction: Optional[float] = None):
         """Move the full-attention layers' dense prefill into a ``SphericalKVCache``, protect
-        the given token spans, run RDR to ``budget_bytes`` (for those layers: the windows
-        are not in it) and switch attention to the compressed states. Returns the
-        ``CompressReport``."""
+        the given token spans, run RDR to the budget (for those layers: the windows are not
+        in it) and switch attention to the compressed states. Returns the ``CompressReport``.
+
+        The budget is ``budget_bytes`` (an integer number of bytes; a float is refused, so
+        0.25 is never read as 0 bytes) or ``budget_fraction`` in [0, 1] of the store's bytes
+        before compression (every full-attention state at the top tier). On a refused budget
+        the cache stays dense and usable."""
         if self.store is not None:
             raise ValueError("this cache is already compressed")
         if not self.store_layers:
@@ -527,7 +531,7 @@ class SphericalCache(Cache):
         keys, values = zip(*[self.dense_kv(layer) for layer in self.store_layers])
         seq = fill_cache(kv, keys, values, [self.observed[layer] for layer in self.store_layers],
                          protect)
-        report = kv.compress(seq, int(budget_bytes), method=method)
+        report = kv.compress(seq, budget_bytes, method=method, budget_fraction=budget_fraction)
         self.kv, self.seq = kv, seq
         self.set_store(SphericalStore(kv, seq))
         return report

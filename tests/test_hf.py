@@ -108,6 +108,23 @@ def test_deferred_compression_generates_on_after_the_dense_tokens(tiny_model):
     assert torch.equal(out, dense)
 
 
+def test_compress_refuses_a_float_budget_and_takes_a_fraction(tiny_model):
+    """compress(0.25) is a ValueError that points to budget_fraction, and the cache stays
+    dense and usable; budget_fraction=0.25 then keeps at most a quarter of the store."""
+    from spherical_kv_ref.cache import CompressPolicy
+    model, ids, ref = tiny_model
+    cache = SphericalCache(model.config, page_bytes=256, policy=CompressPolicy(sinks=1, recent=4))
+    with torch.no_grad():
+        model(ids[:, :59], past_key_values=cache)
+        with pytest.raises(ValueError, match="budget_fraction"):
+            cache.compress(0.25)
+        assert cache.store is None
+        got = model(ids[:, 59:60], past_key_values=cache).logits.double()
+        assert (got - ref[:, 59:60]).abs().max().item() < 1e-4
+        report = cache.compress(budget_fraction=0.25)
+    assert 0 < report.bytes_after <= 0.25 * report.bytes_before
+
+
 # ------------------------------------------------------------------ property
 
 def _feed_and_compare(model, ids, ref, plan):
