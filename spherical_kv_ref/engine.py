@@ -23,8 +23,7 @@ the request's states 0..p (causal inside the new tokens, all of them already wri
   within one decode call every page has a single valid count, o + 1;
 the parts are merged by their log-sum-exps, exactly (DESIGN §6, split-K merge).
 
-``CpuPagedAttention`` runs the two operations (write, attend) with the reference codecs
-(numba encode) and the numba paged decode (``paged_decode.decode_pool``);
+``CpuPagedAttention`` runs the two operations (write, attend) with the reference codecs and the numba paged decode (``paged_decode.decode_pool``);
 ``cupy_kernels.engine.CudaPagedAttention`` runs the same interface with
 ``encode_kv_into_pages`` and ``ada_decode``. Both take the plan this module makes, so the
 engine shell around them (spherical_kv_vllm) is the same for both devices. Keys and values
@@ -37,29 +36,14 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from . import fast
-from .codec import BITS, SphericalCodec
+from .codec import SphericalCodec
 from .paged import TierLayout, page_layout, scatter_states
 from .paged_decode import PagedDecodeTables, decode_pool
 from .rotation import KEY_SALT, VALUE_SALT
 from .tiers import TierLadder
 
-__all__ = ["BlockFormat", "StepPlan", "plan_step", "parse_tier", "CpuPagedAttention",
+__all__ = ["BlockFormat", "StepPlan", "plan_step", "CpuPagedAttention",
            "merge_into", "context_table", "own_block_groups"]
-
-
-def parse_tier(text: str) -> Tuple[int, int]:
-    """'4/4' -> (4, 4): key bits / value bits of the one tier an engine's blocks hold."""
-    parts = str(text).strip().split("/")
-    try:
-        kb, vb = (int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"tier must read 'key_bits/value_bits' such as '4/4' or '16/16', "
-                         f"got {text!r}") from None
-    for b in (kb, vb):
-        if b not in BITS:
-            raise ValueError(f"tier {text!r}: bits must be one of {BITS}")
-    return kb, vb
 
 
 @dataclass(frozen=True)
@@ -289,9 +273,6 @@ class CpuPagedAttention:
             c = self._codecs[key] = self.fmt.codec(layer, head, part)
         return c
 
-    def _encode(self, codec: SphericalCodec, x):
-        return codec.encode(x) if codec.bits == 16 else fast.encode(codec, x)
-
     def _check_heads(self, x, name: str, heads: int) -> np.ndarray:
         a = np.asarray(x)
         if a.ndim != 3 or a.shape[1] != heads or a.shape[2] != self.fmt.head_dim:
@@ -311,8 +292,8 @@ class CpuPagedAttention:
         block, slot = slots[keep] // fmt.block_size, slots[keep] % fmt.block_size
         if block.size and block.max() * H >= pages.shape[0]:
             raise ValueError(f"a slot lies past the pool's {pages.shape[0] // H} blocks")
-        encoded = [(self._encode(self._codec(layer, h, KEY_SALT), k[keep, h]),
-                    self._encode(self._codec(layer, h, VALUE_SALT), v[keep, h])) for h in range(H)]
+        encoded = [(self._codec(layer, h, KEY_SALT).encode(k[keep, h]),
+                    self._codec(layer, h, VALUE_SALT).encode(v[keep, h])) for h in range(H)]
         for h, (ke, ve) in enumerate(encoded):      # all encoded first: a bad input writes nothing
             scatter_states(pages, fmt.layout, block * H + h, slot, ke, ve)
 
