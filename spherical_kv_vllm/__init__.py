@@ -16,8 +16,8 @@ names a tier:
 
 With a tier set, the plugin answers vLLM's request for its CPU attention backend
 (``CPU_ATTN``) on the CPU platform, and the ``CUSTOM`` backend elsewhere (select it with
-``attention_config={"backend": "CUSTOM"}`` or ``--attention-backend CUSTOM``). Use
-``block_size=16``.
+``attention_config={"backend": "CUSTOM"}`` or ``--attention-backend CUSTOM``). Block sizes:
+multiples of 16 (16 keeps a step's decode calls few).
 """
 from __future__ import annotations
 
