@@ -34,7 +34,8 @@ from .codec import FP16_MAX, Encoded, SphericalCodec, _pack_fp16, pack_codes, ve
 from .tiers import TierLadder
 
 __all__ = ["TierLayout", "page_layout", "PoolExhaustedError", "PagePool", "PagedKV",
-           "PageTable", "RowStates", "encode_rotated", "stored_rotated", "mixed_tier_attention"]
+           "PageTable", "RowStates", "encode_rotated", "scatter_states", "stored_rotated",
+           "mixed_tier_attention"]
 
 
 class PoolExhaustedError(ValueError):
@@ -117,6 +118,30 @@ def encode_rotated(codec: SphericalCodec, y: np.ndarray, mean=None) -> Encoded:
     return Encoded(scale.astype(np.float16), pack_codes(codes, codec.bits), codec.bits, d, mean32)
 
 
+def scatter_states(data: np.ndarray, lay: TierLayout, page, slot, keys: Encoded,
+                   values: Encoded) -> None:
+    """Write state i (codes and fp16 scales of keys[i], values[i]) into slot[i] of page[i].
+
+    data: uint8 (num_pages, page_bytes), the pool's bytes, written in place; every page
+    named is of the tier ``lay`` describes; page, slot (n,) integers, any order (the
+    caller's bookkeeping keeps them distinct and inside the page). The bytes land where
+    docs/format.md "Pages" puts them; page counts are the caller's."""
+    page = np.asarray(page, np.int64)[:, None]
+    slot = np.asarray(slot, np.int64)[:, None]
+    kb, vb = lay.key_code_bytes, lay.value_code_bytes
+    data[page, slot * kb + np.arange(kb)] = \
+        np.ascontiguousarray(keys.codes, np.uint32).view(np.uint8).reshape(-1, kb)
+    data[page, lay.value_codes_offset + slot * vb + np.arange(vb)] = \
+        np.ascontiguousarray(values.codes, np.uint32).view(np.uint8).reshape(-1, vb)
+    two = np.arange(2)
+    if lay.key_scales_offset >= 0:
+        data[page, lay.key_scales_offset + 2 * slot + two] = \
+            np.ascontiguousarray(keys.scale, np.float16).view(np.uint8).reshape(-1, 2)
+    if lay.value_scales_offset >= 0:
+        data[page, lay.value_scales_offset + 2 * slot + two] = \
+            np.ascontiguousarray(values.scale, np.float16).view(np.uint8).reshape(-1, 2)
+
+
 # ------------------------------------------------------------------------------ pool
 
 class PagePool:
@@ -177,18 +202,7 @@ class PagePool:
         n = len(keys)
         if slot + n > lay.states_per_page:
             raise RuntimeError("write past the end of a page; this is a bug")
-        row = self.data[page]
-        kb, vb = lay.key_code_bytes, lay.value_code_bytes
-        row[slot * kb:(slot + n) * kb] = np.ascontiguousarray(keys.codes, np.uint32).view(np.uint8).reshape(-1)
-        o = lay.value_codes_offset
-        row[o + slot * vb:o + (slot + n) * vb] = \
-            np.ascontiguousarray(values.codes, np.uint32).view(np.uint8).reshape(-1)
-        if lay.key_scales_offset >= 0:
-            o = lay.key_scales_offset
-            row[o + 2 * slot:o + 2 * (slot + n)] = np.ascontiguousarray(keys.scale, np.float16).view(np.uint8)
-        if lay.value_scales_offset >= 0:
-            o = lay.value_scales_offset
-            row[o + 2 * slot:o + 2 * (slot + n)] = np.ascontiguousarray(values.scale, np.float16).view(np.uint8)
+        scatter_states(self.data, lay, np.full(n, page), np.arange(slot, slot + n), keys, values)
         self.page_pos[page, slot:slot + n] = pos
         self.page_count[page] = max(int(self.page_count[page]), slot + n)
 

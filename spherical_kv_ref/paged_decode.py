@@ -25,7 +25,7 @@ import numpy as np
 from . import codebooks
 from .paged import PagedKV, PageTable
 
-__all__ = ["PagedDecodeTables", "paged_decode"]
+__all__ = ["PagedDecodeTables", "decode_pool", "paged_decode"]
 
 #: fp16 bit pattern → float64, the kernel's half-to-float conversion as a table.
 _HALF = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float64)
@@ -36,7 +36,18 @@ class PagedDecodeTables:
     0..T) and codebook levels C_b/√d per bit width (rows indexed by bits, 256 columns)."""
 
     def __init__(self, paged: PagedKV, codebook: str = "lloyd-max"):
-        lay = paged.pool.layout
+        self._build(paged.pool.layout, paged.dim, codebook)
+
+    @classmethod
+    def for_layout(cls, layout, dim: int, codebook: str = "lloyd-max") -> "PagedDecodeTables":
+        """The tables of a pool that is not a ``PagedKV`` (an engine's block pool): layout is
+        ``paged.page_layout(ladder, dim, page_bytes)``."""
+        self = cls.__new__(cls)
+        self._build(layout, int(dim), codebook)
+        return self
+
+    def _build(self, lay, d: int, codebook: str) -> None:
+        self.dim = d
         t = len(lay)
         self.key_bits = np.zeros(t, np.int64)
         self.value_bits = np.zeros(t, np.int64)
@@ -56,7 +67,6 @@ class PagedDecodeTables:
                 self.key_scales_off[i] = x.key_scales_offset // 2
             if x.value_scales_offset >= 0:
                 self.value_scales_off[i] = x.value_scales_offset // 2
-        d = paged.dim
         self.levels = np.zeros((17, 256), np.float64)
         for b in {int(v) for v in np.concatenate([self.key_bits[1:], self.value_bits[1:]])}:
             if b != 16:
@@ -188,27 +198,46 @@ def paged_decode(paged: PagedKV, table: PageTable, q_rot, q_mu, tables: PagedDec
     logits, kept so the log-sum-exp matches the reference). Returns (acc, lse): acc
     (rows, G, d) = Σ_i p_i·s^V_i·ĉ^V_i in rotated value coordinates (apply Π_Vᵀ and add μ_V),
     lse (rows, G) the log-sum-exp of the scaled logits. Every row must hold a state."""
+    pool = paged.pool
+    return decode_pool(pool.data, pool.page_tier, pool.page_count, table.indptr, table.indices,
+                       q_rot, q_mu, tables, softmax_scale, num_splits)
+
+
+def decode_pool(data, page_tier, page_count, indptr, indices, q_rot, q_mu,
+                tables: PagedDecodeTables, softmax_scale: float, num_splits: int = 4):
+    """``paged_decode`` over a pool given as arrays: data uint8 (num_pages, page_bytes)
+    C-contiguous, page_tier and page_count int32 (num_pages,), indptr and indices the CSR
+    page table (docs/format.md). The same result and errors; the pool is only read."""
     q_rot = np.ascontiguousarray(q_rot, np.float64)
     q_mu = np.ascontiguousarray(q_mu, np.float64)
-    rows = table.indptr.shape[0] - 1
-    if q_rot.ndim != 3 or q_rot.shape[0] != rows or q_rot.shape[2] != paged.dim:
-        raise ValueError(f"q_rot must be (rows={rows}, G, d={paged.dim}), got {q_rot.shape}")
+    data = np.asarray(data)
+    if data.dtype != np.uint8 or data.ndim != 2 or not data.flags.c_contiguous \
+            or data.shape[1] % 4:
+        raise ValueError(f"data must be C-contiguous uint8 (num_pages, page_bytes), got "
+                         f"{data.dtype} {data.shape}")
+    num_pages = data.shape[0]
+    page_tier = np.ascontiguousarray(page_tier, np.int32)
+    page_count = np.ascontiguousarray(page_count, np.int32)
+    if page_tier.shape != (num_pages,) or page_count.shape != (num_pages,):
+        raise ValueError(f"page_tier and page_count must have shape ({num_pages},)")
+    rows = np.asarray(indptr).shape[0] - 1
+    if q_rot.ndim != 3 or q_rot.shape[0] != rows or q_rot.shape[2] != tables.dim:
+        raise ValueError(f"q_rot must be (rows={rows}, G, d={tables.dim}), got {q_rot.shape}")
     if q_mu.shape != q_rot.shape[:2]:
         raise ValueError(f"q_mu must be {q_rot.shape[:2]}, got {q_mu.shape}")
     if int(num_splits) != num_splits or num_splits < 1:
         raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
-    pool = paged.pool
-    idx = np.asarray(table.indices)
-    if idx.size and (idx.min() < 0 or idx.max() >= pool.num_pages):
-        bad = idx[(idx < 0) | (idx >= pool.num_pages)][0]
-        raise ValueError(f"page table holds page id {int(bad)}, outside 0..{pool.num_pages - 1}")
-    if idx.size and np.any(pool.page_tier[idx] == 0):
-        bad = idx[pool.page_tier[idx] == 0][0]
+    idx = np.asarray(indices)
+    if idx.size and (idx.min() < 0 or idx.max() >= num_pages):
+        bad = idx[(idx < 0) | (idx >= num_pages)][0]
+        raise ValueError(f"page table holds page id {int(bad)}, outside 0..{num_pages - 1}")
+    if idx.size and np.any(page_tier[idx] == 0):
+        bad = idx[page_tier[idx] == 0][0]
         raise ValueError(f"page table refers to free page {int(bad)}")
-    indptr = np.asarray(table.indptr)
+    indptr = np.asarray(indptr)
     if indptr[0] != 0 or np.any(np.diff(indptr) < 0) or indptr[-1] != idx.size:
         raise ValueError("page table indptr must start at 0, be non-decreasing and end at len(indices)")
-    cum = np.concatenate([[0], np.cumsum(pool.page_count[idx], dtype=np.int64)])
+    cum = np.concatenate([[0], np.cumsum(page_count[idx], dtype=np.int64)])
     empty = cum[indptr[1:]] == cum[indptr[:-1]]
     if np.any(empty):
         raise ValueError(f"row {int(np.flatnonzero(empty)[0])} of the page table holds no kept "
@@ -216,8 +245,8 @@ def paged_decode(paged: PagedKV, table: PageTable, q_rot, q_mu, tables: PagedDec
     acc = np.empty(q_rot.shape)
     lse = np.empty(q_rot.shape[:2])
     _decode_rows(q_rot, q_mu, float(softmax_scale), indptr.astype(np.int64), idx.astype(np.int64),
-                 pool.data.view(np.uint32), pool.data.view(np.uint16), pool.page_tier,
-                 pool.page_count, tables.key_bits, tables.value_bits, tables.key_words,
+                 data.view(np.uint32), data.view(np.uint16), page_tier,
+                 page_count, tables.key_bits, tables.value_bits, tables.key_words,
                  tables.value_words, tables.value_codes_off, tables.key_scales_off,
                  tables.value_scales_off, tables.levels, _HALF, int(num_splits),
                  int(tables.per_page.max()), acc, lse)
