@@ -38,6 +38,8 @@ fi
 write_conf "$scratch/results" "$root"
 asv machine --machine ci --yes > /dev/null
 base_src=$(source_tree "$base")
+check_src "$base_src"
+check_src "$root"
 
 # One thread per benchmark: on a shared machine a parallel loop waits for its slowest thread.
 export NUMBA_NUM_THREADS=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1

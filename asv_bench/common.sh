@@ -32,13 +32,17 @@ source_tree() {
   echo "$scratch/src-$1"
 }
 
+# check_src SRC: the library imports from folder SRC (an installed copy must not win over it)
+check_src() {
+  (cd "$scratch" && PYTHONPATH="$1" "$py" -c 'import sys, spherical_kv_ref as m; sys.exit(not m.__file__.startswith(sys.argv[1]))' "$1/") \
+    || { echo "asv_bench: spherical_kv_ref does not import from $1" >&2; exit 2; }
+}
+
 # run_at COMMIT SRC [asv run options]: HEAD's benchmarks over the library in folder SRC,
 # results kept under COMMIT's hash. ASV_PYTHONPATH is what asv hands its benchmark processes
-# as PYTHONPATH; the check makes sure an installed copy of the library does not win over SRC.
+# as PYTHONPATH.
 run_at() {
   local commit=$1 src=$2
   shift 2
-  PYTHONPATH="$src" "$py" -c 'import sys, spherical_kv_ref as m; sys.exit(not m.__file__.startswith(sys.argv[1]))' "$src/" \
-    || { echo "asv_bench: spherical_kv_ref does not import from $src"; exit 2; }
   ASV_PYTHONPATH="$src" asv run --python=same --set-commit-hash "$commit" --show-stderr "$@"
 }

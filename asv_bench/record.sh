@@ -54,5 +54,6 @@ PY
 else
   asv machine --machine "$machine" --yes > /dev/null
 fi
+check_src "$src"
 run_at "$commit" "$src" --machine "$machine" -a processes=1 "$@"
 ls "$results/$machine/${commit:0:8}"-*.json
