@@ -4,13 +4,13 @@
 # exits 1 when a benchmark got slower by more than FACTOR with significantly different samples
 # (asv's own test, the one `asv continuous` applies) or newly fails.
 #   asv_bench/ci_compare.sh [BASE]     BASE: a commit, default HEAD~1 (main's previous state)
-# Environment: ASV_FACTOR (default 1.5), ASV_BENCH (one regex of benchmark names instead of
+# Environment: ASV_FACTOR (default 1.75), ASV_BENCH (one regex of benchmark names instead of
 # the CI-stable groups below), ASV_ROUNDS (default 2: base, head, head, base), ASV_LOG (a file to keep
 # asv's run log in), PYTHON (default python3). Both sides run HEAD's benchmark files; only the
 # library under them differs. Results go to a scratch folder, never to asv_bench/results.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
-factor=${ASV_FACTOR:-1.5}
+factor=${ASV_FACTOR:-1.75}
 rounds=${ASV_ROUNDS:-2}
 # CI-stable: CPU time_* benchmarks that cost seconds, not minutes, matched on method names and
 # parameters so that moving a benchmark to another file keeps it selected (the spread that

@@ -32,9 +32,12 @@ source_tree() {
   echo "$scratch/src-$1"
 }
 
+# SRC first, then the caller's PYTHONPATH (where asv itself may live, as on the H200)
+path_for() { echo "$1${PYTHONPATH:+:$PYTHONPATH}"; }
+
 # check_src SRC: the library imports from folder SRC (an installed copy must not win over it)
 check_src() {
-  (cd "$scratch" && PYTHONPATH="$1" "$py" -c 'import sys, spherical_kv_ref as m; sys.exit(not m.__file__.startswith(sys.argv[1]))' "$1/") \
+  (cd "$scratch" && PYTHONPATH=$(path_for "$1") "$py" -c 'import sys, spherical_kv_ref as m; sys.exit(not m.__file__.startswith(sys.argv[1]))' "$1/") \
     || { echo "asv_bench: spherical_kv_ref does not import from $1" >&2; exit 2; }
 }
 
@@ -44,5 +47,5 @@ check_src() {
 run_at() {
   local commit=$1 src=$2
   shift 2
-  ASV_PYTHONPATH="$src" asv run --python=same --set-commit-hash "$commit" --show-stderr "$@"
+  ASV_PYTHONPATH=$(path_for "$src") asv run --python=same --set-commit-hash "$commit" --show-stderr "$@"
 }

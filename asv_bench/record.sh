@@ -3,11 +3,11 @@
 # commit, the machine described once (its machine.json, reused by every later run).
 #   asv_bench/record.sh MACHINE [COMMIT] [-- asv run options]
 #     asv_bench/record.sh cpu-2core HEAD~1          the CPU suite (GPU benchmarks skip themselves)
-#     asv_bench/record.sh h200 -- --bench '^ada_decode\.'     on the H200, the GPU benchmarks
+#     asv_bench/record.sh h200 -- --bench '\.track_(gpu_us|gbps)\('   on the H200, the GPU ones
 # COMMIT defaults to HEAD (the checkout, which must hold no uncommitted library changes); any
 # other commit's library is taken from git under HEAD's benchmark files. ASV_RESULTS moves the
 # results folder (default asv_bench/results). A copy of the working tree without .git names
-# its commit through .asv_git/repo.bundle (made beside .git by `git bundle create
+# its commit through .asv_git/repo.bundle (made in the checkout by `git bundle create
 # .asv_git/repo.bundle HEAD`); only HEAD can be recorded there.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -41,7 +41,8 @@ fi
 mkdir -p "$results"
 write_conf "$results" "$repo"
 
-described=$results/$machine/machine.json
+# The committed description of MACHINE, when there is one, is the one every run reuses.
+described=$bench_dir/results/$machine/machine.json
 if [ -f "$described" ]; then
   "$py" - "$described" "$scratch/home/.asv-machine.json" <<'PY'
 import json, sys
