@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
-#   validation/gpu_suite.sh build tests sanitize ncu profile variants floor anatomy encode-variants bench-quick bench-encode bench flashinfer asv
+#   validation/gpu_suite.sh build tests sanitize ncu profile variants floor anatomy encode-variants bench-quick bench-encode bench flashinfer
 # (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
 set -u
@@ -110,10 +110,12 @@ for stage in "$@"; do
         note "flashinfer: no wheel carried"
       fi;;
     asv)
-      # the GPU benchmarks' asv results for the committed history, in $OUT/asv_results/h200/
-      # (docs/benchmarks.md: needs asv's wheels in .whl/ and .asv_git/repo.bundle)
-      ASV_RESULTS="$OUT/asv_results" timeout ${ASV_LIMIT:-420} asv_bench/record.sh h200 -- \
-        --bench "${ASV_GPU_BENCH:-\.track_(gpu_us|gbps)\(}" > "$OUT/asv.log" 2>&1
+      # stage asv: the GPU benchmarks' asv results for the committed history, in
+      # $OUT/asv_results/h200/ (docs/benchmarks.md; asv's wheels in .whl/, .asv_git/repo.bundle)
+      python3 -m asv --version > /dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps \
+        --no-compile --target /tmp/site .whl/*.whl > "$OUT/asv_install.log" 2>&1
+      PYTHONPATH=/tmp/site:$PYTHONPATH ASV_RESULTS="$OUT/asv_results" timeout ${ASV_LIMIT:-420} \
+        asv_bench/record.sh h200 -- --bench "${ASV_GPU_BENCH:-\.track_(gpu_us|gbps)\(}" > "$OUT/asv.log" 2>&1
       rc=$?; tail -n 30 "$OUT/asv.log";;
     *) note "unknown stage $stage"; rc=2;;
   esac
