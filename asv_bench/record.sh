@@ -35,26 +35,29 @@ else
   fi
   git clone -q --bare "$bundle" "$scratch/repo"
   repo=$scratch/repo
+  # asv looks up the configured branch even when it is told the commit
+  git -C "$repo" rev-parse -q --verify main > /dev/null || git -C "$repo" branch main HEAD
   commit=$(git -C "$repo" rev-parse HEAD)
   src=$root
 fi
 mkdir -p "$results"
 write_conf "$results" "$repo"
 
-# The committed description of MACHINE, when there is one, is the one every run reuses.
-described=$bench_dir/results/$machine/machine.json
-if [ -f "$described" ]; then
-  "$py" - "$described" "$scratch/home/.asv-machine.json" <<'PY'
-import json, sys
-with open(sys.argv[1]) as f:
-    desc = json.load(f)
-version = desc.pop("version", 1)
-with open(sys.argv[2], "w") as f:
-    json.dump({desc["machine"]: desc, "version": version}, f)
+# The committed description of MACHINE, when there is one, is the one every run reuses;
+# else this machine's, as asv detects it, becomes it.
+"$py" - "$machine" "$bench_dir/results/$machine/machine.json" "$scratch/home/.asv-machine.json" <<'PY'
+import json, os, sys
+from asv.machine import Machine
+name, described, machine_file = sys.argv[1:]
+if os.path.exists(described):
+    with open(described) as f:
+        desc = json.load(f)
+    desc.pop("version", None)
+else:
+    desc = dict(Machine.get_defaults(), machine=name)
+with open(machine_file, "w") as f:
+    json.dump({name: desc, "version": 1}, f)
 PY
-else
-  asv machine --machine "$machine" --yes > /dev/null
-fi
 check_src "$src"
 run_at "$commit" "$src" --machine "$machine" -a processes=1 "$@"
 ls "$results/$machine/${commit:0:8}"-*.json
