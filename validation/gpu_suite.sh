@@ -84,6 +84,14 @@ for stage in "$@"; do
       else
         note "flashinfer: no wheel carried"
       fi;;
+    asv)
+      # stage asv: the GPU benchmarks' asv results for the committed history, in
+      # $OUT/asv_results/h200/ (docs/benchmarks.md; asv's wheels in .whl/, .asv_git/repo.bundle)
+      python3 -m asv --version > /dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps \
+        --no-compile --target /tmp/site .whl/*.whl > "$OUT/asv_install.log" 2>&1
+      PYTHONPATH=/tmp/site:$PYTHONPATH ASV_RESULTS="$OUT/asv_results" timeout ${ASV_LIMIT:-420} \
+        asv_bench/record.sh h200 -- --bench "${ASV_GPU_BENCH:-\.track_(gpu_us|gbps)\(}" > "$OUT/asv.log" 2>&1
+      rc=$?; tail -n 30 "$OUT/asv.log";;
     *) note "unknown stage $stage"; rc=2;;
   esac
   note "stage $stage rc=$rc in $(( $(date +%s) - t0 )) s"
