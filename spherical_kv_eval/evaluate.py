@@ -327,8 +327,8 @@ _WORKER = {}
 def _methods(cfg, args) -> list:
     """The line-up of a run: ``lineup`` at its budgets, kept to ``--methods`` prefixes."""
     return [m for m in lineup(cfg, args.budgets, rdr_extra=args.rdr_extra,
-                              rdr_recent=args.rdr_recent, peers=args.peers) if not args.methods or
-            any(m.name.startswith(p) for p in args.methods)]
+                              rdr_recent=args.rdr_recent, peers=getattr(args, "peers", True))
+            if not args.methods or any(m.name.startswith(p) for p in args.methods)]
 
 
 def _worker_setup(threads: Optional[int]) -> None:

@@ -107,6 +107,26 @@ def test_evaluation_lineup_runs_the_presses(prefill):
     assert [len(h.rows) for h in store.keys[0]] == list(kept[0].sum(axis=1))
 
 
+@needs_kvpress
+def test_kvpress_leaves_the_attention_functions_as_registered():
+    """Importing kvpress wraps every attention function (for its own decode-time masking);
+    the adapter undoes that, so a function registered before it (the project's
+    spherical_kv attention) is called with its own signature."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def mine(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        return scaling
+    AttentionInterface.register("peer-test", mine)
+    from kvpress.attention_patch import patch_attention_functions
+    patch_attention_functions()             # what importing kvpress after it does
+    assert ALL_ATTENTION_FUNCTIONS["peer-test"] is not mine
+    P._kvpress()
+    assert ALL_ATTENTION_FUNCTIONS["peer-test"] is mine
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+
+
 def test_without_kvpress_the_peers_are_absent_with_a_reason(monkeypatch):
     from spherical_kv_eval import evaluate as E
     monkeypatch.setattr(P, "kvpress_available", lambda: False)

@@ -59,7 +59,25 @@ def _kvpress():
             "(pip install 'spherical-kv[peers]', or pip install kvpress==0.5.5); without it "
             "they are left out")
     import kvpress
+    _unpatch_attention()
     return kvpress
+
+
+def _unpatch_attention() -> None:
+    """Undo what importing kvpress does to transformers' attention functions.
+
+    kvpress wraps every registered attention function (in the interface's local mapping)
+    so that AdaKV can mask pruned keys while decoding through kvpress's own cache. This
+    adapter never decodes that way (it reads AdaKV's mask after the prefill and stores the
+    kept states itself), and the wrapper passes ``dropout`` positionally, which an
+    attention function with another signature (the ``spherical_kv`` one of
+    ``spherical_kv_ref.hf``) cannot take; so the wrappers are removed and every name
+    resolves to its registered function again."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping
+    for name in [n for n, f in local.items()
+                 if getattr(f, "__module__", "") == "kvpress.attention_patch"]:
+        del local[name]
 
 
 @dataclass(frozen=True)
@@ -217,6 +235,7 @@ class KVPressMethod(_Evictor):
 
         handles = [layer.self_attn.register_forward_hook(record(i), with_kwargs=True)
                    for i, layer in enumerate(layers)]
+        _clear_masks(layers)
         cache = DynamicCache()
         try:
             with _attention(model, self.spec.attention), press(model), torch.no_grad():
@@ -236,9 +255,7 @@ class KVPressMethod(_Evictor):
         finally:
             for h in handles:
                 h.remove()
-            for layer in layers:                 # a later forward must not mask these
-                if hasattr(layer.self_attn, "masked_key_indices"):
-                    layer.self_attn.masked_key_indices = None
+            _clear_masks(layers)
         return PressSelection(keep)
 
     def _compress_layer(self, layer, keys, values, selection):
@@ -265,6 +282,13 @@ class KVPressMethod(_Evictor):
             raise RuntimeError(f"{self.name}: layer {layer} needs {nbytes} bytes, over its "
                                f"budget of {self.layer_budget_bytes(H, T, d)}")
         return kept_layer(keys, values, keep, nbytes)
+
+
+def _clear_masks(layers) -> None:
+    """Drop AdaKV's marks of pruned keys (read once per prefill, never left behind)."""
+    for layer in layers:
+        if hasattr(layer.self_attn, "masked_key_indices"):
+            layer.self_attn.masked_key_indices = None
 
 
 def _is_sinks_and_recent(keep: np.ndarray) -> bool:
