@@ -6,7 +6,7 @@ SmolLM2-135M-Instruct on windows of Jane Austen (the evaluation's model, corpus 
 window placement). Per pair, the overlap |ours ∩ theirs| / |ours| of the kept sets,
 averaged over layers and kv-heads, per window and budget. Needs kvpress (the 'peers'
 extra). With ``--continuation N`` also the ΔPPL of the next N tokens through a cache of
-what each SnapKV kept. Prints Markdown tables (docs/baselines.md "Peers" quotes them).
+what each method kept (ours and kvpress's presses). Prints Markdown tables (docs/baselines.md "Peers" quotes them).
 """
 from __future__ import annotations
 
@@ -52,15 +52,16 @@ def continuation_nll(model, keys, values, keep, last_logits, cont) -> float:
     return float(-lp[torch.arange(C), torch.as_tensor(cont)].mean())
 
 
-def ppl_table(model, ids, T, starts, budgets, continuation):
-    """ΔPPL (%, vs the dense bf16 cache) of the project's SnapKV and kvpress's, same budget,
-    same window, per window."""
+def ppl_table(model, ids, T, starts, budgets, continuation, presses):
+    """ΔPPL (%, vs the dense bf16 cache) per window of the project's SnapKV, StreamingLLM
+    and H2O and of kvpress's ``presses`` (same count per head: AdaKV's ragged sets do not
+    fit one transformers cache), same budgets and windows."""
     import torch
-    from spherical_kv_eval.baselines import SnapKV, attention_stats
+    from spherical_kv_eval.baselines import attention_stats
     from spherical_kv_eval.baselines.peers import OBSERVE, KVPressMethod
     from spherical_kv_eval.model import capture_qkv
-    print(f"\n| method | context | budget | ΔPPL % per window ({continuation} tokens) |\n"
-          "|---|---:|---:|---|")
+    print(f"\n| method | context | budget | ΔPPL % per window ({continuation} tokens) | mean |\n"
+          "|---|---:|---:|---|---:|")
     out = {}
     for s in starts:
         ctx, cont = ids[s:s + T], ids[s + T:s + T + continuation]
@@ -71,14 +72,16 @@ def ppl_table(model, ids, T, starts, budgets, continuation):
         dense = continuation_nll(model, qkv.keys, qkv.values, full, last, cont)
         stats = attention_stats(qkv.queries, qkv.keys, window=OBSERVE)
         for b in budgets:
-            for label, keep in [
-                    ("snapkv (ours)", [l.keep for l in SnapKV(b).compress(
-                        qkv.keys, qkv.values, stats).layers]),
-                    ("kvpress-snapkv", KVPressMethod("snapkv", b).select(model, ctx).keep)]:
+            kept = {f"{name} (ours)": [l.keep for l in ours(name, b).compress(
+                qkv.keys, qkv.values, stats).layers] for name in ("snapkv", "streamingllm", "h2o")}
+            kept.update({f"kvpress-{p}": KVPressMethod(p, b).select(model, ctx).keep
+                         for p in presses})
+            for label, keep in kept.items():
                 nll = continuation_nll(model, qkv.keys, qkv.values, keep, last, cont)
                 out.setdefault((label, b), []).append(100 * (np.exp(nll - dense) - 1))
-    for (label, b), v in out.items():
-        print(f"| {label} | {T} | {100 * b:g} % | " + ", ".join(f"{x:+.2f}" for x in v) + " |")
+    for (label, b), v in sorted(out.items(), key=lambda kv: (-kv[0][1], np.mean(kv[1]))):
+        print(f"| {label} | {T} | {100 * b:g} % | " + ", ".join(f"{x:+.2f}" for x in v)
+              + f" | {np.mean(v):+.2f} |")
 
 
 def main(argv=None):
@@ -87,7 +90,12 @@ def main(argv=None):
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.10])
     p.add_argument("--continuation", type=int, default=0,
-                   help="also ΔPPL of the next N tokens for both SnapKVs (0: overlap only)")
+                   help="also ΔPPL of the next N tokens, ours and kvpress's (0: overlap only)")
+    p.add_argument("--presses", nargs="+", default=["snapkv", "streamingllm", "expected",
+                                                     "tova", "knorm", "observed"],
+                   help="kvpress presses of the ΔPPL table (one count per head)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="skip the overlap table")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from spherical_kv_eval.baselines import attention_stats
@@ -96,10 +104,11 @@ def main(argv=None):
     from spherical_kv_eval.model import capture_qkv, load_model
     model, tok = load_model()
     ids, _ = corpus_tokens(tok, (max(a.contexts) + a.continuation + 1) * (a.windows + 1))
-    print("| pair | context | budget | overlap per window |\n|---|---:|---:|---|")
+    if a.overlap:
+        print("| pair | context | budget | overlap per window |\n|---|---:|---:|---|")
     for T in a.contexts:
         starts = window_starts(len(ids), T, a.continuation, a.windows)
-        for budget in a.budgets:
+        for budget in a.budgets if a.overlap else ():
             rows = {label: [] for label, *_ in PAIRS}
             for s in starts:
                 ctx = ids[s:s + T]
@@ -114,7 +123,7 @@ def main(argv=None):
                 print(f"| {label} | {T} | {100 * budget:g} % | "
                       + ", ".join(f"{x:.3f}" for x in v) + " |", flush=True)
         if a.continuation:
-            ppl_table(model, ids, T, starts, a.budgets, a.continuation)
+            ppl_table(model, ids, T, starts, a.budgets, a.continuation, a.presses)
 
 
 if __name__ == "__main__":
