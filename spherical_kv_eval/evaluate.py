@@ -72,6 +72,8 @@ class Prefill:
     last_logits: np.ndarray
     length: int
     trailing_queries: Optional[list] = None     # more of the last queries, when asked for
+    ids: Optional[np.ndarray] = None            # the context's tokens and the model that ran
+    model: object = None                        # them (the kvpress baselines prefill again)
 
     @property
     def dense_bytes(self) -> int:
@@ -120,21 +122,35 @@ def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(),
     return SphericalStore(kv, seq), kv.bytes_in_use(seq)
 
 
-def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,)):
+def _compressed_store(c, nq):
+    """(store, bytes) of a baseline's CompressedKV: its kept states, as it holds them."""
+    return _dense_store([l.keys for l in c.layers], [l.values for l in c.layers],
+                        [l.keep for l in c.layers], nq, c.nbytes), c.nbytes
+
+
+def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers=True):
     """Baselines (spherical_kv_eval/baselines) + Spherical KV at fixed tiers and with RDR (at
     ``budgets`` and the extra points ``rdr_extra``; one RDR method per protected recent window
-    in ``rdr_recent``, the first unnamed: ``skv-rdr@20%``, the others ``skv-rdr@20%+r256``)."""
+    in ``rdr_recent``, the first unnamed: ``skv-rdr@20%``, the others ``skv-rdr@20%+r256``).
+    ``peers``: also kvpress's presses at ``budgets`` (``kvpress-snapkv@25%``, ...) where
+    kvpress is installed (``baselines.peers``; without it they are absent, ``main`` says so)."""
     from spherical_kv_eval import baselines as B
+    from spherical_kv_eval.baselines import peers as P
     nq = cfg.num_attention_heads
     methods = []
     for m in B.standard_methods(budgets, kivi_residual=kivi_residual):
         family = type(m).__name__.lower()
 
         def build(pre, m=m, protect=()):
-            c = m.compress(pre.keys, pre.values, pre.stats if m.needs_stats else None)
-            return _dense_store([l.keys for l in c.layers], [l.values for l in c.layers],
-                                [l.keep for l in c.layers], nq, c.nbytes), c.nbytes
+            return _compressed_store(m.compress(pre.keys, pre.values,
+                                                pre.stats if m.needs_stats else None), nq)
         methods.append(Method(m.name, family, m.budget, build))
+    if peers and P.kvpress_available():
+        for m in P.peer_methods(budgets):
+            def build(pre, m=m, protect=()):
+                return _compressed_store(m.compress(pre.keys, pre.values,
+                                                    m.select(pre.model, pre.ids)), nq)
+            methods.append(Method(m.name, m.family, m.budget, build))
     for bits in (4, 3, 2):
         ladder = TierLadder([(bits, bits), (16, 16)])
 
@@ -190,7 +206,8 @@ class Runner:
         return Prefill([k.astype(np.float32) for k in keys], [v.astype(np.float32) for v in values],
                        [q.astype(np.float64) for q in cache.observed], stats,
                        logits.double().numpy(), len(ids),
-                       [q[:, -trailing:] for q in qkv.queries] if trailing else None)
+                       [q[:, -trailing:] for q in qkv.queries] if trailing else None,
+                       np.asarray(ids), self.model)
 
     def _cache(self, store, length):
         from spherical_kv_ref.hf import SphericalCache
@@ -305,8 +322,8 @@ _WORKER = {}
 def _methods(cfg, args) -> list:
     """The line-up of a run: ``lineup`` at its budgets, kept to ``--methods`` prefixes."""
     return [m for m in lineup(cfg, args.budgets, rdr_extra=args.rdr_extra,
-                              rdr_recent=args.rdr_recent) if not args.methods or
-            any(m.name.startswith(p) for p in args.methods)]
+                              rdr_recent=args.rdr_recent, peers=getattr(args, "peers", True))
+            if not args.methods or any(m.name.startswith(p) for p in args.methods)]
 
 
 def _worker_setup(threads: Optional[int]) -> None:
@@ -692,6 +709,9 @@ def parse(argv):
                         "next --generate tokens are compared (default 0: right after the prefill)")
     p.add_argument("--probe", type=int, default=32)
     p.add_argument("--methods", nargs="*", default=None, help="name prefixes to keep")
+    p.add_argument("--no-peers", dest="peers", action="store_false",
+                   help="leave out kvpress's presses (kvpress-*; in the line-up by default "
+                        "where kvpress is installed: pip install 'spherical-kv[peers]')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="worker processes, one thread each (default: 2, or 1 on one core)")
@@ -740,6 +760,10 @@ def main(argv=None) -> int:
         _say("--quick is a smoke test: 512-token contexts, 2 windows, 32 scored tokens; its "
              "numbers show that the job runs, not how well the methods do (run without --quick "
              "for the results)")
+    from .baselines.peers import kvpress_available
+    if args.peers and not kvpress_available():
+        _say("the kvpress baselines (kvpress-snapkv, ...) need the Python package 'kvpress' "
+             "(pip install 'spherical-kv[peers]'); this run leaves them out")
     rows, meta = run(args)
     write_reports(rows, meta, args.out)
     print((args.out / "evaluate.md").read_text())

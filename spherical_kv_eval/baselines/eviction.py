@@ -18,7 +18,7 @@ import numpy as np
 from .base import (BF16_BYTES, INDEX_BYTES, CompressedLayer, KVMethod, _check_budget,
                    bf16_round)
 
-__all__ = ["StreamingLLM", "H2O", "SnapKV", "max_pool_1d"]
+__all__ = ["StreamingLLM", "H2O", "SnapKV", "kept_layer", "max_pool_1d"]
 
 
 def _pct(budget: float) -> str:
@@ -52,12 +52,18 @@ class _Evictor(KVMethod):
         keep = np.ones((H, T), dtype=bool) if n >= T else self._select(layer, H, T, n, stats)
         if not np.array_equal(keep.sum(axis=1), np.full(H, n)):
             raise RuntimeError(f"{self.name}: selection kept {keep.sum(axis=1)} != {n}")
-        k_hat = np.where(keep[..., None], bf16_round(keys), 0.0).astype(np.float32)
-        v_hat = np.where(keep[..., None], bf16_round(values), 0.0).astype(np.float32)
-        return CompressedLayer(k_hat, v_hat, keep, self.layer_bytes(H, T, d, n))
+        return kept_layer(keys, values, keep, self.layer_bytes(H, T, d, n))
 
     def _select(self, layer, H, T, n, stats) -> np.ndarray:
         raise NotImplementedError
+
+
+def kept_layer(keys: np.ndarray, values: np.ndarray, keep: np.ndarray,
+               nbytes: int) -> CompressedLayer:
+    """The layer an evictor leaves: the kept states rounded to bf16, the rest zeroed."""
+    k_hat = np.where(keep[..., None], bf16_round(keys), 0.0).astype(np.float32)
+    v_hat = np.where(keep[..., None], bf16_round(values), 0.0).astype(np.float32)
+    return CompressedLayer(k_hat, v_hat, keep, nbytes)
 
 
 def _recent_and_top(scores: np.ndarray, n: int, n_recent: int) -> np.ndarray:

@@ -1,0 +1,305 @@
+"""Peer baselines run by their own library: kvpress's presses (docs/baselines.md "Peers").
+
+kvpress (PyPI ``kvpress``, NVIDIA; the optional extra ``peers``) compresses a transformers
+model's cache during the prefill: a press is a context manager that hooks every attention
+layer and, after the layer's forward, replaces the layer's cached keys/values by the ones it
+keeps (``ScorerPress``: top-k of the press's own scores), or, for AdaKV, marks the pruned
+(head, position) pairs in ``module.masked_key_indices``. :meth:`KVPressMethod.select` runs
+exactly that (the press's own code, on the model's own prefill) and reads back which
+prefill states each (layer, kv-head) kept; :meth:`KVPressMethod.compress` then stores those
+states the way every evicting baseline here does (bf16, evicted ones absent) and counts
+their bytes with the same accounting:
+
+* ``per-head`` presses (SnapKV, ExpectedAttention, TOVA, KNorm, ObservedAttention): n states
+  per kv-head, each with its int32 position: ``H·n·(2·d·2 + 4)`` per layer;
+* ``pattern`` (StreamingLLM): the same sinks + recent window in every head, two int32 per
+  layer: ``H·n·2·d·2 + 8``;
+* ``ragged`` (AdaKV): a different count per head, H·n states in all, each with its position,
+  plus one int32 count per head: ``H·n·(2·d·2 + 4) + 4·H``.
+
+n is the largest count the layer's share of the budget pays for (as in ``eviction.py``) and
+the press gets the ``compression_ratio`` that makes kvpress keep exactly n
+(``int(T · (1 − ratio)) = n``). A press that keeps a state the prefill did not produce (one
+that merges or edits states) is refused, not approximated.
+
+Without kvpress these methods do not exist: :func:`peer_methods` raises
+:class:`PeersUnavailable` saying how to install it; nothing is substituted.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .base import BF16_BYTES, INDEX_BYTES, _check_budget
+from .eviction import _Evictor, _pct, kept_layer
+
+__all__ = ["PEER_LINEUP", "PRESSES", "KVPressMethod", "PeersUnavailable", "PressSelection",
+           "kvpress_available", "peer_methods"]
+
+OBSERVE = 32   # SnapKV's observation window, the same as the project's SnapKV and RDR's
+
+
+class PeersUnavailable(ImportError):
+    """kvpress is not installed; the message says how to install it."""
+
+
+def kvpress_available() -> bool:
+    """Whether kvpress can be imported (without importing it: the import patches
+    transformers' attention functions)."""
+    return importlib.util.find_spec("kvpress") is not None
+
+
+def _kvpress():
+    if not kvpress_available():
+        raise PeersUnavailable(
+            "the kvpress baselines need the Python package 'kvpress' "
+            "(pip install 'spherical-kv[peers]', or pip install kvpress==0.5.5); without it "
+            "they are left out")
+    import kvpress
+    _unpatch_attention()
+    return kvpress
+
+
+def _unpatch_attention() -> None:
+    """Undo what importing kvpress does to transformers' attention functions.
+
+    kvpress wraps every registered attention function (in the interface's local mapping)
+    so that AdaKV can mask pruned keys while decoding through kvpress's own cache. This
+    adapter never decodes that way (it reads AdaKV's mask after the prefill and stores the
+    kept states itself), and the wrapper passes ``dropout`` positionally, which an
+    attention function with another signature (the ``spherical_kv`` one of
+    ``spherical_kv_ref.hf``) cannot take; so the wrappers are removed and every name
+    resolves to its registered function again."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping
+    for name in [n for n, f in local.items()
+                 if getattr(f, "__module__", "") == "kvpress.attention_patch"]:
+        del local[name]
+
+
+@dataclass(frozen=True)
+class PressSpec:
+    """One kvpress press: its class, keyword arguments, the layout of what it keeps
+    (``per-head``, ``pattern`` or ``ragged``), the attention implementation it needs and,
+    for AdaKV, the key of the scorer it wraps."""
+    cls: str
+    layout: str
+    kwargs: dict = field(default_factory=dict)
+    attention: str = "sdpa"
+    inner: str | None = None
+
+
+PRESSES = {
+    "snapkv": PressSpec("SnapKVPress", "per-head", {"window_size": OBSERVE}),
+    "streamingllm": PressSpec("StreamingLLMPress", "pattern", {"n_sink": 4}),
+    "expected": PressSpec("ExpectedAttentionPress", "per-head"),
+    "tova": PressSpec("TOVAPress", "per-head"),
+    "knorm": PressSpec("KnormPress", "per-head"),
+    "observed": PressSpec("ObservedAttentionPress", "per-head", attention="eager"),
+    "adakv-expected": PressSpec("AdaKVPress", "ragged", inner="expected"),
+    "adakv-snapkv": PressSpec("AdaKVPress", "ragged", inner="snapkv"),
+}
+PEER_LINEUP = ("snapkv", "streamingllm", "expected", "tova", "knorm", "observed",
+               "adakv-expected")
+
+
+@dataclass
+class PressSelection:
+    """What a press kept of one prefill: per layer a (kv_heads, T) bool mask."""
+    keep: list
+
+    def check(self, keys) -> None:
+        if len(self.keep) != len(keys):
+            raise ValueError(f"the selection covers {len(self.keep)} layers, the cache has "
+                             f"{len(keys)}")
+        for l, (m, k) in enumerate(zip(self.keep, keys)):
+            if m.shape != k.shape[:2]:
+                raise ValueError(f"layer {l}: selection {m.shape} does not match the cache's "
+                                 f"(kv_heads, T) = {k.shape[:2]}")
+
+
+@contextlib.contextmanager
+def _attention(model, name: str):
+    """Run ``model`` with the transformers attention implementation ``name``, then restore."""
+    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None)
+                                                   for m in model.modules()]
+               if c is not None and hasattr(c, "_attn_implementation")}
+    saved = [(c, c._attn_implementation) for c in configs.values()]
+    try:
+        for c, _ in saved:
+            c._attn_implementation = name
+        yield
+    finally:
+        for c, impl in saved:
+            c._attn_implementation = impl
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _kept_positions(dense_k, dense_v, kept_k, kept_v) -> np.ndarray:
+    """(H, T) mask of the prefill states (rows of dense_k/dense_v, (H, T, d)) that the
+    kept rows are exact copies of; RuntimeError for a kept row that is none of them."""
+    H, T, _ = dense_k.shape
+    keep = np.zeros((H, T), dtype=bool)
+    for h in range(H):
+        where: dict = {}
+        for t, row in enumerate(np.concatenate([dense_k[h], dense_v[h]], axis=1)):
+            where.setdefault(row.tobytes(), []).append(t)
+        for row in np.concatenate([kept_k[h], kept_v[h]], axis=1):
+            slot = where.get(row.tobytes())
+            if not slot:
+                raise RuntimeError("a kept state is none of the prefill's states: the press "
+                                   "changed them (only evicting presses fit this adapter)")
+            keep[h, slot.pop(0)] = True
+    return keep
+
+
+class KVPressMethod(_Evictor):
+    """A kvpress press at a byte budget (a fraction of the dense bf16 cache).
+
+    ``select(model, input_ids)`` runs the press on the model's prefill and returns a
+    :class:`PressSelection`; ``compress(keys, values, selection)`` keeps those states of the
+    prefill cache in bf16 (the :class:`KVMethod` interface, the selection in the place of
+    the statistics). ``press``: a key of :data:`PRESSES`; ``press_kwargs`` override the
+    press's arguments (``inner_kwargs`` AdaKV's wrapped scorer's).
+    """
+
+    needs_stats = True
+
+    def __init__(self, press: str, budget: float, press_kwargs=None, inner_kwargs=None):
+        if press not in PRESSES:
+            raise ValueError(f"press must be one of {sorted(PRESSES)}, got {press!r}")
+        self.budget = _check_budget(budget)
+        self.press, self.spec = press, PRESSES[press]
+        self.press_kwargs = {**self.spec.kwargs, **(press_kwargs or {})}
+        self.inner_kwargs = ({**PRESSES[self.spec.inner].kwargs, **(inner_kwargs or {})}
+                             if self.spec.inner else None)
+        self.per_state_meta = 0 if self.spec.layout == "pattern" else INDEX_BYTES
+        self.per_layer_meta = 2 * INDEX_BYTES if self.spec.layout == "pattern" else 0
+        self.name = f"kvpress-{press}@{_pct(self.budget)}"
+        self.family = f"kvpress-{press}"
+
+    def _layer_meta(self, H: int) -> int:
+        return H * INDEX_BYTES if self.spec.layout == "ragged" else self.per_layer_meta
+
+    def tokens_per_head(self, H: int, T: int, d: int) -> int:
+        """States per kv-head (on average, for AdaKV) the layer's budget pays for (<= T)."""
+        state = 2 * d * BF16_BYTES + self.per_state_meta
+        n = (self.layer_budget_bytes(H, T, d) - self._layer_meta(H)) // (H * state)
+        return int(min(T, max(0, n)))
+
+    @staticmethod
+    def compression_ratio(T: int, n: int) -> float:
+        """The kvpress ``compression_ratio`` under which a press keeps n of T states:
+        kvpress keeps ``int(T · (1 − ratio))``, so aim at n + 1/2 (safe from rounding)."""
+        return 0.0 if n >= T else 1.0 - (n + 0.5) / T
+
+    def make_press(self, compression_ratio: float):
+        """The kvpress press object at ``compression_ratio``."""
+        kvpress = _kvpress()
+        if self.spec.inner:
+            inner = PRESSES[self.spec.inner]
+            scorer = getattr(kvpress, inner.cls)(compression_ratio=compression_ratio,
+                                                 **self.inner_kwargs)
+            return getattr(kvpress, self.spec.cls)(press=scorer, **self.press_kwargs)
+        return getattr(kvpress, self.spec.cls)(compression_ratio=compression_ratio,
+                                               **self.press_kwargs)
+
+    def select(self, model, input_ids) -> PressSelection:
+        """Run the press on the prefill of ``input_ids`` ((T,) or (1, T) token ids) through
+        ``model`` (a transformers causal LM kvpress supports) and read back what it kept."""
+        _kvpress()
+        import torch
+        from transformers import DynamicCache
+        ids = torch.as_tensor(np.asarray(input_ids)).reshape(1, -1)
+        cfg = model.config
+        H, T, d = cfg.num_key_value_heads, ids.shape[1], _head_dim(cfg)
+        n = self.tokens_per_head(H, T, d)
+        if n < 1:
+            raise ValueError(f"budget {self.budget} pays for no state per kv-head at T={T}")
+        press = self.make_press(self.compression_ratio(T, n))
+        layers = model.model.layers
+        dense = [None] * len(layers)
+
+        def record(idx):
+            def hook(module, args, kwargs, output):   # runs before the press's own hook
+                lay = kwargs["past_key_values"].layers[idx]
+                dense[idx] = (lay.keys[0].float().numpy().copy(),
+                              lay.values[0].float().numpy().copy())
+            return hook
+
+        handles = [layer.self_attn.register_forward_hook(record(i), with_kwargs=True)
+                   for i, layer in enumerate(layers)]
+        _clear_masks(layers)
+        cache = DynamicCache()
+        try:
+            with _attention(model, self.spec.attention), press(model), torch.no_grad():
+                model.model(ids, past_key_values=cache, use_cache=True)
+            keep = []
+            for i, layer in enumerate(layers):
+                masked = getattr(layer.self_attn, "masked_key_indices", None)
+                if masked is not None:           # AdaKV: the cache is whole, pruned ones marked
+                    m = np.ones((H, T), dtype=bool)
+                    _, heads, pos = (t.numpy() for t in masked)
+                    m[heads, pos] = False
+                else:
+                    lay = cache.layers[i]
+                    m = _kept_positions(*dense[i], lay.keys[0].float().numpy(),
+                                        lay.values[0].float().numpy())
+                keep.append(m)
+        finally:
+            for h in handles:
+                h.remove()
+            _clear_masks(layers)
+        return PressSelection(keep)
+
+    def _compress_layer(self, layer, keys, values, selection):
+        H, T, d = keys.shape
+        keep = selection.keep[layer]
+        counts = keep.sum(axis=1)
+        n = self.tokens_per_head(H, T, d)
+        if keep.all():
+            return kept_layer(keys, values, keep, H * T * 2 * d * BF16_BYTES)
+        layout = self.spec.layout
+        if layout == "ragged":
+            if counts.sum() != H * n:
+                raise RuntimeError(f"{self.name}: layer {layer} kept {counts.sum()} states, "
+                                   f"the budget pays for {H * n}")
+            nbytes = int(counts.sum()) * (2 * d * BF16_BYTES + INDEX_BYTES) + H * INDEX_BYTES
+        else:
+            if not np.array_equal(counts, np.full(H, n)):
+                raise RuntimeError(f"{self.name}: layer {layer} kept {counts} states per head, "
+                                   f"the budget pays for {n}")
+            if layout == "pattern" and not _is_sinks_and_recent(keep):
+                raise RuntimeError(f"{self.name}: layer {layer} kept no sinks + recent pattern")
+            nbytes = self.layer_bytes(H, T, d, n)
+        if nbytes > self.layer_budget_bytes(H, T, d):
+            raise RuntimeError(f"{self.name}: layer {layer} needs {nbytes} bytes, over its "
+                               f"budget of {self.layer_budget_bytes(H, T, d)}")
+        return kept_layer(keys, values, keep, nbytes)
+
+
+def _clear_masks(layers) -> None:
+    """Drop AdaKV's marks of pruned keys (read once per prefill, never left behind)."""
+    for layer in layers:
+        if hasattr(layer.self_attn, "masked_key_indices"):
+            layer.self_attn.masked_key_indices = None
+
+
+def _is_sinks_and_recent(keep: np.ndarray) -> bool:
+    """Every head keeps the same set: a prefix and a suffix of the positions."""
+    if not (keep == keep[0]).all():
+        return False
+    dropped = np.flatnonzero(~keep[0])      # one contiguous block of evicted positions
+    return dropped.size == 0 or dropped[-1] - dropped[0] + 1 == dropped.size
+
+
+def peer_methods(budgets, presses=PEER_LINEUP) -> list[KVPressMethod]:
+    """Every press of ``presses`` at every budget; :class:`PeersUnavailable` without kvpress."""
+    _kvpress()
+    return [KVPressMethod(p, b) for b in budgets for p in presses]
