@@ -23,9 +23,11 @@ from hypothesis import HealthCheck, core, settings, stateful
 
 _COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("fixed", max_examples=40, derandomize=True, **_COMMON)
-settings.register_profile("ci", max_examples=2500, database=None, **_COMMON)
-settings.register_profile("deep", max_examples=20000, **_COMMON)
-settings.register_profile("dev", max_examples=15, **_COMMON)
+# The exploring profiles say derandomize=False outright: where CI=true is set, hypothesis's
+# own default is derandomized, and a registered profile inherits it.
+settings.register_profile("ci", max_examples=2500, database=None, derandomize=False, **_COMMON)
+settings.register_profile("deep", max_examples=20000, derandomize=False, **_COMMON)
+settings.register_profile("dev", max_examples=15, derandomize=False, **_COMMON)
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "fixed")
 settings.load_profile(PROFILE)
 #: seconds for all the properties of one run; None: each runs to max_examples
@@ -138,7 +140,7 @@ class _Property:
     def restore(self):
         if self.had_own:
             setattr(self.owner, self.attr, self.original)
-        else:
+        elif self.attr in vars(self.owner):
             delattr(self.owner, self.attr)
 
     def run(self):
