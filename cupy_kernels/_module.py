@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-DIMS = (64, 128)
+DIMS = (64, 128, 256)
 # The kernels of the module, by op: decode on the table path (any codebook, look-up tables)
 # and on the affine path (the uniform codebook); the split-K merges (one CTA per row, or one
 # per head and row); encode on either path; re-tier.

@@ -28,7 +28,8 @@ MERGE_HEAD_MAX_SPLITS = _C["MERGE_HEAD_MAX_SPLITS"]   # ada_merge_per_head_kerne
 class DecodePath:
     """How one codebook path decodes (csrc/ada_decode.cuh), the launch side of its kernel.
 
-    kernel: the decode kernel; ctas_per_sm: its residency (its __launch_bounds__); waves,
+    kernel: the decode kernel; ctas_per_sm, ctas_per_sm_wide: its residency (its
+    __launch_bounds__) below and from WIDE_DIM on (``ctas(dim)``); waves,
     fit: the default split count fills ``waves`` waves of resident CTAs, rounding the splits
     per row down (fit: whole waves) or up; stages: page buffers per warp; query_apart: the
     rotated query is staged past the page buffers (which fill while it is built); geom_rows:
@@ -40,6 +41,7 @@ class DecodePath:
     name: str
     kernel: str
     ctas_per_sm: int
+    ctas_per_sm_wide: int
     waves: int
     fit: bool
     stages: int
@@ -48,14 +50,20 @@ class DecodePath:
     per_head_merge: bool
     mean_out_of_logits: bool
 
+    def ctas(self, dim: int) -> int:
+        """Resident CTAs per SM of this path's kernel at head dim ``dim``."""
+        return self.ctas_per_sm_wide if dim >= _C["WIDE_DIM"] else self.ctas_per_sm
+
 
 # Any codebook (Lloyd–Max, kernel_tables' default): look-up tables in shared memory.
 TABLE_PATH = DecodePath("table", "ada_decode_table_kernel", ctas_per_sm=_C["TABLE_CTAS"],
+                        ctas_per_sm_wide=_C["TABLE_CTAS_WIDE"],
                         waves=2, fit=False, stages=2, query_apart=False, geom_rows=0,
                         per_head_merge=False, mean_out_of_logits=False)
 # The uniform codebook: codes are affine in the level, no tables; one wave of CTAs (half the
 # splits of two waves halve the per-CTA prologue and epilogue and the merge's work).
 AFFINE_PATH = DecodePath("affine", "ada_decode_affine_kernel", ctas_per_sm=_C["AFF_CTAS"],
+                         ctas_per_sm_wide=_C["AFF_CTAS_WIDE"],
                          waves=1, fit=True, stages=_C["AFF_STAGES"], query_apart=True,
                          geom_rows=_C["SKV_GEOM_PRE_ROWS"], per_head_merge=True,
                          mean_out_of_logits=True)
@@ -70,7 +78,7 @@ def decode_path(tables: KernelTables) -> DecodePath:
 def splits_for(tables: KernelTables, rows: int, total_pages: int) -> int:
     """The split count ``ada_decode`` uses when none is given (shapes only, no device read)."""
     path = decode_path(tables)
-    return choose_splits(rows, total_pages, ctas_per_sm=path.ctas_per_sm, waves=path.waves,
+    return choose_splits(rows, total_pages, ctas_per_sm=path.ctas(tables.dim), waves=path.waves,
                          fit=path.fit)
 
 
@@ -121,7 +129,7 @@ def choose_splits(rows: int, total_pages: int, min_pages_per_split: int = 8,
                   ctas_per_sm: int = TABLE_PATH.ctas_per_sm, waves: int = 2,
                   fit: bool = False) -> int:
     """Split count that gives ~``waves`` waves of CTAs, from shapes only (no device read).
-    ctas_per_sm: the kernel's residency (DecodePath.ctas_per_sm). fit: round the splits per
+    ctas_per_sm: the kernel's residency (DecodePath.ctas). fit: round the splits per
     row down, so that the CTAs fill whole waves, instead of up (up to rows - 1 CTAs in a
     further, nearly empty wave)."""
     target = waves * ctas_per_sm * _sm_count()

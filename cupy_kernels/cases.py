@@ -234,6 +234,9 @@ def synthetic_layout(batch: int, num_kv_heads: int, context: int, tables: Kernel
 # One Llama-3.1-8B layer (32 query heads, 8 kv-heads, d = 128) and the benchmark's ladder: the
 # shapes validation/decode_bench.py and the asv benchmarks time.
 BENCH_HQ, BENCH_HKV, BENCH_D = 32, 8, 128
+# Layer shapes the benchmarks take (query heads, kv-heads, head dim): the default one, and a
+# head_dim-256 layer of the Gemma-3 family's width (16 query heads, 8 kv-heads).
+BENCH_GEOMETRIES = {"llama8b": (BENCH_HQ, BENCH_HKV, BENCH_D), "d256": (16, 8, 256)}
 BENCH_LADDER = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
 BENCH_TIERS = {"4/4": 3, "3/3": 2, "2/2": 1}   # tier sets of one tier: name -> tier
 
@@ -249,25 +252,28 @@ def rdr_mix(context: int) -> dict:
     return {5: top, 4: t8, 3: t4, 2: t3, 1: rest - t8 - t4 - t3}
 
 
-def bench_layout(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None):
+def bench_layout(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None,
+                 num_kv_heads=BENCH_HKV):
     """The page table of (batch, context) states per kv-head row at one tier set (a name of
-    BENCH_TIERS, or "rdr-mix")."""
+    BENCH_TIERS, or "rdr-mix"), ``num_kv_heads`` rows per sequence."""
     counts = rdr_mix(context) if tiers_name == "rdr-mix" else {BENCH_TIERS[tiers_name]: context}
-    return synthetic_layout(batch, BENCH_HKV, context, tables, counts, seed=seed, order=order,
+    return synthetic_layout(batch, num_kv_heads, context, tables, counts, seed=seed, order=order,
                             last_page_at=last_page_at)
 
 
-def encode_inputs(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None):
+def encode_inputs(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None,
+                  num_kv_heads=BENCH_HKV):
     """(layout, inputs) of an encode of every state of (batch, context, tiers) into a pool
     (``order``: synthetic_layout's, shuffled by default): the page tiers, key and value
     rotation signs (seeded), heads, destinations and random rows, on the GPU."""
     from ._module import cupy
     cp = cupy()
-    lay = bench_layout(batch, context, tiers_name, tables, seed, order, last_page_at)
+    lay = bench_layout(batch, context, tiers_name, tables, seed, order, last_page_at, num_kv_heads)
     rng = np.random.default_rng(seed)
-    sig = [cp.asarray((1 - 2 * rng.integers(0, 2, (BENCH_HKV, BENCH_D))).astype(np.float32)) for _ in "kv"]
+    d = tables.dim
+    sig = [cp.asarray((1 - 2 * rng.integers(0, 2, (num_kv_heads, d))).astype(np.float32)) for _ in "kv"]
     head, dpg, dsl = (cp.asarray(a) for a in (lay.state_head, lay.dst_page, lay.dst_slot))
-    x = cp.random.standard_normal((lay.dst_page.size, BENCH_D), dtype=cp.float32)
+    x = cp.random.standard_normal((lay.dst_page.size, d), dtype=cp.float32)
     return lay, dict(page_tier=cp.asarray(lay.page_tier), sig=sig, head=head, dst_page=dpg,
                      dst_slot=dsl, x=x)
 
@@ -281,7 +287,8 @@ def encode_keys_values(inp, tables, pages, status):
                          inp["dst_page"], inp["dst_slot"], check=False, status=status)
 
 
-def encoded_pool(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None):
+def encoded_pool(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None,
+                 num_kv_heads=BENCH_HKV):
     """A page pool of ``bench_layout``'s states with random keys and values encoded into it
     by the encode kernel (checked: ValueError on a bad status). Returns (state, encode,
     status): the state dict ``ada_step`` takes (with the layout), the encode call that wrote
@@ -289,7 +296,8 @@ def encoded_pool(batch, context, tiers_name, tables, seed=0, order="shuffled", l
     from ._module import cupy
     from .encode import raise_status
     cp = cupy()
-    lay, inp = encode_inputs(batch, context, tiers_name, tables, seed, order, last_page_at)
+    lay, inp = encode_inputs(batch, context, tiers_name, tables, seed, order, last_page_at,
+                             num_kv_heads)
     pages = cp.zeros((lay.page_tier.size, tables.page_bytes), cp.uint8)
     status = cp.zeros(1, cp.int32)
 
@@ -300,20 +308,24 @@ def encoded_pool(batch, context, tiers_name, tables, seed=0, order="shuffled", l
     sig_k, sig_v = inp["sig"]
     state = dict(layout=lay, pages=pages, page_tier=inp["page_tier"],
                  page_count=cp.asarray(lay.page_count), indptr=cp.asarray(lay.indptr),
-                 indices=cp.asarray(lay.indices), sigma_k=sig_k, sigma_v=sig_v)
+                 indices=cp.asarray(lay.indices), sigma_k=sig_k, sigma_v=sig_v,
+                 num_kv_heads=num_kv_heads)
     return state, encode, status
 
 
 def ada_step(state, tables, q, batch):
-    """A captured CUDA graph of one decode step; returns (replay fn, output)."""
+    """A captured CUDA graph of one decode step of q (batch, query heads, d) over ``state``
+    (``encoded_pool``'s); returns (replay fn, output, splits)."""
     from ._module import cupy
     from .ada_decode import ada_decode, make_workspace, splits_for
     cp = cupy()
-    rows = batch * BENCH_HKV
+    hkv = state["num_kv_heads"]
+    _, hq, d = q.shape
+    rows = batch * hkv
     splits = splits_for(tables, rows, int(state["indices"].size))
-    ws = make_workspace(rows, BENCH_HQ // BENCH_HKV, BENCH_D, splits)
-    out = cp.empty((batch, BENCH_HQ, BENCH_D), cp.float32)
-    kw = dict(num_kv_heads=BENCH_HKV, out=out, workspace=ws)
+    ws = make_workspace(rows, hq // hkv, d, splits)
+    out = cp.empty((batch, hq, d), cp.float32)
+    kw = dict(num_kv_heads=hkv, out=out, workspace=ws)
     args = (q, state["pages"], state["page_tier"], state["page_count"], state["indptr"],
             state["indices"], tables, state["sigma_k"], state["sigma_v"])
     ada_decode(*args, **kw)                      # validates once, compiles

@@ -30,7 +30,8 @@ from .pages import KernelTables, as_device, device_tables, pool_views
 
 _C = constants()
 THREADS = _C["ENC_THREADS"]          # threads per encode block (and per re-tier block)
-BLOCKS_PER_SM = _C["ENC_CTAS"]       # __launch_bounds__ of the encode kernels
+BLOCKS_PER_SM = _C["ENC_CTAS"]       # __launch_bounds__ of the encode kernels (head dims
+BLOCKS_PER_SM_WIDE = _C["ENC_CTAS_WIDE"]   # below WIDE_DIM, and from it on)
 
 # Cell table blob (csrc/encode.cuh, ENC_*): per bit row (1, 2, 3, 4, 8 bits) CELL_PRM
 # parameters; then (codebooks other than uniform) the float32 squared levels, and per row
@@ -282,17 +283,17 @@ def _launch(tables: KernelTables, n: int, part: int, first, second, mi, dests, p
     x2, s2, m2 = second if second is not None else first
     parts = 1 if second is None else 2
     name = "encode_affine_kernel" if tables.codebook == "uniform" else "encode_table_kernel"
-    kernel(name, tables.dim)((_blocks(n, parts), parts), (THREADS,),
+    kernel(name, tables.dim)((_blocks(n, parts, tables.dim), parts), (THREADS,),
                              _args(tables, n, part, first, mi, dests, pg, pt) +
                              (_cell_device(tables), status, x2, np.int64(x2.strides[0] // 4), s2, m2))
 
 
-def _blocks(n: int, parts: int) -> int:
+def _blocks(n: int, parts: int, dim: int) -> int:
     """Blocks per part of an encode launch: enough for four vectors per warp, at most one
     wave of resident blocks over all parts (the rest walked by the grid stride)."""
     cp = cupy()
-    return max(1, min(-(-n * 8 // THREADS),
-                      BLOCKS_PER_SM * _sm_count(cp.cuda.Device().id) // parts))
+    per_sm = BLOCKS_PER_SM_WIDE if dim >= _C["WIDE_DIM"] else BLOCKS_PER_SM
+    return max(1, min(-(-n * 8 // THREADS), per_sm * _sm_count(cp.cuda.Device().id) // parts))
 
 
 def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, dst_page, dst_slot,

@@ -57,7 +57,7 @@ class CudaPagedAttention:
     """write(pool, layer, key, value, slot_mapping) and attend(pool, layer, query, plan,
     softmax_scale) on the GPU, as ``CpuPagedAttention`` (float32 out, (N, Hq, d), a CuPy
     array, or a torch tensor when the query is one). plan: a ``StepPlan`` or its
-    ``DevicePlan``. Head dims 64 and 128 (the kernels')."""
+    ``DevicePlan``. Head dims 64, 128 and 256 (the kernels')."""
 
     def __init__(self, fmt: BlockFormat):
         self.fmt = fmt

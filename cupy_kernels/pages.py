@@ -84,8 +84,9 @@ def kernel_tables(ladder, dim: int, page_bytes: int = 4096,
     if not tiers:
         raise ValueError("the ladder needs at least one tier")
     from spherical_kv_ref.codec import whole
-    if whole("dim", dim, 1) not in (64, 128):
-        raise ValueError(f"the kernels are built for head dim 64 and 128, got {dim}")
+    from ._module import DIMS
+    if whole("dim", dim, 1) not in DIMS:
+        raise ValueError(f"the kernels are built for head dims {DIMS}, got {dim}")
     if whole("page_bytes", page_bytes, 16) % 16:
         raise ValueError(f"page_bytes must be a positive multiple of 16, got {page_bytes}")
     geom = np.zeros((len(tiers) + 1, GEOM_STRIDE), np.int32)

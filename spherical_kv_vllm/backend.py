@@ -73,7 +73,8 @@ class SphericalKVBackend(AttentionBackend):
     def supports_head_size(cls, head_size: int) -> bool:
         if current_platform.is_cpu():
             return head_size >= 4
-        return head_size in (64, 128)        # the GPU kernels' head dims
+        from cupy_kernels._module import DIMS
+        return head_size in DIMS             # the GPU kernels' head dims
 
     @classmethod
     def supported_kv_cache_layouts(cls):

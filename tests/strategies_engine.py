@@ -46,8 +46,10 @@ def make_step(rng, fmt: BlockFormat, requests, group=3, pad=0, spare_blocks=3, l
     for r, m in enumerate(need):
         table[r, :m] = ids[a:a + m]
         a += m
-    keys = [rng.standard_normal((s, H, d)) * rng.lognormal(0, 0.4, (s, H, 1)) + 0.7 for s in seq]
-    values = [rng.standard_normal((s, H, d)) - 0.3 for s in seq]
+    # float32, as an engine hands them: both paths then encode the same numbers
+    keys = [(rng.standard_normal((s, H, d)) * rng.lognormal(0, 0.4, (s, H, 1)) + 0.7).astype(np.float32)
+            for s in seq]
+    values = [(rng.standard_normal((s, H, d)) - 0.3).astype(np.float32) for s in seq]
 
     def slot(r, p):
         return table[r, p // B] * B + p % B

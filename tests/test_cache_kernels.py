@@ -87,7 +87,8 @@ def test_kernel_inputs_are_the_cache_own():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dim,codebook,centre", [(128, "uniform", True), (128, "lloyd-max", False),
-                                                 (64, "uniform", False), (64, "lloyd-max", True)])
+                                                 (64, "uniform", False), (64, "lloyd-max", True),
+                                                 (256, "uniform", True), (256, "lloyd-max", False)])
 def test_gpu_decode_equals_the_cache(dim, codebook, centre):
     import cupy as cp
     from cupy_kernels.from_cache import decode_cache, upload_pool

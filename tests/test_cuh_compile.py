@@ -105,6 +105,9 @@ def test_shared_constants_come_from_the_sources(tmp_path, monkeypatch):
     c = _module.constants()
     assert dec.THREADS == 32 * c["DEC_WARPS"] and dec.MAX_GROUP == c["DEC_HEADS"]
     assert (dec.TABLE_PATH.ctas_per_sm, dec.AFFINE_PATH.ctas_per_sm) == (c["TABLE_CTAS"], c["AFF_CTAS"])
+    assert (dec.TABLE_PATH.ctas(256), dec.AFFINE_PATH.ctas(256), enc.BLOCKS_PER_SM_WIDE) == \
+        (c["TABLE_CTAS_WIDE"], c["AFF_CTAS_WIDE"], c["ENC_CTAS_WIDE"])
+    assert dec.TABLE_PATH.ctas(128) == c["TABLE_CTAS"] and c["WIDE_DIM"] == 256
     assert sum(enc.BUCKETS.values()) == enc.CELL_NB == c["ENC_NB"]
     for codebook in ("lloyd-max", "uniform"):
         assert enc.cell_tables(kernel_tables([(4, 4), (8, 8)], 128, codebook=codebook)).size == c["ENC_WORDS"]
@@ -127,7 +130,12 @@ def test_shared_constants_come_from_the_sources(tmp_path, monkeypatch):
 def test_launch_bounds_name_the_shared_constants():
     """Each kernel's residency asked of ptxas is the named constant the launcher reads."""
     text = (CSRC / "ada_decode.cuh").read_text()
-    assert "__launch_bounds__(DEC_WARPS * 32, TABLE_CTAS) ada_decode_table_kernel(" in text
-    assert "__launch_bounds__(DEC_WARPS * 32, AFF_CTAS) ada_decode_affine_kernel(" in text
-    assert (CSRC / "encode.cuh").read_text().count("__launch_bounds__(ENC_THREADS, ENC_CTAS)") == 2
+    squash = lambda t: " ".join(t.split())
+    text = squash(text)
+    assert "__launch_bounds__(DEC_WARPS * 32, D >= WIDE_DIM ? TABLE_CTAS_WIDE : TABLE_CTAS) " \
+        "ada_decode_table_kernel(" in text
+    assert "__launch_bounds__(DEC_WARPS * 32, D >= WIDE_DIM ? AFF_CTAS_WIDE : AFF_CTAS) " \
+        "ada_decode_affine_kernel(" in text
+    assert squash((CSRC / "encode.cuh").read_text()).count(
+        "__launch_bounds__(ENC_THREADS, D >= WIDE_DIM ? ENC_CTAS_WIDE : ENC_CTAS)") == 2
     assert "__launch_bounds__(RETIER_THREADS)" in (CSRC / "retier.cuh").read_text()

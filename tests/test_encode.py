@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from strategies_paged import read_back_states
+from cupy_kernels._module import DIMS as KERNEL_DIMS   # importable without CuPy
 
 LADDER = [(1, 1), (2, 2), (3, 2), (4, 3), (4, 4), (8, 8), (16, 16)]
 CODEBOOKS = ("lloyd-max", "uniform")
@@ -33,7 +34,7 @@ def _assert_pages_are_reference(tables, host, tiers, page_ids, slots, x, dim, se
 
 @pytest.mark.gpu
 @settings(max_examples=40, deadline=None)
-@given(dim=st.sampled_from([64, 128]), tier=st.integers(1, len(LADDER)), n=st.integers(1, 97),
+@given(dim=st.sampled_from(KERNEL_DIMS), tier=st.integers(1, len(LADDER)), n=st.integers(1, 97),
        centred=st.booleans(), seed=st.integers(0, 2 ** 16), strided=st.booleans(),
        codebook=st.sampled_from(CODEBOOKS))
 def test_encode_matches_reference(dim, tier, n, centred, seed, strided, codebook):
@@ -180,7 +181,7 @@ def test_encode_rejects_indices_outside_before_launch(codebook):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("codebook", CODEBOOKS)
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", KERNEL_DIMS)
 def test_encode_kv_equals_two_parts(dim, codebook):
     """encode_kv_into_pages (one launch: keys and values in two rows of blocks) writes the
     bytes of encode_into_pages on the keys, then on the values, over every tier in a shuffled
@@ -246,7 +247,7 @@ def _near_boundary_rows(codec, n, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("codebook", CODEBOOKS)
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", KERNEL_DIMS)
 def test_encode_near_cell_boundaries_mixed_tiers(dim, codebook):
     """Every tier of the ladder in one launch (groups of one warp at different bit widths),
     inputs on cell boundaries (the float64 path) and at extreme radii: the
@@ -332,7 +333,7 @@ def _cell_edge_rows(codec, tables, bits, n, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("codebook", CODEBOOKS)
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", KERNEL_DIMS)
 def test_encode_own_bucket_edges(dim, codebook):
     """The encode kernels on bucket edges / threshold neighbourhoods, one-hot rotations, radius limits, in a
     mixed-tier launch of a size that leaves part of the last warp idle, centred and strided:
@@ -374,7 +375,7 @@ def test_encode_own_bucket_edges(dim, codebook):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("codebook", CODEBOOKS)
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", KERNEL_DIMS)
 def test_encode_one_coordinate_near_a_midpoint(dim, codebook):
     """Rows with one rotated coordinate within the float32 margin of a midpoint (offsets from
     ~1e-8 to ~3e-5 in t, both sides; the float32 cell is wrong for some), the rest Gaussian, at
@@ -435,7 +436,7 @@ def _rows_with_scales_near_fp16_midpoints(codec, n, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("codebook", CODEBOOKS)
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", KERNEL_DIMS)
 def test_encode_scales_near_fp16_midpoints(dim, codebook):
     """Every quantised tier with scales a hair above or below an fp16 rounding midpoint (the kernels'
     float64 scale decision, and the float64 pipeline where that is too close), centred and
@@ -559,7 +560,7 @@ def _emulate_float32_path(x, sigma, tables, bits):
 
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", KERNEL_DIMS)
 def test_cell_tables_and_float32_decisions(dim, codebook):
     """CPU: every t of a bucket, widened by more than float32 can move it, gets the
     reference's cell from (cell below) + (t > midpoint); the uniform thresholds sit in

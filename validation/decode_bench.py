@@ -24,11 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from cupy_kernels.cases import (BENCH_D as D, BENCH_HKV as HKV, BENCH_HQ as HQ,
-                                BENCH_LADDER as LADDER, BENCH_TIERS as TIERS, ada_step,
+from cupy_kernels.cases import (BENCH_GEOMETRIES, BENCH_LADDER as LADDER, BENCH_TIERS as TIERS, ada_step,
                                 encode_inputs, encode_keys_values, encoded_pool, rdr_mix)
 
 SHAPES = [(32, 8192), (8, 32768), (2, 131072), (1, 131072)]
+# The layer's (query heads, kv-heads, head dim): one of BENCH_GEOMETRIES, set by --geometry
+# before anything is built (the script's functions read these three).
+HQ, HKV, D = BENCH_GEOMETRIES["llama8b"]
 
 
 class Timer:
@@ -93,7 +95,7 @@ def build_ada(batch, context, tiers_name, tables, seed=0, timer=None, order="shu
     launcher's host-side work, 0.1-0.3 ms: the GPU waits for it.)"""
     from cupy_kernels.encode import raise_status
     state, encode, status = encoded_pool(batch, context, tiers_name, tables, seed, order,
-                                         last_page_at)
+                                         last_page_at, num_kv_heads=HKV)
     enc_us = timer(encode) if timer is not None else None
     raise_status(status)
     return state, (enc_us, encode_bytes(state["layout"]))
@@ -108,7 +110,7 @@ def encode_rows(shapes, tiers_list, codebooks, timer, copy_gbps, all_tables, not
     for (batch, context), tiers_name, cb in [(s, t, c) for s in shapes for t in tiers_list
                                              for c in codebooks]:
         tables = all_tables[cb]
-        lay, inp = encode_inputs(batch, context, tiers_name, tables)
+        lay, inp = encode_inputs(batch, context, tiers_name, tables, num_kv_heads=HKV)
         nbytes = encode_bytes(lay)
         pages = cp.zeros((lay.page_tier.size, tables.page_bytes), cp.uint8)
         st = cp.zeros(1, cp.int32)
@@ -253,6 +255,8 @@ def main(argv=None):
     ap.add_argument("--encode-only", action="store_true",
                     help="time only the encode kernel; no decode")
     ap.add_argument("--run-note", default=None, help="a label stored in every encode row")
+    ap.add_argument("--geometry", default="llama8b", choices=sorted(BENCH_GEOMETRIES),
+                    help="the layer's heads and head dim (cupy_kernels.cases.BENCH_GEOMETRIES)")
     ap.add_argument("--quality", action="store_true",
                     help="CPU only: attention error of the codebooks (no GPU, no timing)")
     args = ap.parse_args(argv)
@@ -260,6 +264,8 @@ def main(argv=None):
         for r in quality_table():
             print(json.dumps(r))
         return 0
+    global HQ, HKV, D
+    HQ, HKV, D = BENCH_GEOMETRIES[args.geometry]
     import cupy as cp
     import torch
     import torch.nn.functional as F
@@ -294,6 +300,7 @@ def main(argv=None):
 
         def row(method, tiers, us, nbytes, codebook=None):
             r = dict(method=method, batch=batch, context=context, tiers=tiers,
+                     geometry=args.geometry, heads=[HQ, HKV, D],
                      codebook=codebook, us=round(us, 2),
                      bytes_read=int(nbytes), gbps=round(nbytes / (us * 1e-6) / 1e9, 1),
                      copy_gbps=round(copy_gbps, 1),

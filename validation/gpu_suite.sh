@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
 #   validation/gpu_suite.sh build tests sanitize ncu profile bench-quick bench-encode bench flashinfer
-# (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines)
+# (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines;
+#  BENCH_GEOMETRY=d256 times the head_dim-256 layer of cupy_kernels.cases.BENCH_GEOMETRIES)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
 set -u
 OUT=${OUT:-/tmp/skv_gpu_suite}
@@ -18,8 +19,7 @@ for stage in "$@"; do
       timeout 240 python3 validation/build_info.py --out "$OUT/build_info.json" 2>&1 | tee "$OUT/build_info.log"
       rc=${PIPESTATUS[0]};;
     tests)
-      timeout ${TESTS_LIMIT:-330} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ada_decode.py tests/test_cache_kernels.py \
-        tests/test_encode.py tests/test_retier.py > "$OUT/pytest.log" 2>&1
+      timeout ${TESTS_LIMIT:-330} python3 -m pytest -q -m gpu -p no:cacheprovider -rs ${TESTS_ARGS:-tests/} > "$OUT/pytest.log" 2>&1
       rc=$?; tail -n 25 "$OUT/pytest.log";;
     sanitize)
       rc=0
@@ -51,12 +51,14 @@ for stage in "$@"; do
     bench-encode)
       # encode only (ENCODE_SHAPES, ENCODE_TIERS, RUN_NOTE)
       timeout ${ENCODE_LIMIT:-240} python3 validation/decode_bench.py --encode-only \
-        --out "$OUT/encode_bench.json" --reps ${ENCODE_REPS:-10} \
+        --out "$OUT/encode_bench${BENCH_GEOMETRY:+_$BENCH_GEOMETRY}.json" --reps ${ENCODE_REPS:-10} \
+        --geometry ${BENCH_GEOMETRY:-llama8b} \
         --shapes ${ENCODE_SHAPES:-all} --tiers ${ENCODE_TIERS:-4/4,3/3,2/2,rdr-mix} \
         --run-note "${RUN_NOTE:-}" 2>&1 | tee "$OUT/bench_encode.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
     bench-quick)
-      timeout 200 python3 validation/decode_bench.py --out "$OUT/decode_quick.json" --reps 10 \
+      timeout 200 python3 validation/decode_bench.py --out "$OUT/decode_quick${BENCH_GEOMETRY:+_$BENCH_GEOMETRY}.json" --reps 10 \
+        --geometry ${BENCH_GEOMETRY:-llama8b} \
         --shapes ${QUICK_SHAPES:-8x32768,1x131072} --tiers 4/4,rdr-mix 2>&1 | tee "$OUT/bench_quick.log" | tail -n 30
       rc=${PIPESTATUS[0]};;
     bench)
@@ -68,7 +70,8 @@ for stage in "$@"; do
           > "$OUT/flashinfer_install.log" 2>&1 && fi_flag=--flashinfer
       fi
       PYTHONPATH=/tmp/site:$PYTHONPATH timeout ${BENCH_LIMIT:-420} python3 validation/decode_bench.py \
-        --out "$OUT/decode_h200.json" --reps ${BENCH_REPS:-20} \
+        --out "$OUT/decode_h200${BENCH_GEOMETRY:+_$BENCH_GEOMETRY}.json" --reps ${BENCH_REPS:-20} \
+        --geometry ${BENCH_GEOMETRY:-llama8b} \
         --codebooks ${BENCH_CODEBOOKS:-lloyd-max,uniform} --shapes ${BENCH_SHAPES:-all} \
         --tiers ${BENCH_TIERS:-4/4,3/3,2/2,rdr-mix} $fi_flag 2>&1 | tee "$OUT/bench.log" | tail -n 45
       rc=${PIPESTATUS[0]};;

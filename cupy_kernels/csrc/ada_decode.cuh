@@ -615,6 +615,11 @@ constexpr int TABLE_CTAS = 3;   // table kernel: resident CTAs per SM (its 72 Ki
 constexpr int AFF_SUB = 2;      // affine kernel: 16-state sub-tiles per softmax step of decode_page
 constexpr int AFF_CTAS = 4;     // affine kernel: resident CTAs per SM asked of ptxas (<= 128 registers)
 constexpr int AFF_STAGES = 2;   // affine kernel: page buffers per warp (pages in flight + 1)
+// At D = 256 a lane's value accumulators (D / 16 x 4 floats) and query fragments need more
+// registers than 3 or 4 resident CTAs leave (168 and 128 registers spilled 232 and 184 bytes):
+// both decode kernels ask for 2 CTAs per SM there (up to 255 registers; WIDE_DIM).
+constexpr int TABLE_CTAS_WIDE = 2;
+constexpr int AFF_CTAS_WIDE = 2;
 
 constexpr int F44_WORDS = 1024;   // page words of the fast path (4096-byte pages)
 constexpr u32 F44_VCHUNK = 124;   // 16-byte chunk where the value codes start (1984 / 16)
@@ -2159,7 +2164,8 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
 // Table path (Lloyd–Max or any codebook): 37 KiB of replicated look-up tables in shared
 // memory, 16-state softmax steps, the query fragment in registers; TABLE_CTAS per SM.
 template <int D>
-__global__ void __launch_bounds__(DEC_WARPS * 32, TABLE_CTAS) ada_decode_table_kernel(SKV_DECODE_PARAMS) {
+__global__ void __launch_bounds__(DEC_WARPS * 32, D >= WIDE_DIM ? TABLE_CTAS_WIDE : TABLE_CTAS)
+    ada_decode_table_kernel(SKV_DECODE_PARAMS) {
   decode_cta<D, PATH_TABLE>(SKV_DECODE_ARGS);
 }
 
@@ -2167,7 +2173,8 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, TABLE_CTAS) ada_decode_table_k
 // and 16/16 tiers on their fast paths (page44, page_f2, page_f8, page_f16), every other page
 // on decode_page; splits take a row's pages interleaved; AFF_CTAS per SM (<= 128 registers).
 template <int D>
-__global__ void __launch_bounds__(DEC_WARPS * 32, AFF_CTAS) ada_decode_affine_kernel(SKV_DECODE_PARAMS) {
+__global__ void __launch_bounds__(DEC_WARPS * 32, D >= WIDE_DIM ? AFF_CTAS_WIDE : AFF_CTAS)
+    ada_decode_affine_kernel(SKV_DECODE_PARAMS) {
   decode_cta<D, PATH_AFFINE>(SKV_DECODE_ARGS);
 }
 

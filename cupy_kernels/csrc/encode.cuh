@@ -75,6 +75,9 @@ __device__ __forceinline__ bool warp_load_centred(double (&y)[D / 32], const flo
 constexpr u32 ENC_FULL = 0xffffffffu;
 constexpr int ENC_THREADS = 256;   // threads per block (launcher THREADS)
 constexpr int ENC_CTAS = 4;        // resident blocks per SM asked of ptxas (launcher BLOCKS_PER_SM)
+// At D = 256 (WIDE_DIM) a group's coordinates take more than the 64 registers 4 blocks leave
+// (80 and 100 bytes spilled): 2 blocks per SM there.
+constexpr int ENC_CTAS_WIDE = 2;
 
 // Sum over the eight lanes of a group (xor 1, 2, 4 never leaves the group); `mask`: the
 // lanes taking part (the whole warp, or the group alone inside a group-divergent branch).
@@ -550,14 +553,16 @@ __device__ __forceinline__ void encode_block(SKV_ENCODE_PARAMS) {
 }
 
 template <int D>
-__global__ void __launch_bounds__(ENC_THREADS, ENC_CTAS) encode_table_kernel(SKV_ENCODE_PARAMS) {
+__global__ void __launch_bounds__(ENC_THREADS, D >= WIDE_DIM ? ENC_CTAS_WIDE : ENC_CTAS)
+    encode_table_kernel(SKV_ENCODE_PARAMS) {
   encode_block<D, false>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page,
                             dst_slot, part, pages, page_words, page_tier, geom, num_tiers, levels,
                             mids, tables, status, x2, x2_row_stride, sigma2, mean2);
 }
 
 template <int D>
-__global__ void __launch_bounds__(ENC_THREADS, ENC_CTAS) encode_affine_kernel(SKV_ENCODE_PARAMS) {
+__global__ void __launch_bounds__(ENC_THREADS, D >= WIDE_DIM ? ENC_CTAS_WIDE : ENC_CTAS)
+    encode_affine_kernel(SKV_ENCODE_PARAMS) {
   encode_block<D, true>(x, x_row_stride, n, head, sigma, mean, mean_index, dst_page,
                            dst_slot, part, pages, page_words, page_tier, geom, num_tiers, levels,
                            mids, tables, status, x2, x2_row_stride, sigma2, mean2);

@@ -61,6 +61,9 @@ __device__ __forceinline__ int level_row(int bits) {
 // warp access. The 1-, 2- and 4-bit tables are therefore replicated once per lane, entry i
 // of lane l at word 32*i + l (bank l: conflict-free); the 3-bit table 8 times (word
 // 8*i + l%8); the 8-bit table is shared. 37 KiB of shared memory in all (LUT_BYTES).
+// Head dims from this one on are "wide": their kernels ask ptxas for fewer resident CTAs
+// per SM (TABLE_CTAS_WIDE, AFF_CTAS_WIDE, ENC_CTAS_WIDE) so that no lane spills.
+constexpr int WIDE_DIM = 256;
 constexpr int LUT4_WORDS = 256 * 32, LUT2_WORDS = 16 * 32, LUT1_WORDS = 4 * 32, LUT3_WORDS = 64 * 8;
 constexpr int LUT_BYTES = 4 * (LUT4_WORDS + LUT2_WORDS + LUT1_WORDS + LUT3_WORDS) + 2 * 256;
 
