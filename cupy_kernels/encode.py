@@ -163,7 +163,12 @@ def _bucket_row(bits: int, mids: np.ndarray, dim: int, g: int):
     of t and of the index) it holds at most one midpoint, whose float32 value the bucket
     stores (NO_MID if none), with the count of midpoints below the widened bucket."""
     margin = cell_margin(bits, dim, mids)
-    if bits <= 4:    # no clamp: |t| <= sqrt(d) (1 + 2^-18) whenever the radius is in range
+    # Rows of 1-4 bits need no clamp where g buckets over all of |t| <= sqrt(d) are fine enough;
+    # at wide head dims (WIDE_DIM: sqrt(256) = 16) they are not, and the kernels clamp every
+    # row (enc_cells_table<true>), so rows of 2-4 bits take the clamped grid over the midpoints
+    # (the 1-bit row's one midpoint keeps the full range, which the clamp leaves as it is).
+    clamped = bits > 4 or (dim >= _C["WIDE_DIM"] and mids.size > 1)
+    if not clamped:  # |t| <= sqrt(d) (1 + 2^-18) whenever the radius is in range
         t_max = np.sqrt(dim) + 0.5
         lo, w = -t_max, 2.0 * t_max / (g - 1)
     else:            # clamped to [0, g - 1]; the two end buckets hold no midpoint

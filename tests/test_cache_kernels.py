@@ -19,7 +19,8 @@ def filled_cache(dim=128, codebook="uniform", centre=True, lengths=(300, 517), s
     10-40 of the first protected, then every sequence compressed to 40 % of its bytes (60 % or
     80 % where its protected states need more: short sequences)."""
     rng = np.random.default_rng(seed)
-    cache = SphericalKVCache(2, 2, dim, num_q_heads=8, pool_bytes=4096 * 600, seed=seed,
+    cache = SphericalKVCache(2, 2, dim, num_q_heads=8, pool_bytes=4096 * 600 * max(1, dim // 128),
+                             seed=seed,
                              codebook=codebook, centre=centre)
     seqs = []
     for n in lengths:

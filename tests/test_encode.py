@@ -543,7 +543,7 @@ def _emulate_float32_path(x, sigma, tables, bits):
         off = CELL_BM + sum(BUCKETS[b] for b in LEVEL_BITS[:r])
         g = BUCKETS[bits]
         a = fma(z, k, prm[1])
-        if bits == 8:
+        if bits == 8 or tables.dim >= 256:     # the kernels' clamp (WIDE_DIM)
             a = np.clip(a, 0, prm[2])
         bi = np.rint(a).astype(np.int64)
         assert bi.min() >= 0 and bi.max() < g            # the kernel's look-up stays in its row
@@ -612,7 +612,10 @@ def test_cell_tables_and_float32_decisions(dim, codebook):
             written = ~deferred
             np.testing.assert_array_equal(codes[written], codec.codes(ref)[written])
             np.testing.assert_array_equal(scales[written], ref.scale[written])
-            if k == 0:   # random rows: the float64 path stays the exception
-                assert deferred.mean() < (0.35 if bits == 8 else 0.05)
+            if k == 0:   # random rows: the float64 path stays the exception (at d = 256
+                # a vector has twice the coordinates, each with a margin sqrt(2) x 9/8 wider:
+                # about 3x the deferrals of d = 128, measured 54 % at 8 bits, 5.5 % below)
+                limit = (0.35, 0.05) if dim < 256 else (0.6, 0.08)
+                assert deferred.mean() < (limit[0] if bits == 8 else limit[1])
             if k == 2:   # rows on cell boundaries (and a zero row) must all be deferred
                 assert deferred.all()

@@ -219,7 +219,8 @@ __device__ __forceinline__ bool enc_cells_uniform(const float (&z)[V], float kt,
 // more than the float32 error of t and of the index, holds at most one midpoint m; the cell
 // is (cell below the bucket) + (t > m), and |t - m| <= margin is a near boundary. Rows of
 // 1-4 bits span |t| <= sqrt(D) + 1/2 (|t| <= sqrt(D) (1 + 2^-18) whenever the radius is in
-// range), so their index needs no clamp; the 8-bit row clamps (CLAMP). sumsq: sum of the
+// range), so their index needs no clamp; the 8-bit row clamps (CLAMP), and so does every row
+// at D >= WIDE_DIM, where a grid over all of |t| <= 16.5 would be too coarse. sumsq: sum of the
 // float32 squared levels. The row (lr: level_row, off: EncRow::OFF) comes at run time: one
 // loop serves 1-4 bits, one more 8 bits (enc_encode).
 template <bool CLAMP, int V>
@@ -342,7 +343,9 @@ __device__ __forceinline__ int enc_encode(const float (&z)[D / 8], float kt, flo
     near = enc_cells_uniform<D / 8>(z, kt, tab + lr * ENC_PRM, c, sumsq);
   } else {
     if (bits == 8) near = enc_cells_table<true, D / 8>(z, kt, tab, lr, EncRow<8>::OFF, c, sumsq);
-    else near = enc_cells_table<false, D / 8>(z, kt, tab, lr, enc_row_off(bits), c, sumsq);
+    // 1-4 bits: no clamp, except at wide head dims, whose bucket grids span the midpoints
+    // only (cupy_kernels/encode.py _bucket_row)
+    else near = enc_cells_table<(D >= WIDE_DIM), D / 8>(z, kt, tab, lr, enc_row_off(bits), c, sumsq);
   }
 #pragma unroll
   for (int m = 1; m < 8; m <<= 1) sumsq += __shfl_xor_sync(gmask, sumsq, m);

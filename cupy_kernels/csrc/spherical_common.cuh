@@ -449,13 +449,26 @@ __device__ __forceinline__ double warp_sum(double v) {
 }
 
 // Packs `nb` bits per coordinate (nb in 1, 2, 4, 8) of this lane's V codes and writes the
-// words of a field array starting at dst. Each lane's chunk is V*nb bits, a power of two
-// <= 32, so it never straddles a word.
+// words of a field array starting at dst. Each lane's chunk is V*nb bits, a power of two; up
+// to 32 it never straddles a word; above (8 bits at D = 256: 64) the lane writes its V*nb/32
+// whole words itself.
 template <int D>
 __device__ __forceinline__ void warp_pack_fields(const int (&code)[D / 32], int nb, int shift_down,
                                                  u32 mask, u32* dst, int lane) {
   constexpr int V = D / 32;
   int chunk_bits = V * nb;
+  if constexpr (V > 4) {
+    if (chunk_bits > 32) {   // nb = 8 (V <= 8): words of four codes
+#pragma unroll
+      for (int w = 0; w < V / 4; ++w) {
+        u32 word = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) word |= ((u32)(code[4 * w + e] >> shift_down) & mask) << (8 * e);
+        dst[lane * (V / 4) + w] = word;
+      }
+      return;
+    }
+  }
   u32 chunk = 0;
 #pragma unroll
   for (int i = 0; i < V; ++i) chunk |= ((u32)(code[i] >> shift_down) & mask) << (i * nb);
