@@ -45,7 +45,7 @@ def kernel_inputs(cache, seqs, layer: int) -> CacheKernelInputs:
     """The kernels' view of one layer of ``cache`` over the sequences ``seqs`` (an id or a
     list). The rotation of a (layer, kv-head, part) is the same at every tier (re-tiering never
     rotates), so the signs come from the top tier's codecs. ValueError for a cache the kernels
-    cannot read (head dim other than 64 or 128, a ladder or page size they do not support)."""
+    cannot read (a head dim without a kernel instance, ``_module.DIMS``; a ladder or page size they do not support)."""
     from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT
     seqs = [seqs] if isinstance(seqs, (int, np.integer)) else list(seqs)
     tiers = tuple(tuple(int(b) for b in t) for t in cache.ladder.tiers)
