@@ -72,8 +72,10 @@ def plot(rows, path: Path) -> None:
         ax.grid(True, axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
-    fig.suptitle("ADA paged decode vs peers, Llama-3.1-8B layer shapes "
-                 "(32 query / 8 kv heads, d = 128)", fontsize=10)
+    hq, hkv, d = next((r["heads"] for r in rows if r.get("heads")), (32, 8, 128))  # older files: 8B
+    shape = "Llama-3.1-8B layer shapes " if (hq, hkv, d) == (32, 8, 128) else ""
+    fig.suptitle(f"ADA paged decode vs peers, {shape}({hq} query / {hkv} kv heads, d = {d})",
+                 fontsize=10)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
