@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _pdl
-from ._module import constants, cupy, kernel
+from ._module import DIMS, constants, cupy, kernel
 from spherical_kv_ref.codec import whole
 
 from .pages import KernelTables, as_device, device_tables
@@ -156,8 +156,8 @@ def make_workspace(rows: int, group: int, dim: int, num_splits: int) -> DecodeWo
     rows = whole("rows", rows, 0)
     group = whole("group", group, 1, MAX_GROUP + 1)
     dim = whole("dim", dim, 1)
-    if dim not in (64, 128):
-        raise ValueError(f"dim must be 64 or 128 (the kernels' head dims), got {dim}")
+    if dim not in DIMS:
+        raise ValueError(f"dim must be one of the kernels' head dims {DIMS}, got {dim}")
     num_splits = whole("num_splits", num_splits, 1, MAX_SPLITS + 1)
     cp = cupy()
     if num_splits <= 1:
