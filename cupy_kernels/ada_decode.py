@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _pdl
-from ._module import DIMS, constants, cupy, kernel
 from spherical_kv_ref.codec import whole
 
+from . import _pdl
+from ._module import DIMS, constants, cupy, kernel
 from .pages import KernelTables, as_device, device_tables
 
 _C = constants()

@@ -86,7 +86,7 @@ def kernel_tables(ladder, dim: int, page_bytes: int = 4096,
     from spherical_kv_ref.codec import whole
     from ._module import DIMS
     if whole("dim", dim, 1) not in DIMS:
-        raise ValueError(f"the kernels are built for head dims {DIMS}, got {dim}")
+        raise ValueError(f"dim must be one of the head dims the kernels are built for, {DIMS}; got {dim}")
     if whole("page_bytes", page_bytes, 16) % 16:
         raise ValueError(f"page_bytes must be a positive multiple of 16, got {page_bytes}")
     geom = np.zeros((len(tiers) + 1, GEOM_STRIDE), np.int32)
