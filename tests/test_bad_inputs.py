@@ -25,6 +25,12 @@ from spherical_kv_ref.paged import PoolExhaustedError
 
 import cupy_kernels as ck
 
+try:
+    import torch
+    import transformers
+except ImportError:           # the hf rows skip themselves (HF)
+    torch = transformers = None
+
 from strategies_paged import assert_cache_same, cache_snapshot
 
 D = 16
@@ -39,6 +45,7 @@ LADDER = TierLadder([(2, 2), (4, 4), (16, 16)])
 GPU_Q = RNG.standard_normal((1, 8, 64)).astype(np.float32)     # ada_decode's q: (batch, Hq, d)
 GPU_MEAN = RNG.standard_normal((2, 64)).astype(np.float32)      # ada_decode's means: (rows, d)
 GPU = (pytest.mark.gpu,)
+HF = (pytest.mark.skipif(transformers is None, reason="torch and transformers are not installed"),)
 # the encode and re-tier launchers' pool: 4 pages of 1024 bytes at tiers 3 (16/16, 4 slots),
 # 2 (4/4, 15 slots), 1 (2/2, 28 slots) and free
 POOL_TIER = np.array([3, 2, 1, 0], np.int32)
@@ -91,6 +98,58 @@ def _cache64():
 
 def _pickled(obj):
     return pickle.dumps(obj)
+
+
+# the transformers integration (spherical_kv_ref.hf): the tiny Llama config of tests/test_hf*.py
+# (2 layers, 4 query / 2 kv-heads, head_dim 16); no model is run
+HF_K = torch.as_tensor(RNG.standard_normal((1, 2, 5, D)), dtype=torch.float32) if torch else None
+HF_ROWS = [RNG.standard_normal((2, 3, D)) for _ in range(2)]
+
+
+def _hf_config():
+    return transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _hf_cache():
+    """A dense SphericalCache holding 5 tokens of both layers."""
+    from spherical_kv_ref.hf import SphericalCache
+    c = SphericalCache(_hf_config(), page_bytes=256)
+    for layer in range(2):
+        c.update(HF_K, HF_K - 1, layer)
+    return c
+
+
+def _hf_store(keys=None, num_q_heads=4):
+    from spherical_kv_ref.hf import DenseStore
+    return DenseStore(HF_ROWS if keys is None else keys, HF_ROWS if keys is None else keys,
+                      num_q_heads, 0)
+
+
+def _hf_state(c):
+    """What a SphericalCache holds: per layer its tensors and lengths, the recorded queries,
+    the store and the compressed cache (None before compress)."""
+    def arr(t):
+        return None if t is None else t.detach().numpy().tobytes()
+    layers = [(arr(lay.keys), arr(lay.values), getattr(lay, "length", None), lay.is_initialized)
+              for lay in c.layers]
+    return pickle.dumps((layers, [None if q is None else q.tobytes() for q in c.observed],
+                         c.store is None, c.kv is None, c.seq))
+
+
+def _as_numpy(pair):
+    return tuple(t.detach().numpy().copy() for t in pair)
+
+
+def _tensor_bad(t):
+    """The bad values of a (1, H, T, d) float tensor argument, by kind."""
+    nan, inf = t.clone(), t.clone()
+    nan[0, 1, 2, 3], inf[0, 0, 4, 0] = float("nan"), float("-inf")
+    return {NAN: (nan,), INF: (inf,), DTYPE: (t.long(), t.numpy(), t.to(torch.complex64)),
+            SHAPE: (t[..., :-1], t[:, :1], t[None], torch.cat([t, t]), t[0]),
+            NONCONTIG: (t.transpose(2, 3).contiguous().transpose(2, 3), t.repeat_interleave(2, dim=-1)[..., ::2]),
+            EMPTY: (t[:, :, :0],)}
 
 
 @dataclass(frozen=True)
@@ -460,6 +519,51 @@ ENTRIES = [
     E("rotation_signs", None, lambda _, codecs=(CODEC, TOP): ck.rotation_signs(codecs), codecs=(DTYPE, SHAPE, EMPTY),
       vals={("codecs", DTYPE): ((X,), "ab", (SphericalCodec(24, 4, seed=1),)),
             ("codecs", SHAPE): ((CODEC, C64[4]),), ("codecs", EMPTY): ((),)}),
+    # the transformers integration (spherical_kv_ref.hf)
+    E("SphericalCache", None, lambda _, observe=32: __import__("spherical_kv_ref.hf").hf.SphericalCache(
+        _hf_config(), observe=observe), observe=INT, vals={("observe", INDEX): (-1,)}, marks=HF),
+    E("SphericalCache.update", _hf_cache, lambda c, key_states=HF_K, value_states=HF_K * 2, layer_idx=1:
+      _as_numpy(c.update(key_states, value_states, layer_idx)), state=_hf_state, marks=HF,
+      key_states=ARRAY, value_states=ARRAY, layer_idx=INT,
+      vals={**{("key_states", k): v for k, v in _tensor_bad(HF_K).items()},
+            **{("value_states", k): v for k, v in _tensor_bad(HF_K * 2).items()}} if torch else {}),
+    E("SphericalCache.compress", _hf_cache, lambda c, budget_bytes=2048, protect=((0, 2),), method="fast":
+      c.compress(budget_bytes, protect, method=method), state=_hf_state, marks=HF,
+      budget_bytes=(INDEX, FLOAT), protect=(INDEX, DTYPE, SHAPE), method=(INDEX,),
+      vals={("budget_bytes", INDEX): (-1,), ("budget_bytes", FLOAT): (0.25, 2048.0),
+            ("protect", INDEX): (((0, 6),), ((-1, 2),), ((3, 1),), ((2, 2),)),
+            ("protect", DTYPE): (((0.0, 2),), ((0, "2"),), 3, ("ab",)),
+            ("protect", SHAPE): (((0, 1, 2),), ((0,),), (0, 2)), ("method", INDEX): ("bogus", 3)}),
+    E("SphericalCache.compress (fraction)", _hf_cache, lambda c, budget_fraction=0.5:
+      c.compress(budget_fraction=budget_fraction), state=_hf_state, marks=HF,
+      budget_fraction=(NAN, INF, INDEX, DTYPE), vals={("budget_fraction", INDEX): (-0.1, 1.5)}),
+    E("SphericalCache.compress (ladder)", _hf_cache, lambda c, ladder=LADDER: c.compress(2048, ladder=ladder),
+      state=_hf_state, marks=HF, ladder=(DTYPE,), vals={("ladder", DTYPE): ("x", [(4, 4)])}),
+    E("SphericalCache.dense_kv", _hf_cache, lambda c, layer=1: c.dense_kv(layer), state=_hf_state, marks=HF,
+      layer=INT),
+    E("SphericalCache.set_store", _hf_cache, lambda c, store=None: c.set_store(_hf_store() if store is None
+                                                                              else store),
+      state=_hf_state, marks=HF, store=(DTYPE, SHAPE),
+      vals={("store", DTYPE): ("store", HF_ROWS), ("store", SHAPE): (Derive(lambda c: _hf_store(num_q_heads=2)),
+                                                                     Derive(lambda c: _hf_store(HF_ROWS[:1])))}),
+    E("SphericalCache.from_store", None, lambda _, store=None, length=3, windows=None:
+      __import__("spherical_kv_ref.hf").hf.SphericalCache.from_store(
+          _hf_config(), _hf_store() if store is None else store, length, windows), marks=HF,
+      store=(DTYPE, SHAPE), length=INT, windows=(SHAPE,),
+      vals={("store", DTYPE): ("store", HF_ROWS), ("store", SHAPE): (Derive(lambda _: _hf_store(HF_ROWS * 2)),),
+            ("length", INDEX): (0, -1), ("length", FLOAT): (3.0,), ("windows", SHAPE): ([HF_ROWS],)}),
+    E("DenseStore", None, lambda _, keys=HF_ROWS, values=HF_ROWS, num_q_heads=4, nbytes=0:
+      __import__("spherical_kv_ref.hf").hf.DenseStore(keys, values, num_q_heads, nbytes), marks=HF,
+      keys=(NAN, INF, DTYPE, SHAPE), values=(NAN, INF, SHAPE), num_q_heads=INT, nbytes=INT,
+      vals={("keys", NAN): ([HF_ROWS[0], _f32(HF_ROWS[1], np.nan)],),
+            ("keys", INF): ([_f32(HF_ROWS[0], np.inf), HF_ROWS[1]],),
+            ("keys", DTYPE): ([HF_ROWS[0], HF_ROWS[1].astype(str)], [HF_ROWS[0], HF_ROWS[1] + 0j], 3),
+            ("keys", SHAPE): ([HF_ROWS[0], HF_ROWS[1][:, :-1]], [HF_ROWS[0][:, :, :-1], HF_ROWS[1][:, :, :-1]],
+                              [HF_ROWS[0][:1], HF_ROWS[1]], []),
+            ("values", NAN): ([_f32(HF_ROWS[0], np.nan), HF_ROWS[1]],),
+            ("values", INF): ([HF_ROWS[0], _f32(HF_ROWS[1], -np.inf)],),
+            ("values", SHAPE): (HF_ROWS[:1], [HF_ROWS[0], HF_ROWS[1][:, :, :-1]]),
+            ("num_q_heads", INDEX): (0, 3, -1), ("nbytes", INDEX): (-1,)}),
     E("rdr.solve", None, lambda _, method="fast": rdr.solve(rdr.Problem(
         np.ones((3, 3)), np.array([0, 4, 8]), np.zeros(3, np.int64), np.zeros(3, bool), 24, None), method=method),
       method=(INDEX,), vals={("method", INDEX): ("exact", 3)}),

@@ -54,7 +54,15 @@ def run(model, ids, fmt, variants=()) -> float:
         k, v = key[0].double().numpy(), value[0].double().numpy()
         mk = k.mean(axis=1, keepdims=True) if "centre-keys" in variants else 0.0
         mv = v.mean(axis=1, keepdims=True) if "centre-values" in variants else 0.0
-        kh = k if "keys-exact" in variants else stored(fmt, layer, k - mk, 0) + mk
+        sk = 1.0
+        if "smooth-keys" in variants:   # oracle per-channel q/k balance of this passage
+            qd = query[0].double().numpy()
+            g0 = qd.shape[0] // k.shape[0]
+            eq = (qd.reshape(k.shape[0], g0, -1, k.shape[2]) ** 2).mean(axis=(1, 2))
+            ek = ((k - mk) ** 2).mean(axis=1)
+            sk = ((eq + 1e-12) / (ek + 1e-12)) ** 0.25
+            sk = sk[:, None, :]
+        kh = k if "keys-exact" in variants else stored(fmt, layer, (k - mk) * sk, 0) / sk + mk
         vh = v if "values-exact" in variants else stored(fmt, layer, v - mv, 1) + mv
         if "sink-exact" in variants:
             kh[:, 0], vh[:, 0] = k[:, 0], v[:, 0]
@@ -99,7 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--variant", nargs="*", default=[],
                     help="diagnostics: keys-exact, values-exact, centre-keys, centre-values, "
-                         "self-exact, sink-exact (several at once)")
+                         "self-exact, sink-exact, smooth-keys (several at once)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     import torch
