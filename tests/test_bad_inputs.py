@@ -31,7 +31,7 @@ try:
 except ImportError:           # the hf rows skip themselves (HF)
     torch = transformers = None
 
-from strategies_paged import assert_cache_same, cache_snapshot
+from strategies_paged import assert_cache_same, cache_snapshot, snapshot
 
 D = 16
 RNG = np.random.default_rng(0)
@@ -98,6 +98,22 @@ def _cache64():
 
 def _pickled(obj):
     return pickle.dumps(obj)
+
+
+ROW = (0, 0, 0)                                       # the paged fixture's row
+TOP_ENC = TOP.encode(X)                               # 5 states at LADDER's top tier (16/16)
+
+
+def _paged():
+    """A PagedKV of LADDER at d = 16 holding one row of 5 top-tier states."""
+    p = skv.paged.PagedKV(LADDER, D, 256, 40)
+    p.add_row(ROW)
+    p.append(ROW, TOP_ENC, TOP_ENC, np.arange(5))
+    return p
+
+
+def _paged_state(p):
+    return pickle.dumps(snapshot(p))
 
 
 # the transformers integration (spherical_kv_ref.hf): the tiny Llama config of tests/test_hf*.py
@@ -519,6 +535,21 @@ ENTRIES = [
     E("rotation_signs", None, lambda _, codecs=(CODEC, TOP): ck.rotation_signs(codecs), codecs=(DTYPE, SHAPE, EMPTY),
       vals={("codecs", DTYPE): ((X,), "ab", (SphericalCodec(24, 4, seed=1),)),
             ("codecs", SHAPE): ((CODEC, C64[4]),), ("codecs", EMPTY): ((),)}),
+    # the page pool (spherical_kv_ref.paged.PagedKV): an unknown row key is refused by every method
+    E("PagedKV.append", _paged, lambda p, key=ROW, keys=TOP_ENC, values=TOP_ENC, pos=np.arange(5, 10):
+      p.append(key, keys, values, pos) and None, state=_paged_state, key=(INDEX,), keys=(DTYPE, SHAPE),
+      values=(DTYPE, SHAPE), pos=(DTYPE, SHAPE, FLOAT),
+      vals={("key", INDEX): ((0, 0, 1), 7), ("keys", SHAPE): (TOP_ENC.take(slice(0, 4)), ENC),
+            ("values", SHAPE): (TOP_ENC.take(slice(0, 4)), ENC),
+            ("pos", DTYPE): (np.arange(5.0, 10.0), np.array(list("abcde"))),
+            ("pos", FLOAT): (np.arange(5, 10) + 0.5,),
+            ("pos", SHAPE): (np.arange(5, 9), np.arange(5, 15).reshape(2, 5))}),
+    E("PagedKV.add_row", _paged, lambda p, key=(0, 0, 1): p.add_row(key), state=_paged_state, key=(INDEX,),
+      vals={("key", INDEX): (ROW,)}),
+    E("PagedKV.pages_needed", _paged, lambda p, key=ROW, n=3: p.pages_needed(key, n), state=_paged_state,
+      key=(INDEX,), n=INT, vals={("key", INDEX): (7,), ("n", INDEX): (-1,)}),
+    *(E(f"PagedKV.{m}", _paged, lambda p, key=ROW, m=m: getattr(p, m)(key), state=_paged_state, key=(INDEX,),
+        vals={("key", INDEX): ((0, 0, 1), None)}) for m in ("pages", "num_states", "states", "gather", "bytes")),
     # the transformers integration (spherical_kv_ref.hf)
     E("SphericalCache", None, lambda _, observe=32: __import__("spherical_kv_ref.hf").hf.SphericalCache(
         _hf_config(), observe=observe), observe=INT, vals={("observe", INDEX): (-1,)}, marks=HF),
