@@ -9,12 +9,15 @@ syncs, e.g. inside a CUDA graph capture.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
+from spherical_kv_ref.codec import whole
+
 from . import _pdl
-from ._module import constants, cupy, kernel
+from ._module import DIMS, constants, cupy, kernel
 from .pages import KernelTables, as_device, device_tables
 
 _C = constants()
@@ -131,14 +134,31 @@ def choose_splits(rows: int, total_pages: int, min_pages_per_split: int = 8,
     """Split count that gives ~``waves`` waves of CTAs, from shapes only (no device read).
     ctas_per_sm: the kernel's residency (DecodePath.ctas). fit: round the splits per
     row down, so that the CTAs fill whole waves, instead of up (up to rows - 1 CTAs in a
-    further, nearly empty wave)."""
+    further, nearly empty wave). ValueError naming the argument for a count that is not a
+    whole number (rows, total_pages >= 0; the others >= 1)."""
+    rows, total_pages = whole("rows", rows, 0), whole("total_pages", total_pages, 0)
+    min_pages_per_split = whole("min_pages_per_split", min_pages_per_split, 1)
+    ctas_per_sm, waves = whole("ctas_per_sm", ctas_per_sm, 1), whole("waves", waves, 1)
     target = waves * ctas_per_sm * _sm_count()
     avg = max(1, total_pages // max(1, rows))
     per_row = target // max(1, rows) if fit else math.ceil(target / max(1, rows))
     return int(max(1, min(per_row, avg // min_pages_per_split, 256)))
 
 
+#: the most splits ``make_workspace`` allocates (``choose_splits`` never picks more)
+MAX_SPLITS = 256
+
+
 def make_workspace(rows: int, group: int, dim: int, num_splits: int) -> DecodeWorkspace:
+    """The split-K partials of ``ada_decode`` for ``rows`` rows of ``group`` query heads at
+    head dim ``dim`` over ``num_splits`` splits (1: none needed, nothing allocated).
+    ValueError naming the argument, before any allocation, for a count out of range."""
+    rows = whole("rows", rows, 0)
+    group = whole("group", group, 1, MAX_GROUP + 1)
+    dim = whole("dim", dim, 1)
+    if dim not in DIMS:
+        raise ValueError(f"dim must be one of the kernels' head dims {DIMS}, got {dim}")
+    num_splits = whole("num_splits", num_splits, 1, MAX_SPLITS + 1)
     cp = cupy()
     if num_splits <= 1:
         return DecodeWorkspace(1, None, None)
@@ -148,8 +168,11 @@ def make_workspace(rows: int, group: int, dim: int, num_splits: int) -> DecodeWo
 
 
 PAGE_TABLE_FAULTS = ("indptr[0] must be 0", "indptr[-1] must equal len(indices)",
-                     "indptr must be non-decreasing", "a page index is outside the pool",
-                     "a referenced page is free, has an unknown tier, or a count outside 1..P")
+                     "indptr must be non-decreasing", "an entry of indices is outside the pool",
+                     "a page in indices is free (page_tier 0), has an unknown page_tier, or a "
+                     "page_count outside 1..P")
+#: the arrays ``ada_decode`` checks for NaN and Inf, in the order it passes them
+FINITE_NAMES = ("q", "mean_k", "mean_v", "sigma_k", "sigma_v")
 
 
 def validate_page_table(page_tier, page_count, indptr, indices, tables: KernelTables, rows: int,
@@ -166,25 +189,29 @@ def validate_page_table(page_tier, page_count, indptr, indices, tables: KernelTa
     raise_page_table_faults(bad.get())   # the one host sync of validation
 
 
-def raise_page_table_faults(b) -> None:
-    """ValueError for the first fault flagged in ``page_table_faults``' answer, if any."""
+def raise_page_table_faults(b, names=FINITE_NAMES) -> None:
+    """ValueError for the first fault flagged in ``page_table_faults``' answer, if any; a
+    NaN or Inf names the arrays it is in (``names``: those of ``finite``, in order)."""
     for flag, msg in zip(b, PAGE_TABLE_FAULTS):
         if flag:
             raise ValueError(f"bad page table: {msg}")
     if b[5]:
-        raise ValueError("q, mean_k or mean_v contains NaN or Inf")
+        which = [n for n, f in zip(names, b[6:]) if f]
+        raise ValueError(f"{' and '.join(which) or 'q, mean_k or mean_v'} contains NaN or Inf")
 
 
 def page_table_faults(xp, page_tier, page_count, indptr, indices, geom, num_tiers: int, rows: int,
                       finite=()):
-    """The checks of ``validate_page_table`` as int32 flags (6,), one per PAGE_TABLE_FAULTS
-    entry and one for NaN/Inf in ``finite``, computed with the array module xp: CuPy on the
-    device, NumPy on the host (where the tests run them without a GPU)."""
+    """The checks of ``validate_page_table`` as int32 flags (6 + len(finite),), one per
+    PAGE_TABLE_FAULTS entry, one for NaN/Inf in any array of ``finite`` and then one per such
+    array, computed with the array module xp: CuPy on the device, NumPy on the host (where the
+    tests run them without a GPU)."""
     num_pages = page_tier.shape[0]
-    bad = xp.zeros(6, xp.int32)
-    for a in finite:
+    bad = xp.zeros(6 + len(finite), xp.int32)
+    for i, a in enumerate(finite):
         if a is not None and a.size:
-            bad[5] |= ~xp.all(xp.isfinite(a))
+            bad[6 + i] = ~xp.all(xp.isfinite(a))
+            bad[5] |= bad[6 + i]
     bad[0] = indptr[0] != 0
     bad[1] = (indptr[-1] != indices.shape[0])
     if rows > 0:
@@ -215,7 +242,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     or None. The pool's codebook picks the path (``decode_path``): the uniform codebook the
     affine kernel, any other the table kernel. num_splits: split-K partitions of each row's
     pages (None: ``splits_for``). validate (default): before the launch, one host sync checks the page
-    table and that q, mean_k and mean_v hold no NaN or Inf (ValueError, ``out`` untouched);
+    table and that q, mean_k, mean_v and the signs hold no NaN or Inf (ValueError, ``out`` untouched);
     pass False inside a CUDA graph, where nothing checks them (non-finite input then gives an
     undefined output, not always NaN). lse: a contiguous float32 (batch, num_q_heads) array
     that receives each head's log-sum-exp (natural log) of its scaled logits
@@ -224,6 +251,15 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     so the call takes at least 2 splits (a workspace of 1 split is a ValueError). Returns a
     CuPy array (a torch tensor if q is one)."""
     path = decode_path(tables)
+    hkv = whole("num_kv_heads", num_kv_heads, 1)
+    if num_splits is not None:
+        num_splits = whole("num_splits", num_splits, 1)
+    if softmax_scale is not None and (isinstance(softmax_scale, (bool, np.bool_))
+                                      or not isinstance(softmax_scale, numbers.Real)):
+        raise ValueError(f"softmax_scale must be a real number or None, got {softmax_scale!r}")
+    if workspace is not None and not isinstance(workspace, DecodeWorkspace):
+        raise ValueError(f"workspace must be a DecodeWorkspace (make_workspace) or None, got "
+                         f"{type(workspace).__name__}")
     cp = cupy()
     if type(q).__module__.startswith("torch") and getattr(q, "dtype", None) is not None \
             and str(q.dtype) != "torch.float32":
@@ -234,8 +270,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     batch, hq, d = qa.shape
     if d != tables.dim:
         raise ValueError(f"q has head dim {d}; the tables are for {tables.dim}")
-    hkv = int(num_kv_heads)
-    if hkv < 1 or hq % hkv:
+    if hq % hkv:
         raise ValueError(f"num_q_heads={hq} is not a multiple of num_kv_heads={hkv}")
     group = hq // hkv
     if group > MAX_GROUP:
@@ -302,8 +337,6 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
     else:
         splits = (splits_for(tables, rows, ix.shape[0])
                   if num_splits is None else int(num_splits))
-        if splits < 1:
-            raise ValueError("num_splits must be >= 1")
         if lse is not None:
             splits = max(splits, 2)
         workspace = make_workspace(rows, group, d, splits)
@@ -314,7 +347,7 @@ def ada_decode(q, pages, page_tier, page_count, indptr, indices, tables: KernelT
         if out.shape != (batch, hq, d) or not out.flags.c_contiguous:
             raise ValueError(f"out must be a contiguous float32 ({batch}, {hq}, {d}) array")
     if validate:
-        validate_page_table(pt, pc, ip, ix, tables, rows, finite=(qa, *means))
+        validate_page_table(pt, pc, ip, ix, tables, rows, finite=(qa, *means, sk, sv))
     if rows == 0:
         if lse is not None:
             lse.fill(-np.inf)

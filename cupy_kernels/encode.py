@@ -5,11 +5,12 @@ each straight into (dst_page, dst_slot) of the pool, at the bit width of that pa
 ``encode_kv_into_pages`` does both parts of the same states in one launch.
 It does not touch page_count (the cache's bookkeeping). With ``check=True`` (default) it
 first checks every index (page ids inside the pool, heads inside sigma, mean rows inside
-mean) and the input for NaN/Inf on the device and raises ValueError before any launch, so a
-bad index never writes outside the pool and such a call writes nothing; then it syncs once
-more and raises ValueError for a norm beyond an fp16 scale, a 16-bit coordinate beyond fp16,
-or a destination page without a tier or a slot outside its page (found by the kernel: the
-other vectors of that call are written).
+mean, every destination page at a tier of the ladder and every slot inside its page) and the
+inputs, signs and means for NaN/Inf on the device and raises ValueError naming the argument
+before any launch, so a bad index never writes outside the pool and such a call writes
+nothing; then it syncs once more and raises ValueError for a norm beyond an fp16 scale or a
+16-bit coordinate beyond fp16 (found by the kernel: the other vectors of that call are
+written).
 ``check=False`` keeps the call free of host syncs (graph capture): the caller guarantees
 the indices.
 
@@ -71,8 +72,9 @@ def _sm_count(device_id: int) -> int:
 
 def check_inputs(*checks, finite=()) -> None:
     """Raises ValueError unless every (index array, bound, what) has all entries in
-    [0, bound) and every array of ``finite`` is free of NaN/Inf: one device reduction per
-    array, one host sync for all of them."""
+    [0, bound) (bound: a number, or an array of one bound per entry) and every array of
+    ``finite`` (an array, or (array, name) to name it in the message) is free of NaN/Inf: one
+    device reduction per array, one host sync for all of them."""
     msgs = input_faults(cupy(), checks, finite)
     if msgs:
         raise ValueError("; ".join(msgs))
@@ -84,12 +86,16 @@ def input_faults(xp, checks, finite=()) -> list:
     flags, msgs = [], []
     for a, hi, what in checks:
         if getattr(a, "size", 0):
-            flags.append(xp.any((a < 0) | (a >= int(hi))))
+            flags.append(xp.any((a < 0) | (a >= (hi if hasattr(hi, "shape") else int(hi)))))
             msgs.append(what)
     for a in finite:
+        a, name = a if isinstance(a, tuple) else (a, None)
+        if isinstance(a, np.uint64):        # an absent table (a NULL pointer argument)
+            continue
         if a.size:
             flags.append(~xp.all(xp.isfinite(a)))
-            msgs.append(dict(_STATUS)[1])   # the kernels' NaN/Inf status message
+            # the kernels' NaN/Inf status message, or the named array's
+            msgs.append(dict(_STATUS)[1] if name is None else f"{name} contains NaN or Inf")
     if not flags:
         return []
     bad = xp.stack(flags)
@@ -97,11 +103,27 @@ def input_faults(xp, checks, finite=()) -> list:
     return list(dict.fromkeys(m for flag, m in zip(bad, msgs) if flag))
 
 
-def _dest_ranges(dests, pt, sigmas, mi, means):
-    """The index checks of check_inputs for an encode call: page ids, heads (against every sigma
-    table) and mean rows (against every mean table that is given)."""
-    hd, dp, _ = dests
+def slot_checks(xp, page, slot, pt, tables: KernelTables, name: str):
+    """The checks of check_inputs that every (page, slot) names a slot of a page of the
+    ladder: the page's tier in 1..T (not a free page) and the slot in 0..P(tier) - 1 (``name``:
+    what the message calls them, "dst" or "src"). Pages outside the pool are another check's."""
+    if not getattr(page, "size", 0):
+        return []
+    geom = device_tables(tables)["geom"] if xp is not np else tables.geom
+    tier = pt[xp.clip(page, 0, pt.shape[0] - 1)]
+    cap = geom[xp.clip(tier, 0, tables.num_tiers), 2]
+    return [(tier - 1, tables.num_tiers, f"a {name}_page is free or has an unknown tier "
+                                         f"(page_tier not in 1..{tables.num_tiers})"),
+            (slot, cap, f"a {name}_slot is outside its page (0..P-1 of the page's tier)")]
+
+
+def _dest_ranges(dests, pt, sigmas, mi, means, tables: KernelTables):
+    """The index checks of check_inputs for an encode call: page ids, destination tiers and
+    slots, heads (against every sigma table) and mean rows (against every mean table that is
+    given)."""
+    hd, dp, ds = dests
     out = [(dp, pt.shape[0], f"a dst_page is outside the pool of {pt.shape[0]} pages")]
+    out += slot_checks(cupy(), dp, ds, pt, tables, "dst")
     rows = min(s.shape[0] for s in sigmas)
     out.append((hd, rows, f"a head is outside the {rows} rows of sigma"))
     given = [m for m in means if not isinstance(m, np.uint64)]
@@ -111,10 +133,10 @@ def _dest_ranges(dests, pt, sigmas, mi, means):
     return out
 
 
-def _index(a, name, n):
+def _index(a, name, n, per: str = "vector"):
     arr, _ = as_device(a, name, np.int32, 1)
     if arr.shape[0] != n:
-        raise ValueError(f"{name} must have {n} entries, got {arr.shape[0]}")
+        raise ValueError(f"{name} must have {n} entries (one per {per}), got {arr.shape[0]}")
     return arr if arr.flags.c_contiguous else arr.copy()
 
 
@@ -324,7 +346,8 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
     else:
         mn = mi = np.uint64(0)
     if check:
-        check_inputs(*_dest_ranges(dests, pt, (sg,), mi, (mn,)), finite=(xa,))
+        check_inputs(*_dest_ranges(dests, pt, (sg,), mi, (mn,), tables),
+                     finite=((xa, "x"), (sg, "sigma"), (mn, "mean")))
     if status is None:
         status = cp.zeros(1, cp.int32)
     p = 0 if part == "key" else 1
@@ -356,7 +379,9 @@ def encode_kv_into_pages(k, v, pages, page_tier, tables: KernelTables, sigma_k, 
     mv = _rows_of(mean_v, d, "mean_v") if mean_v is not None else np.uint64(0)
     mi = _index(mean_index, "mean_index", n) if mean_index is not None else np.uint64(0)
     if check:
-        check_inputs(*_dest_ranges(dests, pt, (sk, sv), mi, (mk, mv)), finite=(ka, va))
+        check_inputs(*_dest_ranges(dests, pt, (sk, sv), mi, (mk, mv), tables),
+                     finite=((ka, "k"), (va, "v"), (sk, "sigma_k"), (sv, "sigma_v"),
+                             (mk, "mean_k"), (mv, "mean_v")))
     if status is None:
         status = cp.zeros(1, cp.int32)
     if n:

@@ -26,6 +26,12 @@ def _tables(tiers: tuple, dim: int, page_bytes: int, codebook: str) -> KernelTab
     return kernel_tables(list(tiers), dim, page_bytes, codebook=codebook)
 
 
+def _check_cache(cache) -> None:
+    from spherical_kv_ref.cache import SphericalKVCache
+    if not isinstance(cache, SphericalKVCache):
+        raise ValueError(f"cache must be a SphericalKVCache, got {type(cache).__name__}")
+
+
 @dataclass(frozen=True)
 class CacheKernelInputs:
     """Host arrays of one decode over ``rows`` = len(seqs) * num_kv_heads rows (sequence-major,
@@ -45,16 +51,17 @@ def kernel_inputs(cache, seqs, layer: int) -> CacheKernelInputs:
     """The kernels' view of one layer of ``cache`` over the sequences ``seqs`` (an id or a
     list). The rotation of a (layer, kv-head, part) is the same at every tier (re-tiering never
     rotates), so the signs come from the top tier's codecs. ValueError for a cache the kernels
-    cannot read (a head dim without a kernel instance, ``_module.DIMS``; a ladder or page size they do not support)."""
+    cannot read (a head dim without a kernel instance, ``_module.DIMS``; a ladder or page size
+    they do not support), and for a bad sequence id or layer (naming it; the cache's own checks)."""
     from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT
-    seqs = [seqs] if isinstance(seqs, (int, np.integer)) else list(seqs)
+    _check_cache(cache)
+    table = cache.page_table(seqs, layer)      # checks seqs and layer
     tiers = tuple(tuple(int(b) for b in t) for t in cache.ladder.tiers)
     tables = _tables(tiers, int(cache.head_dim), int(cache.page_bytes), str(cache.codebook))
-    layer = int(layer)
+    layer = int(layer)                         # a whole number in range (page_table)
     kb, vb = cache.ladder.bits(cache.ladder.top)
     signs = [rotation_signs([cache.codec(layer, h, bits, salt) for h in range(cache.num_kv_heads)])
              for bits, salt in ((kb, KEY_SALT), (vb, VALUE_SALT))]
-    table = cache.page_table(seqs, layer)
     means = (np.ascontiguousarray(table.mean_k, np.float32),
              np.ascontiguousarray(table.mean_v, np.float32)) if cache.centre else (None, None)
     return CacheKernelInputs(tables, signs[0], signs[1], np.asarray(table.indptr, np.int32),
@@ -75,6 +82,7 @@ def upload_pool(cache) -> DevicePool:
     """Copies the cache's pool to the current GPU (take a new copy after the cache changes:
     appends, compress, free)."""
     from ._module import cupy
+    _check_cache(cache)
     cp = cupy()
     pool = cache.paged.pool
     return DevicePool(cp.asarray(pool.data), cp.asarray(pool.page_tier),
@@ -90,8 +98,10 @@ def decode_cache(cache, seqs, layer: int, q, *, pool: DevicePool | None = None, 
     Further keywords go to ``ada_decode`` (num_splits, out, workspace, validate, lse)."""
     from .ada_decode import ada_decode
     from ._module import cupy
-    cp = cupy()
     inp = kernel_inputs(cache, seqs, layer)
+    if pool is not None and not isinstance(pool, DevicePool):
+        raise ValueError(f"pool must be upload_pool(cache) or None, got {type(pool).__name__}")
+    cp = cupy()
     pool = upload_pool(cache) if pool is None else pool
     sk, sv, indptr, indices, mk, mv = (None if a is None else cp.asarray(a) for a in
                                        (inp.sigma_k, inp.sigma_v, inp.indptr, inp.indices,

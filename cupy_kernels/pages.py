@@ -86,7 +86,7 @@ def kernel_tables(ladder, dim: int, page_bytes: int = 4096,
     from spherical_kv_ref.codec import whole
     from ._module import DIMS
     if whole("dim", dim, 1) not in DIMS:
-        raise ValueError(f"the kernels are built for head dims {DIMS}, got {dim}")
+        raise ValueError(f"dim must be one of the head dims the kernels are built for, {DIMS}; got {dim}")
     if whole("page_bytes", page_bytes, 16) % 16:
         raise ValueError(f"page_bytes must be a positive multiple of 16, got {page_bytes}")
     geom = np.zeros((len(tiers) + 1, GEOM_STRIDE), np.int32)
@@ -132,27 +132,42 @@ def pack_pages(rows: Sequence[Sequence[Tuple[int, object, object]]], tables: Ker
     chunks; a chunk's states fill pages of that tier densely (slots 0..count-1), every page
     of one row and tier except the last one full. rng (numpy Generator): shuffles page ids
     and the order of a row's pages (both are free in the format). fill: byte value of unused
-    page bytes, or None for random bytes (shows that kernels ignore them)."""
+    page bytes, or None for random bytes (shows that kernels ignore them). ValueError naming
+    the argument (``rows[r]`` for a chunk of row r) before anything is laid out."""
+    from spherical_kv_ref.codec import Encoded, whole
+    if not isinstance(tables, KernelTables):
+        raise ValueError(f"tables must be KernelTables (kernel_tables), got {type(tables).__name__}")
+    if num_pages is not None:
+        num_pages = whole("num_pages", num_pages, 0)
+    if fill is not None:
+        fill = whole("fill", fill, 0, 256)
     g = tables.geom
     plan: List[List[Tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = []
-    for chunks in rows:
+    for r, chunks in enumerate(rows):
         mine = []
-        for tier, ke, ve in chunks:
-            if not 1 <= tier <= tables.num_tiers:
-                raise ValueError(f"tier {tier} outside 1..{tables.num_tiers}")
+        for chunk in chunks:
+            if not (isinstance(chunk, (tuple, list)) and len(chunk) == 3 and isinstance(chunk[1], Encoded)
+                    and isinstance(chunk[2], Encoded)):
+                raise ValueError(f"rows[{r}]: a chunk must be (tier, keys Encoded, values "
+                                 f"Encoded), got {type(chunk).__name__}")
+            tier, ke, ve = chunk
+            if isinstance(tier, (bool, np.bool_)) or not isinstance(tier, (int, np.integer)) \
+                    or not 1 <= tier <= tables.num_tiers:
+                raise ValueError(f"rows[{r}]: tier {tier!r} outside 1..{tables.num_tiers}")
             kb, vb, p, kw, vw = (int(x) for x in g[tier, :5])
             if ke.bits != kb or ve.bits != vb or ke.dim != tables.dim or ve.dim != tables.dim:
-                raise ValueError(f"tier {tier} holds ({kb}, {vb}) bits at dim {tables.dim}")
+                raise ValueError(f"rows[{r}]: tier {tier} holds ({kb}, {vb}) bits at dim "
+                                 f"{tables.dim}, got ({ke.bits}, {ve.bits}) at {ke.dim}")
             if len(ke) != len(ve):
-                raise ValueError("keys and values differ in length")
+                raise ValueError(f"rows[{r}]: keys and values differ in length")
             for a in range(0, len(ke), p):
                 sl = slice(a, min(len(ke), a + p))
                 mine.append((tier, ke.codes[sl], ke.scale[sl], ve.codes[sl], ve.scale[sl]))
         plan.append(mine)
     used = sum(len(m) for m in plan)
-    num_pages = used if num_pages is None else int(num_pages)
+    num_pages = used if num_pages is None else num_pages
     if num_pages < used:
-        raise ValueError(f"{used} pages needed, pool has {num_pages}")
+        raise ValueError(f"num_pages={num_pages}: the rows need {used} pages")
     ids = np.arange(num_pages, dtype=np.int32)
     if rng is not None:
         rng.shuffle(ids)
@@ -193,13 +208,20 @@ def pack_pages(rows: Sequence[Sequence[Tuple[int, object, object]]], tables: Ker
 
 
 def rotation_signs(codecs: Sequence) -> np.ndarray:
-    """float32 (H, d) sign table from codecs (one per kv-head), for the kernels."""
+    """float32 (H, d) sign table from codecs (one per kv-head), for the kernels. ValueError
+    naming ``codecs`` for none, a codec without a Hadamard rotation, or codecs of different
+    head dims."""
     out = []
     for c in codecs:
         s = getattr(c, "signs", None)
         if s is None:
-            raise ValueError("the kernels need Hadamard rotations (a power-of-two head dim)")
+            raise ValueError(f"codecs: the kernels need Hadamard rotations (a power-of-two head "
+                             f"dim), got {type(c).__name__} without rotation signs")
         out.append(np.asarray(s, np.float32))
+    if not out:
+        raise ValueError("codecs must hold one codec per kv-head, got none")
+    if len({a.shape for a in out}) > 1:
+        raise ValueError(f"codecs must share one head dim, got {sorted({a.shape[0] for a in out})}")
     return np.stack(out)
 
 

@@ -429,7 +429,12 @@ class SphericalKVCache:
     def page_table(self, seqs, layer) -> LayerPageTable:
         """The CSR page table of one layer over the rows (seq, kv-head) of the given
         sequences (an id or a list), with the rows' means: what the GPU kernel receives."""
-        seqs = [seqs] if isinstance(seqs, (int, np.integer)) else list(seqs)
+        if isinstance(seqs, (int, np.integer)):
+            seqs = [seqs]
+        elif isinstance(seqs, (list, tuple, np.ndarray, range)):
+            seqs = list(seqs)
+        else:
+            raise ValueError(f"seqs must be a sequence id or a list of them, got {seqs!r}")
         layer = self._layer(layer)
         ss = [self._seq(x) for x in seqs]
         t: PageTable = self.paged.page_table([(int(x), layer, h) for x in seqs

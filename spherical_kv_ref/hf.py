@@ -46,6 +46,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from .cache import CompressPolicy, SphericalKVCache
+from .codec import whole
 from .rotation import KEY_SALT, VALUE_SALT
 
 ATTENTION_NAME = "spherical_kv"
@@ -94,6 +95,17 @@ def _chunk_part(q, k, v, k_held, v_held, scale):
     return out, (zmax + np.log(den))[..., 0]
 
 
+def _real_rows(x, name: str) -> np.ndarray:
+    """x as a finite real (n, d) array; ValueError naming ``name`` otherwise."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "fiu" or a.ndim != 2:
+        raise ValueError(f"{name}: every kv-head must be a real (n, d) array, got {a.dtype} "
+                         f"{a.shape}")
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"{name} contains NaN or Inf")
+    return a
+
+
 class _Rows:
     """A (n, d) float64 array that grows at the end in amortised O(1) per row (decode
     appends one token per step; re-concatenating a 4K-state row every step costs more
@@ -137,6 +149,20 @@ class ContextStore:
         raise NotImplementedError
 
 
+def _check_store(store, num_q_heads: int, num_kv_heads: int, num_layers: int) -> None:
+    """ValueError naming ``store`` unless it is a ContextStore of the model's heads (and, if
+    it says, of its store layers)."""
+    if not isinstance(store, ContextStore):
+        raise ValueError(f"store must be a ContextStore, got {type(store).__name__}")
+    if (store.num_q_heads, store.num_kv_heads) != (num_q_heads, num_kv_heads):
+        raise ValueError(f"store holds {store.num_kv_heads} kv-heads for {store.num_q_heads} query "
+                         f"heads; the model has {num_kv_heads} for {num_q_heads}")
+    layers = getattr(store, "num_layers", None)
+    if layers is not None and layers != num_layers:
+        raise ValueError(f"store holds {layers} layers; the model has {num_layers} "
+                         f"full-attention layers")
+
+
 class DenseStore(ContextStore):
     """Explicit keys/values per layer and kv-head: ``keys[layer]`` is a (num_kv_heads, n, d)
     array or a list of per-head (n_h, d) arrays (evicting methods keep different tokens per
@@ -145,13 +171,36 @@ class DenseStore(ContextStore):
 
     def __init__(self, keys, values, num_q_heads: int, nbytes: int,
                  bytes_per_state: Optional[int] = None):
-        self.keys = [[_Rows(kh) for kh in k] for k in keys]
-        self.values = [[_Rows(vh) for vh in v] for v in values]
+        num_q_heads = whole("num_q_heads", num_q_heads, 1)
+        nbytes = whole("nbytes", nbytes, 0)
+        if bytes_per_state is not None:
+            bytes_per_state = whole("bytes_per_state", bytes_per_state, 0)
+        rows = {}
+        for name, per_layer in (("keys", keys), ("values", values)):
+            try:
+                rows[name] = [[_Rows(_real_rows(x, f"{name}[{i}]")) for x in layer]
+                              for i, layer in enumerate(per_layer)]
+            except TypeError:
+                raise ValueError(f"{name} must hold per layer (num_kv_heads, n, d) arrays or lists "
+                                 f"of per-head (n, d) arrays") from None
+        k, v = rows["keys"], rows["values"]
+        if not k or not k[0]:
+            raise ValueError("keys must hold at least one layer of at least one kv-head")
+        shape = [[r.rows.shape for r in layer] for layer in k]
+        d = shape[0][0][1]
+        if [[r.rows.shape for r in layer] for layer in v] != shape:
+            raise ValueError("keys and values must have the same layers, heads and shapes")
+        if any(len(layer) != len(k[0]) or any(sh[1] != d for sh in layer) for layer in shape):
+            raise ValueError("keys must hold the same kv-heads and head dim in every layer")
+        if num_q_heads % len(k[0]):
+            raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of the "
+                             f"{len(k[0])} kv-heads of keys")
+        self.keys, self.values = k, v
         self.num_kv_heads = len(self.keys[0])
-        self.num_q_heads = int(num_q_heads)
-        d = self.keys[0][0].rows.shape[-1]
-        self._nbytes = int(nbytes)
-        self._per_state = 4 * d if bytes_per_state is None else int(bytes_per_state)
+        self.num_q_heads = num_q_heads
+        self.num_layers = len(self.keys)
+        self._nbytes = nbytes
+        self._per_state = 4 * d if bytes_per_state is None else bytes_per_state
 
     def attend(self, layer, q, scale):
         G = self.num_q_heads // self.num_kv_heads
@@ -190,6 +239,7 @@ class SphericalStore(ContextStore):
     def __init__(self, kv: SphericalKVCache, seq: int):
         self.kv, self.seq = kv, int(seq)
         self.num_q_heads, self.num_kv_heads = kv.num_q_heads, kv.num_kv_heads
+        self.num_layers = kv.num_layers
         self._snap = [None] * kv.num_layers
 
     def _snapshot(self, layer):
@@ -416,6 +466,7 @@ class SphericalCache(Cache):
     0, 1, … stand for; ``window_layers``: the others."""
 
     def __init__(self, config, observe: int = 32, **cache_kwargs):
+        observe = whole("observe", observe, 0)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         kinds, self.sliding_window = layer_kinds(config)
         self.num_layers = text.num_hidden_layers
@@ -444,9 +495,8 @@ class SphericalCache(Cache):
         of its last n ≤ min(length, sliding_window − 1) post-RoPE states (what ``dense_kv``
         gives for that layer after a prefill of ``length`` tokens)."""
         cache = cls(config, **kw)
-        length = int(length)
-        if length < 1:
-            raise ValueError(f"length must be at least 1, got {length}")
+        length = whole("length", length, 1)
+        _check_store(store, cache.num_q_heads, cache.num_kv_heads, len(cache.store_layers))
         windows = [] if windows is None else list(windows)
         if len(windows) != len(cache.window_layers):
             raise ValueError(f"windows: the model has {len(cache.window_layers)} sliding-window "
@@ -472,12 +522,55 @@ class SphericalCache(Cache):
             lay.is_initialized = True
         return cache
 
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """transformers' ``Cache.update``, after checking the chunk: key_states and
+        value_states finite floating tensors of one shape (1, num_kv_heads, T, head_dim),
+        layer_idx a layer of the model (ValueError naming the argument, the cache unchanged)."""
+        layer_idx = whole("layer_idx", layer_idx, 0, self.num_layers)
+        want = (1, self.num_kv_heads, self.head_dim)
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch tensor, got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+            if t.ndim != 4 or (t.shape[0], t.shape[1], t.shape[3]) != want:
+                raise ValueError(f"{name} must have shape (1, {self.num_kv_heads}, T, "
+                                 f"{self.head_dim}) (SphericalCache serves batch 1), got "
+                                 f"{tuple(t.shape)}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} contains NaN or Inf")
+        if key_states.shape != value_states.shape:
+            raise ValueError(f"key_states {tuple(key_states.shape)} and value_states "
+                             f"{tuple(value_states.shape)} must have the same shape")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _spans(self, protect) -> list:
+        """``compress``'s protect spans as [(start, stop)], each of whole numbers with
+        0 <= start < stop <= the tokens held (ValueError naming protect otherwise)."""
+        n = self.layers[self.store_layers[0]].length if self.store_layers else 0
+        try:
+            spans = [tuple(p) for p in protect]
+        except TypeError:
+            raise ValueError(f"protect must be a list of (start, stop) spans, got {protect!r}") from None
+        for p in spans:
+            try:
+                if len(p) != 2:
+                    raise ValueError
+                a, b = (whole("start", p[0], 0), whole("stop", p[1], 0))
+            except ValueError:
+                raise ValueError(f"protect: a span must be (start, stop) whole numbers, got "
+                                 f"{p!r}") from None
+            if not a < b <= n:
+                raise ValueError(f"protect: span [{a}, {b}) is not within the {n} tokens held "
+                                 f"(0 <= start < stop <= {n})")
+        return spans
+
     # -- dense phase ----------------------------------------------------------------
     def dense_kv(self, layer: int):
         """The dense post-RoPE keys and values of a layer, (num_kv_heads, n, d) float64: a
         full-attention layer's whole prefill (until compressed), a sliding-window layer's
         window (its last states, at most sliding_window − 1)."""
-        lay = self.layers[layer]
+        lay = self.layers[whole("layer", layer, 0, self.num_layers)]
         if lay.keys is None or lay.keys.numel() == 0:
             raise ValueError(f"layer {layer} holds no dense states (nothing prefilled, or compressed)")
         return (lay.keys[0].detach().double().numpy(), lay.values[0].detach().double().numpy())
@@ -496,7 +589,9 @@ class SphericalCache(Cache):
     def set_store(self, store: ContextStore) -> None:
         """Replace the full-attention layers' dense states by a context store (a baseline's,
         or Spherical KV's) whose layer j is model layer ``store_layers[j]``; the
-        sliding-window layers keep their windows."""
+        sliding-window layers keep their windows. ValueError naming ``store`` for anything but
+        a ContextStore of the model's heads and full-attention layers."""
+        _check_store(store, self.num_q_heads, self.num_kv_heads, len(self.store_layers))
         self.store = store
         for i in self.store_layers:
             self.layers[i].keys = self.layers[i].values = None
@@ -513,6 +608,7 @@ class SphericalCache(Cache):
         the cache stays dense and usable."""
         if self.store is not None:
             raise ValueError("this cache is already compressed")
+        protect = self._spans(protect)
         if not self.store_layers:
             raise ValueError("the model has no full-attention layer: its sliding windows are "
                              "all the cache holds, there is nothing to compress")

@@ -30,7 +30,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence
 import numpy as np
 
 from . import codebooks
-from .codec import FP16_MAX, Encoded, SphericalCodec, _pack_fp16, pack_codes, vector_bytes
+from .codec import FP16_MAX, Encoded, SphericalCodec, _pack_fp16, pack_codes, vector_bytes, whole
 from .tiers import TierLadder
 
 __all__ = ["TierLayout", "page_layout", "PoolExhaustedError", "PagePool", "PagedKV",
@@ -282,12 +282,12 @@ class PagedKV:
 
     def add_row(self, key: Hashable) -> None:
         if key in self.rows:
-            raise ValueError(f"row {key!r} already exists")
+            raise ValueError(f"a row with key {key!r} already exists")
         self.rows[key] = []
 
     def _row(self, key) -> List[int]:
         if key not in self.rows:
-            raise ValueError(f"no row {key!r} (never added, or freed)")
+            raise ValueError(f"no row with key {key!r} (never added, or freed)")
         return self.rows[key]
 
     def pages(self, key) -> List[int]:
@@ -346,6 +346,7 @@ class PagedKV:
 
     def pages_needed(self, key, n: int) -> int:
         """Fresh pages an append of n states to a row would take."""
+        n = whole("n", n, 0)
         per = self.pool.layout[self.top].states_per_page
         room = sum(per - int(self.pool.page_count[p]) for p in self._open_top_pages(self._row(key)))
         return -(-max(0, n - room) // per)
@@ -358,13 +359,22 @@ class PagedKV:
         undo token for ``undo_append``."""
         row = self._row(key)
         kb, vb = self.ladder.bits(self.top)
-        pos = np.asarray(pos, np.int64).reshape(-1)
+        for name, e in (("keys", keys), ("values", values)):
+            if not isinstance(e, Encoded):
+                raise ValueError(f"{name} must be Encoded (a codec's encode), got {type(e).__name__}")
+        pos = np.asarray(pos)
+        if pos.ndim != 1 or (pos.size and pos.dtype.kind not in "iu"):
+            raise ValueError(f"pos must be a 1-d array of integer token positions, got {pos.dtype} "
+                             f"{pos.shape}")
+        pos = pos.astype(np.int64)
         if keys.bits != kb or values.bits != vb or keys.dim != self.dim or values.dim != self.dim:
-            raise ValueError(f"new states must be encoded at the top tier ({kb}, {vb}) bits, "
-                             f"dim {self.dim}; got ({keys.bits}, {values.bits}), dim {keys.dim}")
+            raise ValueError(f"keys and values must be encoded at the top tier ({kb}, {vb}) bits, "
+                             f"dim {self.dim}; got ({keys.bits}, {values.bits}), dim "
+                             f"({keys.dim}, {values.dim})")
         n = len(keys)
         if len(values) != n or pos.shape[0] != n:
-            raise ValueError(f"{n} keys, {len(values)} values and {pos.shape[0]} positions")
+            raise ValueError(f"keys ({n}), values ({len(values)}) and pos ({pos.shape[0]}) must "
+                             f"have one entry per new state")
         per = self.pool.layout[self.top].states_per_page
         open_pages = self._open_top_pages(row)
         fresh = self.pool.allocate(self.pages_needed(key, n), self.top)   # raises before any change

@@ -83,3 +83,40 @@ def test_ada_decode_refuses_bad_tables_before_launch(table, how, seed):
                    num_kv_heads=1, mean_k=cp.asarray(bad["mean_k"]), mean_v=cp.asarray(bad["mean_v"]),
                    out=out)
     assert bool(cp.all(out == 7.0))
+
+
+@given(seed=st.integers(0, 2 ** 16), n=st.integers(1, 30))
+def test_slot_checks_flag_free_pages_unknown_tiers_and_slots_past_the_page(seed, n):
+    """The encode and re-tier launchers' destination (and source) checks, on the host: a page
+    must carry a tier of the ladder, a slot must lie in 0..P(tier) - 1; each breakage is
+    flagged under its own message and good (page, slot) pairs pass."""
+    from cupy_kernels.encode import slot_checks
+    rng = np.random.default_rng(seed)
+    T = TABLES.num_tiers
+    tier = rng.integers(1, T + 1, 12).astype(np.int32)
+    page = rng.integers(0, 12, n).astype(np.int32)
+    cap = TABLES.geom[tier[page], 2]
+    slot = (rng.random(n) * cap).astype(np.int32)
+    assert input_faults(np, slot_checks(np, page, slot, tier, TABLES, "dst")) == []
+    i = int(rng.integers(n))
+    bad_tier = tier.copy()
+    bad_tier[page[i]] = int(rng.choice([0, T + 1, -3]))
+    msgs = input_faults(np, slot_checks(np, page, slot, bad_tier, TABLES, "dst"))
+    assert any("dst_page is free or has an unknown tier" in m for m in msgs), msgs
+    bad_slot = slot.copy()
+    bad_slot[i] = int(rng.choice([-1, cap[i], cap[i] + 7]))
+    msgs = input_faults(np, slot_checks(np, page, bad_slot, tier, TABLES, "src"))
+    assert msgs == ["a src_slot is outside its page (0..P-1 of the page's tier)"], msgs
+
+
+@given(table=page_tables(), which=st.integers(0, 2))
+def test_a_nan_is_refused_naming_the_array_it_is_in(table, which):
+    t = dict(table)
+    names = ("q", "mean_k", "mean_v")
+    a = t[names[which]].copy()
+    if not a.size:
+        return
+    a.reshape(-1)[a.size // 2] = np.nan
+    t[names[which]] = a
+    with pytest.raises(ValueError, match=rf"^{names[which]} contains NaN or Inf"):
+        raise_page_table_faults(_faults(t))
