@@ -145,8 +145,10 @@ def choose_splits(rows: int, total_pages: int, min_pages_per_split: int = 8,
     return int(max(1, min(per_row, avg // min_pages_per_split, 256)))
 
 
-#: the most splits ``make_workspace`` allocates (``choose_splits`` never picks more)
-MAX_SPLITS = 256
+#: the most splits ``make_workspace`` allocates and ``ada_decode`` takes: far past any use
+#: (``choose_splits`` picks at most 256; past MERGE_HEAD_MAX_SPLITS the per-row merge runs),
+#: so that a count meant for something else is refused before a huge allocation
+MAX_SPLITS = 4096
 
 
 def make_workspace(rows: int, group: int, dim: int, num_splits: int) -> DecodeWorkspace:
