@@ -66,6 +66,10 @@ def run(model, ids, fmt, variants=()) -> float:
         vh = v if "values-exact" in variants else stored(fmt, layer, v - mv, 1) + mv
         if "sink-exact" in variants:
             kh[:, 0], vh[:, 0] = k[:, 0], v[:, 0]
+        if "sdpa" in variants:          # the stored states through transformers' sdpa, float32
+            return sdpa_attention_forward(module, query, torch.from_numpy(kh)[None].to(key.dtype),
+                                          torch.from_numpy(vh)[None].to(value.dtype), attention_mask,
+                                          dropout=dropout, scaling=scaling, **kw)
         q = query[0].double()                                   # (Hq, T, d)
         g = q.shape[0] // k.shape[0]
         kh, vh = (torch.from_numpy(a).repeat_interleave(g, 0) for a in (kh, vh))
@@ -107,7 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--variant", nargs="*", default=[],
                     help="diagnostics: keys-exact, values-exact, centre-keys, centre-values, "
-                         "self-exact, sink-exact, smooth-keys (several at once)")
+                         "self-exact, sink-exact, smooth-keys (several at once); sdpa: the attention in "
+                         "transformers' float32 sdpa instead of float64")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     import torch
