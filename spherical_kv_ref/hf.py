@@ -150,10 +150,13 @@ class ContextStore:
 
 
 def _check_store(store, num_q_heads: int, num_kv_heads: int, num_layers: int) -> None:
-    """ValueError naming ``store`` unless it is a ContextStore of the model's heads (and, if
-    it says, of its store layers)."""
-    if not isinstance(store, ContextStore):
-        raise ValueError(f"store must be a ContextStore, got {type(store).__name__}")
+    """ValueError naming ``store`` unless it is a context store (a ContextStore, or any object
+    with its methods and head counts) of the model's heads (and, if it says, of its store
+    layers)."""
+    if not (all(callable(getattr(store, m, None)) for m in ("attend", "append", "nbytes"))
+            and hasattr(store, "num_q_heads") and hasattr(store, "num_kv_heads")):
+        raise ValueError(f"store must be a ContextStore (attend, append, nbytes and the head "
+                         f"counts), got {type(store).__name__}")
     if (store.num_q_heads, store.num_kv_heads) != (num_q_heads, num_kv_heads):
         raise ValueError(f"store holds {store.num_kv_heads} kv-heads for {store.num_q_heads} query "
                          f"heads; the model has {num_kv_heads} for {num_q_heads}")
