@@ -682,14 +682,22 @@ def spherical_attention(module, query, key, value, attention_mask, scaling=None,
     return res, None
 
 
-def use_spherical_attention(model) -> None:
-    """Register ``spherical_attention`` with sdpa's mask function (masks are built per
-    attention implementation: without one, transformers builds none, and sliding windows
-    and causal masks from an offset are lost) and select it for ``model``."""
-    AttentionInterface.register(ATTENTION_NAME, spherical_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    model.config._attn_implementation = ATTENTION_NAME
+def select_attention(model, name: str, fn=None) -> None:
+    """Select attention implementation ``name`` for ``model`` and every sub-config; with
+    ``fn``, register it under that name first, with sdpa's mask function (masks are built per
+    attention implementation: without one, transformers builds none, and sliding windows and
+    causal masks from an offset are lost)."""
+    if fn is not None:
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.config._attn_implementation = name
     for m in model.modules():
         cfg = getattr(m, "config", None)
         if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = ATTENTION_NAME
+            cfg._attn_implementation = name
+
+
+def use_spherical_attention(model) -> None:
+    """Register ``spherical_attention`` (with sdpa's mask function) and select it for
+    ``model`` (``select_attention``)."""
+    select_attention(model, ATTENTION_NAME, spherical_attention)

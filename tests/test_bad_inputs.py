@@ -73,12 +73,15 @@ LIVE, DEAD = 0, 1                                     # the cache fixture's sequ
 ALIASES = {"seq": "seq|sequence", "seqs": "seqs|sequence"}
 
 
-def _cache():
-    c = SphericalKVCache(2, 2, D, LADDER, page_bytes=256, pool_bytes=256 * 40, num_q_heads=4,
-                         seed=2, policy=CompressPolicy(sinks=1, recent=2))
+def _cache(kv=KV, page_bytes=256):
+    """Two layers, two kv-heads: sequence LIVE holds kv (as keys, kv - 1 as values), DEAD is
+    freed. Head dim and page size from the arguments."""
+    c = SphericalKVCache(2, 2, kv.shape[-1], LADDER, page_bytes=page_bytes,
+                         pool_bytes=page_bytes * 40, num_q_heads=4, seed=2,
+                         policy=CompressPolicy(sinks=1, recent=2))
     a, b = c.new_sequence(), c.new_sequence()
     for layer in range(2):
-        c.append(a, layer, KV, KV - 1)
+        c.append(a, layer, kv, kv - 1)
     c.free(b)
     assert (a, b) == (LIVE, DEAD)
     return c
@@ -86,14 +89,7 @@ def _cache():
 
 def _cache64():
     """_cache at head dim 64 (the kernels' head dims) and pages of 1024 bytes."""
-    c = SphericalKVCache(2, 2, 64, LADDER, page_bytes=1024, pool_bytes=1024 * 40, num_q_heads=4,
-                         seed=2, policy=CompressPolicy(sinks=1, recent=2))
-    a, b = c.new_sequence(), c.new_sequence()
-    for layer in range(2):
-        c.append(a, layer, KV64, KV64 - 1)
-    c.free(b)
-    assert (a, b) == (LIVE, DEAD)
-    return c
+    return _cache(KV64, 1024)
 
 
 def _pickled(obj):

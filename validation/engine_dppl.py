@@ -45,9 +45,8 @@ def run(model, ids, fmt, variants=()) -> float:
     """Mean next-token NLL of ids (1, T) with every attention reading ``fmt``'s stored states
     (fmt None: the dense model)."""
     import torch
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from spherical_kv_ref.hf import select_attention
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         layer = module.layer_idx
@@ -89,16 +88,10 @@ def run(model, ids, fmt, variants=()) -> float:
             out = p @ vh
         return out.to(query.dtype).transpose(0, 1)[None].contiguous(), None
 
-    name = "sdpa"
-    if fmt is not None:
-        name = "engine_format"
-        AttentionInterface.register(name, attention)
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    model.config._attn_implementation = name
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = name
+    if fmt is None:
+        select_attention(model, "sdpa")
+    else:
+        select_attention(model, "engine_format", attention)
     with torch.no_grad():
         logits = model(ids, use_cache=False).logits[0, :-1].double()
     return float(torch.nn.functional.cross_entropy(logits, ids[0, 1:]))
