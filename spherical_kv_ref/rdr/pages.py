@@ -30,6 +30,7 @@ SWAP_ROUNDS = 1
 #: WINDOW totals up and down, instead of from the least they need
 FROM_LEAST = 32
 WINDOW = 2
+SEED_ROUNDS = 3
 
 
 def search_pages(problem, free, fgroup, lower_lp, sorted_state, sorted_cost, sorted_gain,
@@ -68,7 +69,7 @@ def search_pages(problem, free, fgroup, lower_lp, sorted_state, sorted_cost, sor
     cut_a, cut_mu = np.empty((G, MAX_CUTS)), np.empty((G, MAX_CUTS, k))
     ncut = np.zeros(G, dtype=np.int64)
     ub, ys = _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, SWAP_ROUNDS,
-                       from_seed, seed_y.astype(np.int64), WINDOW, cut_a, cut_mu, ncut)
+                       from_seed, seed_y.astype(np.int64), WINDOW, SEED_ROUNDS, cut_a, cut_mu, ncut)
     # lower bounds of f_g: the group's LP, raised by Benders' cuts where the knapsack needs it
     lbp = _group_lp_profiles(problem, free, fgroup, prot_top, p_hi, sorted_state, sorted_cost,
                              sorted_gain)
@@ -272,7 +273,7 @@ def _improve(d, rows, prot, per, y, hi_g, low, best_v, rounds, cap, tier, mu, ca
 
 @numba.njit(cache=True)
 def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, rounds, from_seed,
-              y_seed, window, cut_a, cut_mu, ncut):
+              y_seed, window, seed_rounds, cut_a, cut_mu, ncut):
     """Per group g and page total p (lo[g] ≤ p ≤ p_hi[g]): ub[g, p] the least distortion
     found with Σ y = p and ys[g, p] its page counts (inf where none was tried).
 
@@ -314,7 +315,7 @@ def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, rounds
                 p0 += y[t]
             v, a = _eval(d, rows, prot_top[g], per, y, cap, tier, mu)
             nc = _add_cut(ga, gmu, nc, a, mu)
-            v, nc = _improve(d, rows, prot_top[g], per, y, hi[g], low, v, rounds + 2, cap, tier,
+            v, nc = _improve(d, rows, prot_top[g], per, y, hi[g], low, v, seed_rounds, cap, tier,
                              mu, cand, best_y, ga, gmu, nc)
             ub[g, p0] = v
             ys[g, p0] = y
@@ -544,6 +545,8 @@ REFINE_ROUNDS = 40
 REFINE_WORK = 3e7
 #: ... and at most this many assignments per page total and round
 REFINE_ITERS = 16
+#: nodes of one branch and bound over a total's page count vectors, at most
+BB_NODES = 200_000
 
 
 def refine_lower(problem, free, gorder, gstart, prot_top, lo, hi, lbp, ub, ys, max_pages,
@@ -571,7 +574,7 @@ def refine_lower(problem, free, gorder, gstart, prot_top, lo, hi, lbp, ub, ys, m
         todo = []
         for g in range(G):
             p = int(cand_pages[chosen[g]])
-            if not lbp[g, p] >= ub[g, p] - _CLOSE * abs(ub[g, p]):   # open, or ub inf
+            if ub[g, p] == np.inf or lbp[g, p] < ub[g, p] - _CLOSE * abs(ub[g, p]):
                 todo.append((g, p))
         if not todo:
             return
@@ -615,7 +618,10 @@ def _refine_total(d, rows, prot, per, lo_top, hi_g, p, cut_a, cut_mu, nc, ub, y_
     solved = 0
     while True:
         thresh = ub - _CLOSE * abs(ub) if ub < np.inf else np.inf
-        low = _least_bounded(cut_a, cut_mu, nc, per, prot, lo_top, hi_g, p, thresh, y)
+        low = _least_bounded(cut_a, cut_mu, nc, per, prot, lo_top, hi_g, p, thresh, y,
+                             BB_NODES)
+        if low == -np.inf and nc > 0:
+            return low, ub, best_y, nc, solved      # the search ran out of nodes
         if low >= thresh:
             return min(ub, thresh), ub, best_y, nc, solved   # no vector bounded below best
         if solved == iters:
@@ -632,14 +638,16 @@ def _refine_total(d, rows, prot, per, lo_top, hi_g, p, cut_a, cut_mu, nc, ub, y_
 
 
 @numba.njit(cache=True)
-def _least_bounded(cut_a, cut_mu, nc, per, prot, lo_top, hi_g, p, thresh, y_out):
+def _least_bounded(cut_a, cut_mu, nc, per, prot, lo_top, hi_g, p, thresh, y_out,
+                   max_nodes):
     """min over page counts y (y_t ≤ hi_g[t−1], y_T ≥ lo_top, Σ_{t≥1} y_t = p) of the cuts'
     bound max_c (a_c + mu_cT·prot − Σ_t mu_ct·per_t·y_t), by depth-first branch and bound
     over the tiers below the top (the top takes the rest), searching only below thresh.
     A node's bound is max over cuts of that cut's least value over the node's vectors (a
     linear function over a box cut by the total: greedy, the largest weights filled first).
     Writes the minimiser to y_out and returns the minimum; returns thresh (y_out untouched)
-    if no vector is bounded below it. No cuts: every vector is unbounded (−inf)."""
+    if no vector is bounded below it. No cuts: every vector is unbounded (−inf). Visits at
+    most max_nodes nodes; beyond, returns −inf (the search proved nothing)."""
     k = per.size
     top = k - 1
     w = np.empty((nc, k))
@@ -672,6 +680,7 @@ def _least_bounded(cut_a, cut_mu, nc, per, prot, lo_top, hi_g, p, thresh, y_out)
         return best
     s = 1                                    # the tier being branched on
     y[1] = -1
+    nodes = 0
     rest = np.zeros(k + 1, dtype=np.int64)   # rest[s]: pages left for tiers s..top
     rest[1] = p
     while s >= 1:
@@ -682,6 +691,9 @@ def _least_bounded(cut_a, cut_mu, nc, per, prot, lo_top, hi_g, p, thresh, y_out)
             continue
         if r > room[s + 1] + hi_g[top - 1]:
             continue                         # the rest cannot hold the pages left
+        nodes += 1
+        if nodes > max_nodes:
+            return -np.inf                   # out of work: no bound (valid, useless)
         # the node's bound: max over cuts of the least of the cut over the rest
         bound = -np.inf
         for c in range(nc):
