@@ -8,13 +8,14 @@ y_t with Σ y_t = p, each assignment under its slot caps P_t·y_t solved exactly
 
 a knapsack over the page total solved by dynamic programming (:func:`_choose_pages`).
 f_g(p) is the least, over page counts per tier y with Σ y = p, of the capped assignment
-(:func:`_group_transport`, exact). Each group's profile comes from two searches: pages added
-one at a time from the least the group needs, with page moves between tiers; and, on
-every total whose vectors are few enough to list, Benders' cuts: each solved assignment's
-slot prices (:func:`_prices`) bound every vector from below, and the least-bounded vector
-is solved next until the bound meets the best value (then f_g(p) is exact). The same
-knapsack over lower bounds of f_g (the cuts' bound, or the group's own LP relaxation
-where no cuts ran) bounds the paged optimum from below.
+(:func:`_group_transport`, exact). Upper profiles: pages added one at a time from the least
+the group needs, with page moves between tiers (:func:`_profiles`). Lower: the same
+knapsack over lower bounds of f_g, the group's own LP relaxation raised where the knapsack
+needs it (:func:`refine_lower`): on the totals it chooses, Benders' cuts, each solved
+assignment's slot prices (:func:`_prices`) bounding every vector from below, the
+least-bounded vector (:func:`_least_bounded`, branch and bound) solved next until the
+bound meets the best value (then f_g(p) is exact). When the chosen totals are all exact,
+the knapsack's value is the optimum.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ SWAP_ROUNDS = 1
 #: WINDOW totals up and down, instead of from the least they need
 FROM_LEAST = 32
 WINDOW = 2
+#: ... after up to this many rounds of page moves at those page counts
 SEED_ROUNDS = 3
 
 
