@@ -6,7 +6,8 @@ from scipy.optimize import linprog
 
 from spherical_kv_ref import rdr
 from spherical_kv_ref.rdr import statistics as rs
-from spherical_kv_ref.rdr.pages import _group_transport, _prices
+from spherical_kv_ref.rdr.pages import (_group_transport, _least_bounded, _prices,
+                                        _refine_total)
 from strategies_rdr import coarse_paged_problems, tiny_problems
 
 REL = 1e-9
@@ -438,6 +439,80 @@ def test_group_transport_optimal_under_caps_and_its_prices_bound(seed):
     assert a - mu[1:] @ cap[1:] == pytest.approx(total, rel=1e-9, abs=1e-12)
     other = np.concatenate([[m], rng.integers(0, m + 1, k - 1)])
     assert a - mu[1:] @ other[1:] <= _capped_optimum(d, other) + 1e-9
+
+
+def _vectors(p, lo_top, hi):
+    """Every page count vector y (y[0] unused) with Σ y = p, y_t ≤ hi[t−1], y_T ≥ lo_top."""
+    k = hi.size + 1
+    for y in np.ndindex(*(hi + 1)):
+        if sum(y) == p and y[-1] >= lo_top:
+            yield np.array((0,) + y, dtype=np.int64)
+
+
+def _group_case(seed):
+    """One group of 6–14 free states, 2–4 tiers with pages of 1–4 states each, and a few
+    protected states at the top."""
+    rng = np.random.default_rng(seed)
+    m, k = int(rng.integers(6, 15)), int(rng.integers(3, 6))
+    d = np.sort(np.round(rng.exponential(1.0, (m, k)) * 16) / 16, axis=1)[:, ::-1].copy()
+    per = np.concatenate([[0], np.sort(rng.integers(1, 5, k - 1))[::-1]]).astype(np.int64)
+    prot = int(rng.integers(0, 3))
+    lo_top = -(-prot // per[-1])
+    hi = -(-np.full(k - 1, m) // per[1:])
+    hi[-1] = -(-(m + prot) // per[-1])
+    return d, np.arange(m, dtype=np.int64), per, prot, lo_top, hi.astype(np.int64)
+
+
+def _exact_total(d, rows, per, prot, y):
+    cap = y * per
+    cap[-1] -= prot
+    return _group_transport(d, rows, cap, np.empty(rows.size, dtype=np.int64))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_least_bounded_vector_found_by_branch_and_bound(seed):
+    # the branch and bound over page count vectors finds the least of the cuts' bound
+    # max_c (a_c − Σ_t mu_ct·cap_t), as listing every vector of the total does
+    d, rows, per, prot, lo_top, hi = _group_case(seed)
+    k = d.shape[1]
+    rng = np.random.default_rng(100 + seed)
+    vecs = [y for p in range(lo_top, int(hi.sum()) + 1) for y in _vectors(p, lo_top, hi)]
+    cut_a, cut_mu = [], []
+    for i in rng.choice(len(vecs), min(5, len(vecs)), replace=False):
+        cap = vecs[i] * per
+        cap[-1] -= prot
+        tier, mu = np.empty(rows.size, dtype=np.int64), np.empty(k)
+        _group_transport(d, rows, cap, tier)
+        cut_a.append(_prices(d, rows, cap, tier, mu))
+        cut_mu.append(mu.copy())
+    cut_a, cut_mu = np.array(cut_a), np.array(cut_mu)
+    for p in range(lo_top, int(hi.sum()) + 1):
+        listed = [max(a - mu[1:] @ (y[1:] * per[1:]) + mu[-1] * prot
+                      for a, mu in zip(cut_a, cut_mu)) for y in _vectors(p, lo_top, hi)]
+        y = np.zeros(k, dtype=np.int64)
+        low = _least_bounded(cut_a, cut_mu, cut_a.size, per, prot, lo_top, hi, p, np.inf, y,
+                             10**6)
+        assert low == pytest.approx(min(listed), rel=1e-12, abs=1e-12)
+        assert y.sum() == p and np.all(y[1:] <= hi) and y[-1] >= lo_top
+        assert _least_bounded(cut_a, cut_mu, cut_a.size, per, prot, lo_top, hi, p, min(listed),
+                              y, 10**6) == min(listed)     # nothing below the threshold
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_refined_total_bounds_and_finds_the_group_optimum(seed):
+    # Benders' cuts on one page total: the bound never exceeds the least capped optimum
+    # over every vector of that total (brute force), and it closes on it here
+    d, rows, per, prot, lo_top, hi = _group_case(seed)
+    k = d.shape[1]
+    for p in range(lo_top, int(hi.sum()) + 1):
+        exact = min(_exact_total(d, rows, per, prot, y) for y in _vectors(p, lo_top, hi))
+        cut_a, cut_mu = np.empty(64), np.empty((64, k))
+        low, best, y, nc, solved = _refine_total(d, rows, prot, per, lo_top, hi, p, cut_a,
+                                                 cut_mu, 0, np.inf, np.zeros(k, np.int64), 60)
+        assert low <= exact * (1 + 1e-12) + 1e-12
+        assert best == pytest.approx(exact, rel=1e-12, abs=1e-12)
+        assert _exact_total(d, rows, per, prot, y) == pytest.approx(best, rel=1e-12, abs=1e-12)
+        assert low == pytest.approx(exact, rel=1e-9, abs=1e-12) and solved <= 60
 
 
 @pytest.mark.parametrize("groups", [2, 3])

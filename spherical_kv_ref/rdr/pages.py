@@ -8,13 +8,14 @@ y_t with Σ y_t = p, each assignment under its slot caps P_t·y_t solved exactly
 
 a knapsack over the page total solved by dynamic programming (:func:`_choose_pages`).
 f_g(p) is the least, over page counts per tier y with Σ y = p, of the capped assignment
-(:func:`_group_transport`, exact). Each group's profile comes from two searches: pages added
-one at a time from the least the group needs, with page moves between tiers; and, on
-every total whose vectors are few enough to list, Benders' cuts: each solved assignment's
-slot prices (:func:`_prices`) bound every vector from below, and the least-bounded vector
-is solved next until the bound meets the best value (then f_g(p) is exact). The same
-knapsack over lower bounds of f_g (the cuts' bound, or the group's own LP relaxation
-where no cuts ran) bounds the paged optimum from below.
+(:func:`_group_transport`, exact). Upper profiles: pages added one at a time from the least
+the group needs, with page moves between tiers (:func:`_profiles`). Lower: the same
+knapsack over lower bounds of f_g, the group's own LP relaxation raised where the knapsack
+needs it (:func:`refine_lower`): on the totals it chooses, Benders' cuts, each solved
+assignment's slot prices (:func:`_prices`) bounding every vector from below, the
+least-bounded vector (:func:`_least_bounded`, branch and bound) solved next until the
+bound meets the best value (then f_g(p) is exact). When the chosen totals are all exact,
+the knapsack's value is the optimum.
 """
 from __future__ import annotations
 
@@ -22,18 +23,16 @@ import numba
 import numpy as np
 
 
-#: Benders' cuts run on a page total whose page count vectors number at most this
-VEC_MAX = 3000
-#: ... solving at most this many capped assignments per page total
-BENDERS_ITERS = 24
-#: cuts kept per group
-MAX_CUTS = 4096
+#: cuts of the upper search kept per group, to start the lower bound's refinement from
+MAX_CUTS = 1024
 #: local-search rounds per page total of the upper search
 SWAP_ROUNDS = 1
 #: groups given more pages than this by steps 1–5 are searched around those page counts,
 #: WINDOW totals up and down, instead of from the least they need
 FROM_LEAST = 32
 WINDOW = 2
+#: ... after up to this many rounds of page moves at those page counts
+SEED_ROUNDS = 3
 
 
 def search_pages(problem, free, fgroup, lower_lp, sorted_state, sorted_cost, sorted_gain,
@@ -65,17 +64,19 @@ def search_pages(problem, free, fgroup, lower_lp, sorted_state, sorted_cost, sor
     need[:, top] += prot_top
     useful = ((need[:, 1:] + per[None, 1:] - 1) // per[None, 1:]).sum(axis=1)
     p_hi = np.minimum(np.maximum(useful, lo), lo + max_pages - int(lo.sum()))
-    bender = _vector_counts(lo, hi, p_hi) <= VEC_MAX
     const = float(d[problem.protected, top].sum())
     seed_pages = seed_y[:, 1:].sum(axis=1)
     from_seed = seed_pages > FROM_LEAST
     p_up = np.minimum(p_hi, seed_pages + 2 + seed_pages // 4)
-    ub, ys, lb = _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, bender,
-                           SWAP_ROUNDS, BENDERS_ITERS, MAX_CUTS, from_seed,
-                           seed_y.astype(np.int64), WINDOW)
-    lp = _group_lp_profiles(problem, free, fgroup, prot_top, p_hi, sorted_state, sorted_cost,
-                            sorted_gain)
-    lbp = np.maximum(lb, lp)
+    cut_a, cut_mu = np.empty((G, MAX_CUTS)), np.empty((G, MAX_CUTS, k))
+    ncut = np.zeros(G, dtype=np.int64)
+    ub, ys = _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, SWAP_ROUNDS,
+                       from_seed, seed_y.astype(np.int64), WINDOW, SEED_ROUNDS, cut_a, cut_mu, ncut)
+    # lower bounds of f_g: the group's LP, raised by Benders' cuts where the knapsack needs it
+    lbp = _group_lp_profiles(problem, free, fgroup, prot_top, p_hi, sorted_state, sorted_cost,
+                             sorted_gain)
+    refine_lower(problem, free, gorder, gstart, prot_top, lo, hi, lbp, ub, ys, max_pages,
+                 [(cut_a[g, :ncut[g]], cut_mu[g, :ncut[g]]) for g in range(G)])
     # the knapsack over lower bounds: every page total of every group a candidate
     pc = p_hi.max() + 1
     cand_group = np.repeat(np.arange(G), pc)
@@ -144,30 +145,6 @@ def _lp_profiles(sorted_state, sorted_cost, sorted_gain, fgroup, base, prot_byte
             nxt[g] += 1
 
 
-def _vector_counts(lo, hi, p_hi):
-    """counts[g, p]: how many page count vectors lo ≤ y ≤ hi (lo on the top tier only) have
-    Σ y = p, for p ≤ max p_hi (float, so that large counts only compare large)."""
-    G = hi.shape[0]
-    pc = int(p_hi.max()) + 1
-    counts = np.zeros((G, pc))
-    for g in range(G):
-        span = hi[g].copy()
-        span[-1] -= lo[g]
-        cap = pc - 1 - int(lo[g])
-        if cap < 0:
-            continue
-        ways = np.zeros(cap + 1)            # ways[s]: vectors s pages above the floor
-        ways[0] = 1.0
-        for w in span:                      # ways ← ways · (1 + x + … + x^w)
-            c = np.cumsum(ways)
-            nxt = c.copy()
-            if w + 1 <= cap:
-                nxt[w + 1:] -= c[:cap - w]
-            ways = nxt
-        counts[g, lo[g]:] = ways
-    return counts
-
-
 @numba.njit(cache=True)
 def _eval(d, rows, prot_top, per, y, cap, tier, mu):
     """Capped optimum of one group at page counts y; fills mu with its optimal slot prices
@@ -233,27 +210,18 @@ def _prices(d, rows, cap, tier, mu):
 
 
 @numba.njit(cache=True)
-def _cut_value(cut_a, cut_mu, c, y, per, prot_top):
-    k = y.size
-    v = cut_a[c] + cut_mu[c, k - 1] * prot_top
-    for t in range(1, k):
-        v -= cut_mu[c, t] * per[t] * y[t]
-    return v
-
-
-@numba.njit(cache=True)
-def _add_cut(cut_a, cut_mu, cut_total, nc, a, mu, total):
+def _add_cut(cut_a, cut_mu, nc, a, mu):
+    """Keep one more cut (a, mu) while there is room; returns the new count."""
     if nc >= cut_a.size:
         return nc
     cut_a[nc] = a
     cut_mu[nc] = mu
-    cut_total[nc] = total
     return nc + 1
 
 
 @numba.njit(cache=True)
 def _step(d, rows, prot, per, y, hi_g, low, sign, rounds, cap, tier, mu, cand, best_y,
-          cut_a, cut_mu, cut_total, nc, p):
+          cut_a, cut_mu, nc):
     """One page more (sign 1) or less (sign −1) for y, in the tier where it helps most,
     then page moves between tiers (:func:`_improve`). Updates y; returns (value, nc)."""
     k = y.size
@@ -264,7 +232,7 @@ def _step(d, rows, prot, per, y, hi_g, low, sign, rounds, cap, tier, mu, cand, b
         cand[:] = y
         cand[t] += sign
         v, a = _eval(d, rows, prot, per, cand, cap, tier, mu)
-        nc = _add_cut(cut_a, cut_mu, cut_total, nc, a, mu, p)
+        nc = _add_cut(cut_a, cut_mu, nc, a, mu)
         if v < best_v:
             best_v = v
             best_y[:] = cand
@@ -272,12 +240,12 @@ def _step(d, rows, prot, per, y, hi_g, low, sign, rounds, cap, tier, mu, cand, b
         return best_v, nc
     y[:] = best_y
     return _improve(d, rows, prot, per, y, hi_g, low, best_v, rounds, cap, tier, mu, cand,
-                    best_y, cut_a, cut_mu, cut_total, nc, p)
+                    best_y, cut_a, cut_mu, nc)
 
 
 @numba.njit(cache=True)
 def _improve(d, rows, prot, per, y, hi_g, low, best_v, rounds, cap, tier, mu, cand, best_y,
-             cut_a, cut_mu, cut_total, nc, p):
+             cut_a, cut_mu, nc):
     """Move one page from a tier to another while that lowers the distortion, at most
     ``rounds`` times (best move each round). Updates y; returns (value, nc)."""
     k = y.size
@@ -294,7 +262,7 @@ def _improve(d, rows, prot, per, y, hi_g, low, best_v, rounds, cap, tier, mu, ca
                 cand[s] -= 1
                 cand[b] += 1
                 v, a = _eval(d, rows, prot, per, cand, cap, tier, mu)
-                nc = _add_cut(cut_a, cut_mu, cut_total, nc, a, mu, p)
+                nc = _add_cut(cut_a, cut_mu, nc, a, mu)
                 if v < best_v * (1.0 - 1e-12):
                     best_v = v
                     best_y[:] = cand
@@ -306,21 +274,18 @@ def _improve(d, rows, prot, per, y, hi_g, low, best_v, rounds, cap, tier, mu, ca
 
 
 @numba.njit(cache=True)
-def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, bender, rounds,
-              iters, max_cuts, from_seed, y_seed, window):
+def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, rounds, from_seed,
+              y_seed, window, seed_rounds, cut_a, cut_mu, ncut):
     """Per group g and page total p (lo[g] ≤ p ≤ p_hi[g]): ub[g, p] the least distortion
-    found with Σ y = p, ys[g, p] its page counts, lb[g, p] a lower bound of the optimum at
-    that exact total (−inf where none was computed).
+    found with Σ y = p and ys[g, p] its page counts (inf where none was tried).
 
-    Upper: from the least vector, pages are added one at a time (the tier that lowers the
+    From the least vector, pages are added one at a time (the tier that lowers the
     distortion most), each step followed by page moves between tiers while they help (at
     most ``rounds``), up to p_up[g]; on the groups marked from_seed (many pages), from
-    y_seed[g] instead, ``window`` totals up and down. Lower, and a better upper, where bender[g, p] (the
-    total's vectors are few enough to list): Benders' cuts. Every capped assignment solved
-    gives optimal slot prices, hence a linear lower bound of the capped optimum of every
-    vector (:func:`_prices`); the vector whose best bound is least is solved next (at most
-    ``iters`` per total) until that bound reaches the best value found, which is then the
-    optimum at that total."""
+    y_seed[g] instead, ``window`` totals up and down. Every capped assignment solved gives
+    optimal slot prices, hence a cut, a linear lower bound of the capped optimum of every
+    vector (:func:`_prices`): group g's first ones are kept in cut_a[g], cut_mu[g] (ncut[g]
+    of them) for the lower bound (:func:`refine_lower`)."""
     G = gstart.size - 1
     k = per.size
     top = k - 1
@@ -328,16 +293,12 @@ def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, bender
     for g in range(G):
         pc = max(pc, p_hi[g] + 1)
     ub = np.full((G, pc), np.inf)
-    lb = np.full((G, pc), -np.inf)
     ys = np.zeros((G, pc, k), dtype=np.int64)
     cap = np.zeros(k, dtype=np.int64)
     y = np.zeros(k, dtype=np.int64)
     cand = np.zeros(k, dtype=np.int64)
     best_y = np.zeros(k, dtype=np.int64)
     mu = np.zeros(k)
-    cut_a = np.empty(max_cuts)
-    cut_mu = np.empty((max_cuts, k))
-    cut_total = np.empty(max_cuts, dtype=np.int64)
     for g in range(G):
         m = gstart[g + 1] - gstart[g]
         rows = np.empty(m, dtype=np.int64)
@@ -346,6 +307,7 @@ def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, bender
         tier = np.empty(m, dtype=np.int64)
         low = np.zeros(k, dtype=np.int64)
         low[top] = lo[g]
+        ga, gmu = cut_a[g], cut_mu[g]
         nc = 0
         if from_seed[g]:
             # many pages: search a window of totals around steps 1–5's page counts
@@ -354,8 +316,9 @@ def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, bender
             for t in range(1, k):
                 p0 += y[t]
             v, a = _eval(d, rows, prot_top[g], per, y, cap, tier, mu)
-            v, nc = _improve(d, rows, prot_top[g], per, y, hi[g], low, v, rounds + 2, cap, tier,
-                             mu, cand, best_y, cut_a, cut_mu, cut_total, nc, p0)
+            nc = _add_cut(ga, gmu, nc, a, mu)
+            v, nc = _improve(d, rows, prot_top[g], per, y, hi[g], low, v, seed_rounds, cap, tier,
+                             mu, cand, best_y, ga, gmu, nc)
             ub[g, p0] = v
             ys[g, p0] = y
             for sign in (1, -1):
@@ -365,7 +328,7 @@ def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, bender
                     if p < lo[g] or p > p_hi[g]:
                         break
                     v, nc = _step(d, rows, prot_top[g], per, y, hi[g], low, sign, rounds, cap,
-                                  tier, mu, cand, best_y, cut_a, cut_mu, cut_total, nc, p)
+                                  tier, mu, cand, best_y, ga, gmu, nc)
                     if v == np.inf:
                         break
                     ub[g, p] = v
@@ -373,78 +336,18 @@ def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, bender
         else:
             y[:] = low
             v, a = _eval(d, rows, prot_top[g], per, y, cap, tier, mu)
-            nc = _add_cut(cut_a, cut_mu, cut_total, nc, a, mu, lo[g])
+            nc = _add_cut(ga, gmu, nc, a, mu)
             ub[g, lo[g]] = v
             ys[g, lo[g]] = y
             for p in range(lo[g] + 1, p_up[g] + 1):
                 v, nc = _step(d, rows, prot_top[g], per, y, hi[g], low, 1, rounds, cap, tier,
-                              mu, cand, best_y, cut_a, cut_mu, cut_total, nc, p)
+                              mu, cand, best_y, ga, gmu, nc)
                 if v == np.inf:
                     break
                 ub[g, p] = v
                 ys[g, p] = y
-        for p in range(lo[g], p_hi[g] + 1):
-            if not bender[g, p]:
-                continue
-            # the vectors of total p: an odometer over the tiers below the top, which
-            # takes the rest
-            nv = 0
-            cap_v = 16
-            vecs = np.empty((cap_v, k), dtype=np.int64)
-            cand[:] = 0
-            rest = p
-            while True:
-                if lo[g] <= rest <= hi[g, top - 1]:
-                    if nv == cap_v:
-                        grown = np.empty((2 * cap_v, k), dtype=np.int64)
-                        grown[:nv] = vecs[:nv]
-                        vecs = grown
-                        cap_v *= 2
-                    vecs[nv] = cand
-                    vecs[nv, top] = rest
-                    nv += 1
-                t = 1
-                while t < top:
-                    if cand[t] < hi[g, t - 1] and rest - 1 >= lo[g]:
-                        cand[t] += 1
-                        rest -= 1
-                        break
-                    rest += cand[t]
-                    cand[t] = 0
-                    t += 1
-                if t >= top:
-                    break
-            if nv == 0:
-                continue
-            bound = np.full(nv, -np.inf)
-            for c in range(nc):
-                if abs(cut_total[c] - p) > 1:
-                    continue
-                for r in range(nv):
-                    bound[r] = max(bound[r], _cut_value(cut_a, cut_mu, c, vecs[r], per, prot_top[g]))
-            for _ in range(iters):
-                r_min = 0
-                for r in range(1, nv):
-                    if bound[r] < bound[r_min]:
-                        r_min = r
-                if bound[r_min] >= ub[g, p] - 1e-12 * abs(ub[g, p]):
-                    break                   # no vector can beat the best found
-                v, a = _eval(d, rows, prot_top[g], per, vecs[r_min], cap, tier, mu)
-                if v < ub[g, p]:
-                    ub[g, p] = v
-                    ys[g, p] = vecs[r_min]
-                c = nc
-                nc = _add_cut(cut_a, cut_mu, cut_total, nc, a, mu, p)
-                if nc > c:
-                    for r in range(nv):
-                        bound[r] = max(bound[r], _cut_value(cut_a, cut_mu, c, vecs[r], per,
-                                                            prot_top[g]))
-                bound[r_min] = max(bound[r_min], v)     # solved: its value is its bound
-            low_b = bound[0]
-            for r in range(1, nv):
-                low_b = min(low_b, bound[r])
-            lb[g, p] = min(low_b, ub[g, p])
-    return ub, ys, lb
+        ncut[g] = nc
+    return ub, ys
 
 
 @numba.njit(cache=True)
@@ -635,3 +538,197 @@ def _choose_pages(cand_group, cand_pages, cand_dist, num_groups, max_pages):
         chosen[g] = c
         b -= cand_pages[c]
     return chosen
+
+
+#: the lazy refinement of the lower bound (:func:`refine_lower`): rounds of "knapsack over
+#: the lower bounds, then Benders' cuts on the page totals it chose that are still open"
+REFINE_ROUNDS = 40
+#: ... while the capped assignments it solves stay below this many states in all
+REFINE_WORK = 3e7
+#: ... and at most this many assignments per page total and round
+REFINE_ITERS = 16
+#: nodes of one branch and bound over a total's page count vectors, at most
+BB_NODES = 200_000
+
+
+def refine_lower(problem, free, gorder, gstart, prot_top, lo, hi, lbp, ub, ys, max_pages,
+                 cuts):
+    """Raise the groups' lower bounds lbp[g, p] where the knapsack over them needs it
+    (docs/rdr.md §4, the certificate). Each round solves the knapsack over lbp; on every
+    group whose chosen total p is still open (lbp < ub there), Benders' cuts run on that
+    total, with the least-bounded vector found by branch and bound over the page counts
+    (:func:`_least_bounded`) instead of a list, so any number of vectors is covered. Every
+    cut of a group is kept and bounds every total of it; cuts[g] = (a, mu) are the ones the
+    upper search made. Stops when the chosen totals are all closed (the knapsack's value is
+    then the optimum) or the work is spent. Updates lbp, ub, ys in place."""
+    d, k = problem.distortion, problem.num_options
+    G = problem.num_groups
+    per = problem.states_per_page
+    pc = lbp.shape[1]
+    cand_group = np.repeat(np.arange(G), pc)
+    cand_pages = np.tile(np.arange(pc), G)
+    pools = [(a.copy(), mu.copy(), a.size) for a, mu in cuts]
+    work = 0.0
+    for _ in range(REFINE_ROUNDS):
+        chosen = _choose_pages(cand_group, cand_pages, lbp.ravel(), G, max_pages)
+        if np.any(chosen < 0):
+            return
+        todo = []
+        for g in range(G):
+            p = int(cand_pages[chosen[g]])
+            if ub[g, p] == np.inf or lbp[g, p] < ub[g, p] - _CLOSE * abs(ub[g, p]):
+                todo.append((g, p))
+        if not todo:
+            return
+        for g, p in todo:
+            rows = free[gorder[gstart[g]:gstart[g + 1]]]
+            if work + rows.size * REFINE_ITERS > REFINE_WORK:
+                return
+            cut_a, cut_mu, nc = pools[g]
+            if cut_a.size < nc + REFINE_ITERS + 1:
+                grow = 2 * cut_a.size + REFINE_ITERS
+                a2, m2 = np.empty(grow), np.empty((grow, k))
+                a2[:nc], m2[:nc] = cut_a[:nc], cut_mu[:nc]
+                cut_a, cut_mu = a2, m2
+            low, best, y, nc, solved = _refine_total(
+                d, rows, int(prot_top[g]), per, int(lo[g]), hi[g], p, cut_a, cut_mu, nc,
+                ub[g, p], ys[g, p].copy(), REFINE_ITERS)
+            pools[g] = (cut_a, cut_mu, nc)
+            work += rows.size * solved
+            lbp[g, p] = max(lbp[g, p], low)
+            if best < ub[g, p]:
+                ub[g, p] = best
+                ys[g, p] = y
+
+
+#: a total is closed when its lower bound is within this relative distance of its best value
+_CLOSE = 1e-12
+
+
+@numba.njit(cache=True)
+def _refine_total(d, rows, prot, per, lo_top, hi_g, p, cut_a, cut_mu, nc, ub, y_ub, iters):
+    """Benders' cuts on one group's page total p: solve the vector of least bound under the
+    cuts (:func:`_least_bounded`), add its cut, until no vector's bound is below the best
+    value found or ``iters`` assignments are solved. cut_a/cut_mu hold nc cuts (room for
+    iters more). Returns (lower bound of f_g(p), best value, its vector, nc, solved)."""
+    k = per.size
+    cap = np.zeros(k, dtype=np.int64)
+    tier = np.empty(rows.size, dtype=np.int64)
+    mu = np.zeros(k)
+    y = np.zeros(k, dtype=np.int64)
+    best_y = y_ub.copy()
+    solved = 0
+    while True:
+        thresh = ub - _CLOSE * abs(ub) if ub < np.inf else np.inf
+        low = _least_bounded(cut_a, cut_mu, nc, per, prot, lo_top, hi_g, p, thresh, y,
+                             BB_NODES)
+        if low == -np.inf and nc > 0:
+            return low, ub, best_y, nc, solved      # the search ran out of nodes
+        if low >= thresh:
+            return min(ub, thresh), ub, best_y, nc, solved   # no vector bounded below best
+        if solved == iters:
+            return low, ub, best_y, nc, solved
+        v, a = _eval(d, rows, prot, per, y, cap, tier, mu)
+        solved += 1
+        if nc < cut_a.size:
+            cut_a[nc] = a
+            cut_mu[nc] = mu
+            nc += 1
+        if v < ub:
+            ub = v
+            best_y[:] = y
+
+
+@numba.njit(cache=True)
+def _least_bounded(cut_a, cut_mu, nc, per, prot, lo_top, hi_g, p, thresh, y_out,
+                   max_nodes):
+    """min over page counts y (y_t ≤ hi_g[t−1], y_T ≥ lo_top, Σ_{t≥1} y_t = p) of the cuts'
+    bound max_c (a_c + mu_cT·prot − Σ_t mu_ct·per_t·y_t), by depth-first branch and bound
+    over the tiers below the top (the top takes the rest), searching only below thresh.
+    A node's bound is max over cuts of that cut's least value over the node's vectors (a
+    linear function over a box cut by the total: greedy, the largest weights filled first).
+    Writes the minimiser to y_out and returns the minimum; returns thresh (y_out untouched)
+    if no vector is bounded below it. No cuts: every vector is unbounded (−inf). Visits at
+    most max_nodes nodes; beyond, returns −inf (the search proved nothing)."""
+    k = per.size
+    top = k - 1
+    w = np.empty((nc, k))
+    const = np.empty(nc)
+    for c in range(nc):
+        const[c] = cut_a[c] + cut_mu[c, top] * prot
+        w[c, 0] = 0.0
+        for t in range(1, k):
+            w[c, t] = cut_mu[c, t] * per[t]
+    # every cut's tiers by weight, largest first (the greedy's order)
+    order = np.empty((nc, k - 1), dtype=np.int64)
+    for c in range(nc):
+        order[c] = np.argsort(-w[c, 1:]) + 1
+    partial = np.zeros((k, max(nc, 1)))      # partial[s, c]: Σ_{t ≤ s} w[c, t]·y_t
+    y = np.zeros(k, dtype=np.int64)
+    best = thresh
+    # suffix capacities of the free tiers s+1..top-1, for feasibility of the rest
+    room = np.zeros(k + 1, dtype=np.int64)
+    for t in range(top - 1, 0, -1):
+        room[t] = room[t + 1] + hi_g[t - 1]
+    if p < lo_top or p > room[1] + hi_g[top - 1]:
+        return best
+    if top == 1:                             # one tier: its count is the total
+        bound = -np.inf
+        for c in range(nc):
+            bound = max(bound, const[c] - w[c, 1] * p)
+        if bound < best:
+            best = bound
+            y_out[1] = p
+        return best
+    s = 1                                    # the tier being branched on
+    y[1] = -1
+    nodes = 0
+    rest = np.zeros(k + 1, dtype=np.int64)   # rest[s]: pages left for tiers s..top
+    rest[1] = p
+    while s >= 1:
+        y[s] += 1
+        r = rest[s] - y[s]                  # pages left for tiers s+1..top
+        if y[s] > hi_g[s - 1] or r < lo_top:
+            s -= 1                           # this tier's values are exhausted: back up
+            continue
+        if r > room[s + 1] + hi_g[top - 1]:
+            continue                         # the rest cannot hold the pages left
+        nodes += 1
+        if nodes > max_nodes:
+            return -np.inf                   # out of work: no bound (valid, useless)
+        # the node's bound: max over cuts of the least of the cut over the rest
+        bound = -np.inf
+        for c in range(nc):
+            part = partial[s - 1, c] + w[c, s] * y[s]
+            partial[s, c] = part
+            if s == top - 1:
+                val = const[c] - part - w[c, top] * r
+            else:
+                gain = w[c, top] * lo_top
+                left = r - lo_top
+                for j in range(k - 1):
+                    t = order[c, j]
+                    if t <= s or left == 0:
+                        continue
+                    room_t = hi_g[t - 1] - (lo_top if t == top else 0)
+                    take = min(left, room_t)
+                    gain += w[c, t] * take
+                    left -= take
+                val = const[c] - part - gain
+            if val > bound:
+                bound = val
+                if bound >= best:
+                    break
+        if bound >= best:
+            continue                         # nothing below best in this subtree
+        if s == top - 1:
+            if r <= hi_g[top - 1]:
+                best = bound
+                for t in range(1, top):
+                    y_out[t] = y[t]
+                y_out[top] = r
+            continue
+        s += 1                               # branch on the next tier
+        rest[s] = r
+        y[s] = -1
+    return best
