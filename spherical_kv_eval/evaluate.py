@@ -48,6 +48,7 @@ from spherical_kv_ref.cache import CompressPolicy, SphericalKVCache
 from spherical_kv_ref.tiers import TierLadder
 
 OBSERVE = 32          # trailing prefill queries: SnapKV's window and RDR's estimate
+PREFILL_CHUNK = 2048  # prefill chunk (tokens) of a sliding-window model (Runner)
 
 
 @dataclass
@@ -235,11 +236,15 @@ def _has_windows(cfg) -> bool:
 class Runner:
     """Prefill, score and generate with one model through ``spherical_kv`` attention."""
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None):
         import torch
         from spherical_kv_ref.hf import use_spherical_attention
         self.torch, self.model, self.tok = torch, model, tokenizer
         self.cfg = model.config
+        # A sliding-window layer's prefill in one pass costs O(T²) (sdpa walks the whole
+        # banded mask); in chunks of C it costs O(T·(C + window)): 2048 for such models. A
+        # model without windows runs its prefill in one pass (the committed runs' numbers).
+        self.prefill_chunk = prefill_chunk or (PREFILL_CHUNK if _has_windows(self.cfg) else None)
         use_spherical_attention(model)
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
 
@@ -257,12 +262,20 @@ class Runner:
         full, slide = cache.store_layers, cache.window_layers
         # the full-attention layers' queries, as their attention receives them (after any
         # QK-norm and the layer's RoPE), recorded during the prefill itself
-        with recording_attention(self.model, layers=full) as seen, torch.no_grad():
-            logits = self.model(torch.as_tensor(ids)[None], past_key_values=cache).logits[0, -1]
+        step = self.prefill_chunk or len(ids)
+        parts = {l: [] for l in full}
+        for a in range(0, len(ids), step):
+            with recording_attention(self.model, layers=full) as seen, torch.no_grad():
+                # only the last position's logits: all T of them would be T x vocab floats
+                # (Gemma's 262K vocabulary: 34 GB at 32K tokens)
+                logits = self.model(torch.as_tensor(ids[a:a + step])[None], past_key_values=cache,
+                                    logits_to_keep=1).logits[0, -1]
+            for l in full:
+                parts[l].append(seen[l][0])
         keys, values = zip(*[cache.dense_kv(l) for l in full])
         keys = [k.astype(np.float32) for k in keys]
-        queries = [seen[l][0] for l in full]
-        seen.clear()
+        queries = [p[0] if len(p) == 1 else np.concatenate(p, axis=1) for p in parts.values()]
+        parts.clear()
         scale = cache.scaling
         stats = attention_stats(queries, keys, window=observe, query_stride=stats_stride,
                                 scale=scale)

