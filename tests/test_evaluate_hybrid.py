@@ -170,3 +170,14 @@ def test_model_registry_checks_gemma_geometry():
     with pytest.raises(ValueError, match="unknown model"):
         M.check_config(cfg, "llama-7b")
     assert "Gemma-3-270M" in M.describe_model("gemma3-270m")
+
+
+def test_pages_hold_as_many_states_at_every_head_dim():
+    from spherical_kv_ref.tiers import TierLadder
+    ladder = TierLadder()
+    assert E.page_bytes_for(64) == 2048 and E.page_bytes_for(32) == 2048
+    def unused(d, page):       # the largest share of a page no whole state of a tier fills
+        return max((page % ladder.bytes_per_state(t, d)) / page for t in range(1, ladder.top + 1))
+    assert unused(256, 2048) > 0.2                      # the 8/8 tier: 3 states, 24 % unused
+    assert unused(256, E.page_bytes_for(256)) < 0.06
+    assert unused(64, E.page_bytes_for(64)) < 0.06
