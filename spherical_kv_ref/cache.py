@@ -139,9 +139,6 @@ class _Sequence:
         self.since_compress = 0
 
 
-CENTRE_MARGIN = 0.5   # centre="auto": keep the means where they at least halve the error
-
-
 class SphericalKVCache:
     """The compressed KV cache of one model (docs/paged.md).
 
@@ -150,13 +147,6 @@ class SphericalKVCache:
     down to whole pages (default 64 MiB). seed: the model seed of the rotations.
     num_q_heads: query heads (a multiple of num_kv_heads; default num_kv_heads).
     centre: subtract per-row means μ_K, μ_V (docs/format.md "Centring"; on by default).
-    ``"auto"``: decide per (layer, kv-head) when a layer's first chunk arrives, by measured
-    distortion (``centring_pays``; docs/codec_shape.md): the queries observed for that layer
-    so far attend over the chunk coded at the ladder's lowest tier, the policy's sinks and
-    recent tokens held exact, once with the chunk's means and once without; the row keeps
-    the means only where they at least halve that output error (``CENTRE_MARGIN``),
-    elsewhere its means are 0 (the uncentred code). Without observed queries a row is
-    centred.
     policy: CompressPolicy (default: 4 sinks and 32 recent tokens protected).
     softmax_scale: default 1/√head_dim. codebook: "uniform" (default) or "lloyd-max": the
     same bytes, the uniform codebook's decode is affine in the code (the GPU kernel's fast
@@ -168,7 +158,7 @@ class SphericalKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  ladder: Optional[TierLadder] = None, page_bytes: int = 4096,
                  pool_bytes: Optional[int] = None, seed: int = 0, *,
-                 num_q_heads: Optional[int] = None, centre=True,
+                 num_q_heads: Optional[int] = None, centre: bool = True,
                  policy: Optional[CompressPolicy] = None, softmax_scale: Optional[float] = None,
                  codebook: str = "uniform", num_splits: int = 4):
         self.num_layers = _whole("num_layers", num_layers, 1)
@@ -185,10 +175,7 @@ class SphericalKVCache:
         page_bytes = _whole("page_bytes", page_bytes, 16)
         pool_bytes = 64 << 20 if pool_bytes is None else _whole("pool_bytes", pool_bytes, page_bytes)
         self.seed = _whole("seed", seed, 0)
-        if not (isinstance(centre, (bool, np.bool_)) or centre == "auto"):
-            raise ValueError(f"centre must be True, False or 'auto', got {centre!r}")
-        self.centre_auto = isinstance(centre, str)
-        self.centre = self.centre_auto or bool(centre)
+        self.centre = bool(centre)
         self.policy = CompressPolicy() if policy is None else policy
         if not isinstance(self.policy, CompressPolicy):
             raise ValueError(f"policy must be a CompressPolicy, got {type(self.policy).__name__}")
@@ -301,13 +288,6 @@ class SphericalKVCache:
         first = self.centre and not s.has_mean[layer]
         if first:
             mk, mv = k.mean(axis=1).astype(np.float32), v.mean(axis=1).astype(np.float32)
-            if self.centre_auto and s.queries[layer]:
-                q = np.stack(list(s.queries[layer]), axis=1)          # (num_q_heads, w, d)
-                G = self.group_size
-                for h in range(H):
-                    if not self.centring_pays(s, layer, h, k[h], v[h], mk[h], mv[h],
-                                              q[h * G:(h + 1) * G]):
-                        mk[h], mv[h] = 0.0, 0.0
         else:
             mk, mv = s.mean_k[layer], s.mean_v[layer]
         kb, vb = self.ladder.bits(self.ladder.top)
@@ -341,44 +321,6 @@ class SphericalKVCache:
                 s.length[layer] -= t
                 raise
         return encoded
-
-    def centring_pays(self, s, layer, h, k, v, mk, mv, q) -> bool:
-        """Whether the means (mk, mv) (d,) lower the attention-output error of the row's
-        first chunk k, v (t, d) for the observed queries q (G, w, d) of its group: both
-        coded at the ladder's lowest tier, the policy's sinks and last ``recent`` tokens of
-        the chunk (and any protected span) exact, softmax over the chunk; the sum over the
-        queries of ‖o_coded − o_exact‖² is compared: the means stay where they bring it to
-        at most ``CENTRE_MARGIN`` times the uncentred one. The margin is there because the
-        observed queries overstate what centring gains for the queries that come later (on
-        SmolLM2 and Gemma-3 the later queries' error ratio centred/uncentred is higher;
-        docs/codec_shape.md)."""
-        t = k.shape[0]
-        pos = np.arange(t)
-        keep = (pos < self.policy.sinks) | (pos >= t - self.policy.recent)
-        for a, b in s.spans:
-            keep |= (pos >= a) & (pos < b)
-        kb, vb = self.ladder.bits(1)
-        qf = q.reshape(-1, k.shape[1]).astype(np.float64)
-
-        def out(kk, vv):
-            z = self.softmax_scale * (qf @ kk.T)
-            p = np.exp(z - z.max(axis=1, keepdims=True))
-            return (p / p.sum(axis=1, keepdims=True)) @ vv
-
-        exact = out(k, v)
-        err = []
-        for m_k, m_v in ((mk, mv), (None, None)):
-            kc, vc = self.codec(layer, h, kb, KEY_SALT), self.codec(layer, h, vb, VALUE_SALT)
-            kh = np.where(keep[:, None], k, kc.decode(kc.encode(k, mean=m_k)))
-            vh = np.where(keep[:, None], v, vc.decode(vc.encode(v, mean=m_v)))
-            err.append(float(np.sum((out(kh, vh) - exact) ** 2)))
-        return err[0] <= CENTRE_MARGIN * err[1]
-
-    def centred(self, seq) -> np.ndarray:
-        """(num_layers, num_kv_heads) bool: which rows of a sequence hold a nonzero mean
-        (with ``centre="auto"``, the rows where centring measured better)."""
-        s = self._seq(seq)
-        return s.has_mean[:, None] & (np.any(s.mean_k != 0, axis=2) | np.any(s.mean_v != 0, axis=2))
 
     def protect(self, seq, start, stop) -> None:
         """Keep the tokens at positions start..stop−1 (every layer) at the top tier from now

@@ -265,10 +265,10 @@ def fill_cache(kv: SphericalKVCache, keys, values, queries=None, protect=()) -> 
     spans [start, stop) kept at the top tier."""
     seq = kv.new_sequence()
     for layer, (k, v) in enumerate(zip(keys, values)):
-        q = None if queries is None else queries[layer]
-        for t in range(0 if q is None else q.shape[1]):     # before the states: a cache with
-            kv.observe(seq, layer, q[:, t])                 # centre="auto" decides from them
         kv.append(seq, layer, k, v)
+        q = None if queries is None else queries[layer]
+        for t in range(0 if q is None else q.shape[1]):
+            kv.observe(seq, layer, q[:, t])
     for a, b in protect:
         kv.protect(seq, a, b)
     return seq

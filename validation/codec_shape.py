@@ -100,13 +100,13 @@ def main(argv=None):
     def window(s):
         return ids[s:s + T + C] if bos is None else np.concatenate([[bos], ids[s:s + T + C - 1]])
 
-    def spherical(keys, values, tiers, centre, codebook, scale, queries=None, sinks=0):
+    def spherical(keys, values, tiers, centre, codebook, scale, sinks=0):
         kv = SphericalKVCache(L, keys[0].shape[0], keys[0].shape[2], TierLadder(tiers),
                               page_bytes=2048, pool_bytes=64 << 20, centre=centre,
                               num_q_heads=cfg.num_attention_heads, codebook=codebook,
                               softmax_scale=scale,
                               policy=CompressPolicy(sinks=sinks, recent=0, window=8))
-        seq = H.fill_cache(kv, keys, values, queries)
+        seq = H.fill_cache(kv, keys, values)
         kv.demote_all(seq, 1)
         return H.SphericalStore(kv, seq)
 
@@ -133,12 +133,10 @@ def main(argv=None):
         "keys 16, values 4": lambda K, V, s: spherical(K, V, [(16, 4), (16, 16)], False, "uniform", s),
     }
     diffs = {name: [] for name in variants}
-    diffs["4/4, centred where it measures better"] = []
     diffs["4/4 centred, 4 sinks at fp16"] = []
-    diffs["4/4 auto, 4 sinks at fp16"] = []
     diffs["4/4 in the heavy layers only"] = []
     diffs["4/4 in the other layers only"] = []
-    stats, heavy, picks, picks_sinks = None, None, [], []
+    stats, heavy = None, None
     dense_lp, last_kl = [], []
     kls = {name: [] for name in diffs}
     for s in starts:
@@ -160,24 +158,11 @@ def main(argv=None):
         for name, build in variants.items():
             diffs[name].append(nll(build(keys, values, scale), w) - base)
             kls[name].append(last_kl[0])
-        # centre="auto": centring chosen per (layer, kv-head) by the attention-output error it
-        # gives the last 32 prefill queries (what the cache has seen when it encodes; the
-        # scored tokens come later)
-        auto = spherical(keys, values, four, "auto", "uniform", scale,
-                         [o[:, -32:] for o in cache.observed])
-        picks.append([[int(l), int(h)] for l, h in zip(*np.nonzero(auto.kv.centred(auto.seq)))])
-        diffs["4/4, centred where it measures better"].append(nll(auto, w) - base)
-        kls["4/4, centred where it measures better"].append(last_kl[0])
         # the sinks at the top tier (RDR's protection, 4 states a row): centring without
         # turning them into the largest errors
         diffs["4/4 centred, 4 sinks at fp16"].append(
             nll(spherical(keys, values, four, True, "uniform", scale, sinks=4), w) - base)
         kls["4/4 centred, 4 sinks at fp16"].append(last_kl[0])
-        auto4 = spherical(keys, values, four, "auto", "uniform", scale,
-                          [o[:, -32:] for o in cache.observed], sinks=4)
-        picks_sinks.append(int(auto4.kv.centred(auto4.seq).sum()))
-        diffs["4/4 auto, 4 sinks at fp16"].append(nll(auto4, w) - base)
-        kls["4/4 auto, 4 sinks at fp16"].append(last_kl[0])
         fixed = variants["4/4 uniform (the fixed point)"]
         diffs["4/4 in the heavy layers only"].append(nll(_Mixed(exact(), fixed(keys, values, scale), heavy), w) - base)
         kls["4/4 in the heavy layers only"].append(last_kl[0])
@@ -188,8 +173,7 @@ def main(argv=None):
     dppl = {k: 100 * (math.exp(float(np.mean(np.concatenate(v)))) - 1) for k, v in diffs.items()}
     kl = {k: float(np.mean(np.concatenate(v))) for k, v in kls.items()}
     out = {"model": args.model, "context": T, "scored": C, "windows": [int(s) for s in starts],
-           "softmax_scale": scale, "heavy_layers": heavy, "auto_centred_rows_by_window": picks,
-           "auto_with_sinks_centred_rows_by_window": picks_sinks,
+           "softmax_scale": scale, "heavy_layers": heavy, 
            "dppl_pct": dppl, "kl_nats": kl, "layers": stats}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.model}.json").write_text(json.dumps(out, indent=1))
@@ -198,8 +182,7 @@ def main(argv=None):
     for k, v in dppl.items():
         print(f"  {k:40s} {v:+.2f}  {kl[k]:.4f}")
     print("heavy layers:", heavy)
-    print("(layer, kv-head) rows centred by centre='auto', per window:", picks)
-    print("rows centred by centre='auto' with 4 sinks held at fp16, per window:", picks_sinks)
+
     cols = list(stats[0])
     print(" ".join(f"{c[:13]:>13}" for c in cols))
     for r in stats:
