@@ -273,13 +273,15 @@ class Runner:
         # the full-attention layers' queries, as their attention receives them (after any
         # QK-norm and the layer's RoPE), recorded during the prefill itself
         step = self.prefill_chunk or len(ids)
+        # chunked: only the last position's logits (a chunk's all would be 2048 x vocab
+        # floats, 2.1 GB with Gemma's 262K vocabulary); one pass: the logits as before, bit
+        # for bit (one row's product differs from the whole matrix's in the last bits)
+        keep = {"logits_to_keep": 1} if self.prefill_chunk else {}
         parts = {l: [] for l in full}
         for a in range(0, len(ids), step):
             with recording_attention(self.model, layers=full) as seen, torch.no_grad():
-                # only the last position's logits: all T of them would be T x vocab floats
-                # (Gemma's 262K vocabulary: 34 GB at 32K tokens)
                 logits = self.model(torch.as_tensor(ids[a:a + step])[None], past_key_values=cache,
-                                    logits_to_keep=1).logits[0, -1]
+                                    **keep).logits[0, -1]
             for l in full:
                 parts[l].append(seen[l][0])
         keys, values = zip(*[cache.dense_kv(l) for l in full])
