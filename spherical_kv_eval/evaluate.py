@@ -89,6 +89,7 @@ class Prefill:
     store_layers: tuple = ()
     window_layers: tuple = ()
     scale: Optional[float] = None
+    window_bits: int = 16                       # the windows' storage: 16 = bf16, else the codec
 
     @property
     def store_dense_bytes(self) -> int:
@@ -97,16 +98,28 @@ class Prefill:
         return 2 * len(self.keys) * H * T * d * 2
 
     @property
-    def window_bytes(self) -> int:
-        """The sliding-window layers' windows at bf16 (every method holds them so)."""
+    def window_dense_bytes(self) -> int:
+        """The sliding-window layers' windows at bf16."""
         return sum(2 * k.size * 2 for k, _ in self.windows)
+
+    @property
+    def window_bytes(self) -> int:
+        """The windows as every method holds them: bf16, or with ``window_bits`` < 16 the
+        spherical codec's codes and fp16 scales, plus each row's float32 means."""
+        if self.window_bits >= 16:
+            return self.window_dense_bytes
+        total = 0
+        for k, _ in self.windows:
+            H, n, d = k.shape
+            total += 2 * H * n * (self.window_bits * d // 8 + 2) + 2 * H * d * 4
+        return total
 
     @property
     def dense_bytes(self) -> int:
         """The dense bf16 cache of the prefill as the model holds it, every layer: the
         full-attention layers' T states and the windows. Every budget and bytes fraction is
         of this total (docs/evaluate.md "Sliding-window models")."""
-        return self.store_dense_bytes + self.window_bytes
+        return self.store_dense_bytes + self.window_dense_bytes
 
     def store_budget(self, fraction: float) -> float:
         """The bytes left to the full-attention layers by a budget of ``fraction`` of the
@@ -236,6 +249,22 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers
     return methods
 
 
+def _coded_window(layer: int, k: np.ndarray, v: np.ndarray, bits: int):
+    """A window's keys and values (H, n, d) as the spherical codec at ``bits`` holds them
+    (uniform codebook, centred on the window's mean, the model layer's own rotation seed):
+    what attention from the codes computes is attention over these."""
+    from spherical_kv_ref.codec import SphericalCodec
+    from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT
+    out = []
+    for x, salt in ((k, KEY_SALT), (v, VALUE_SALT)):
+        rows = []
+        for h in range(x.shape[0]):
+            c = SphericalCodec(x.shape[2], bits, 0, layer=layer, head=h, salt=salt, codebook="uniform")
+            rows.append(c.decode(c.encode(x[h], mean=x[h].mean(axis=0))))
+        out.append(np.stack(rows).astype(np.float32))
+    return tuple(out)
+
+
 def _has_windows(cfg) -> bool:
     types = getattr(cfg, "layer_types", None) or ()
     return any(t == "sliding_attention" for t in types)
@@ -246,7 +275,7 @@ def _has_windows(cfg) -> bool:
 class Runner:
     """Prefill, score and generate with one model through ``spherical_kv`` attention."""
 
-    def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None):
+    def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None, window_bits: int = 16):
         import torch
         from spherical_kv_ref.hf import use_spherical_attention
         self.torch, self.model, self.tok = torch, model, tokenizer
@@ -255,6 +284,10 @@ class Runner:
         # banded mask); in chunks of C it costs O(T·(C + window)): 2048 for such models. A
         # model without windows runs its prefill in one pass (the committed runs' numbers).
         self.prefill_chunk = prefill_chunk or (PREFILL_CHUNK if _has_windows(self.cfg) else None)
+        # how every method holds the sliding windows: 16 = bf16 as the model does, 8/4/... =
+        # the spherical codec at that tier, centred on each window's mean (the same function
+        # as attending from the codes; their bytes count)
+        self.window_bits = int(window_bits)
         use_spherical_attention(model)
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
 
@@ -292,12 +325,14 @@ class Runner:
         stats = attention_stats(queries, keys, window=observe, query_stride=stats_stride,
                                 scale=scale)
         windows = [tuple(x.astype(np.float32) for x in cache.dense_kv(l)) for l in slide]
+        if self.window_bits < 16:
+            windows = [_coded_window(l, k, v, self.window_bits) for l, (k, v) in zip(slide, windows)]
         return Prefill(keys, [v.astype(np.float32) for v in values],
                        [cache.observed[l].astype(np.float64) for l in full], stats,
                        logits.double().numpy(), len(ids),
                        [q[:, -trailing:] for q in queries] if trailing else None,
                        np.asarray(ids), self.model, windows=windows, store_layers=full,
-                       window_layers=slide, scale=scale)
+                       window_layers=slide, scale=scale, window_bits=self.window_bits)
 
     def _cache(self, store, pre: "Prefill"):
         """A transformers cache ``pre.length`` tokens in: the full-attention layers read
@@ -432,7 +467,7 @@ def _methods(cfg, args) -> list:
             if not args.methods or any(m.name.startswith(p) for p in args.methods)]
 
 
-def _worker_setup(threads: Optional[int], model_name: str = "smollm2") -> None:
+def _worker_setup(threads: Optional[int], model_name: str = "smollm2", window_bits: int = 16) -> None:
     """Load the model once per process (``threads``: torch threads, None = leave)."""
     if _WORKER:
         return
@@ -441,7 +476,7 @@ def _worker_setup(threads: Optional[int], model_name: str = "smollm2") -> None:
     if threads:
         torch.set_num_threads(threads)
     model, tok = load_model(model_name)
-    _WORKER.update(runner=Runner(model, tok), cfg=model.config, tok=tok)
+    _WORKER.update(runner=Runner(model, tok, window_bits=window_bits), cfg=model.config, tok=tok)
 
 
 def _unit(job) -> dict:
@@ -543,12 +578,12 @@ def _gap_summary(gaps: np.ndarray) -> dict:
             "smallest": [float(g) for g in np.sort(gaps)[:8]]}
 
 
-def _main_setup(procs: int, model_name: str = "smollm2"):
+def _main_setup(procs: int, model_name: str = "smollm2", window_bits: int = 16):
     """(model config, tokenizer) for the main process of a run. With one process the units
     run here too, so the model is loaded once, for them as well; with more, the workers load
     their own and this process keeps only the config and the tokenizer."""
     if procs <= 1:
-        _worker_setup(None, model_name)
+        _worker_setup(None, model_name, window_bits)
         return _WORKER["cfg"], _WORKER["tok"]
     from spherical_kv_eval.model import load_model
     model, tok = load_model(model_name)
@@ -561,20 +596,20 @@ def window_starts(num_ids: int, T: int, continuation: int, windows: int) -> np.n
     return np.linspace(0, num_ids - T - continuation - 1, windows + 2)[1:-1].astype(int)
 
 
-def _pool_run(jobs, procs: int, unit=None, model_name: str = "smollm2"):
+def _pool_run(jobs, procs: int, unit=None, model_name: str = "smollm2", window_bits: int = 16):
     """Run ``unit`` (default ``_unit``) over the jobs, in ``procs`` worker processes of one
     thread each (two processes on two cores beat one process of two threads: numpy's BLAS
     and torch's threads fight)."""
     unit = _unit if unit is None else unit
     if procs <= 1:
-        _worker_setup(None, model_name)
+        _worker_setup(None, model_name, window_bits)
         return [unit(j) for j in jobs]
     import multiprocessing as mp
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     os.environ.update({k: "1" for k in saved})          # the workers' BLAS reads this at import
     try:
         with mp.get_context("spawn").Pool(procs, initializer=_worker_setup,
-                                     initargs=(1, model_name)) as pool:
+                                     initargs=(1, model_name, window_bits)) as pool:
             return list(_progress(pool.imap_unordered(unit, jobs), total=len(jobs),
                                   desc="(context, window) units", position=procs))
     finally:
@@ -605,7 +640,7 @@ def run(args) -> list[dict]:
     from spherical_kv_eval.model import MODELS
     t0 = time.time()
     spec = MODELS[args.model]
-    cfg, tok = _main_setup(args.jobs, args.model)
+    cfg, tok = _main_setup(args.jobs, args.model, args.window_bits)
     args.bos = tok.bos_token_id if spec.bos else None
     need = max(args.contexts) + args.continuation
     ids, source = corpus_tokens(tok, need * (args.windows + 1), special=not spec.bos)
@@ -618,7 +653,7 @@ def run(args) -> list[dict]:
     # longest first (a window costs about three probes), so the two processes end together
     jobs.sort(key=lambda j: -j[0] * (1 if j[1] == "probe" else 3))
     jobs = [j + (i % max(args.jobs, 1),) for i, j in enumerate(jobs)]
-    units = _pool_run(jobs, args.jobs, model_name=args.model)
+    units = _pool_run(jobs, args.jobs, model_name=args.model, window_bits=args.window_bits)
     rows, infeasible = [], {}
     for T in args.contexts:
         mine = sorted((u for u in units if u["T"] == T and u["w"] != "probe"), key=lambda u: u["w"])
@@ -658,7 +693,7 @@ def run(args) -> list[dict]:
     meta = {"model": spec.title, "corpus": source, "continuation": args.continuation,
             "generate": args.generate, "defer": args.defer, "probe_tokens": args.probe, "seed": args.seed,
             "windows": args.windows, "processes": args.jobs, "seconds": round(time.time() - t0, 1),
-            "layers": layer_summary(cfg), "infeasible": infeasible}
+            "layers": dict(layer_summary(cfg), window_bits=args.window_bits), "infeasible": infeasible}
     if args.generate:     # how close to a tie the dense greedy runs come (their top-2 logit gaps)
         meta["dense_greedy_gaps"] = {
             str(T): _gap_summary(np.concatenate([u["dense_gaps"] for u in units
@@ -685,8 +720,10 @@ def write_reports(rows, meta, out: Path) -> None:
         if share:
             lay = meta.get("layers", {})
             lines += [f"Sliding-window layers {lay.get('sliding_attention')} hold "
-                      f"{100 * share:.1f} % of the dense cache (their windows, at bf16 in every "
-                      f"method); every budget and bytes % is of the whole cache, the windows' "
+                      f"{100 * share:.1f} % of the dense cache (their windows, "
+                      + ("at bf16" if lay.get("window_bits", 16) >= 16 else
+                         f"in the {lay['window_bits']}-bit spherical code") +
+                      f" in every method); every budget and bytes % is of the whole cache, the windows' "
                       f"bytes taken off first; the full-attention layers "
                       f"{lay.get('full_attention')} get the rest." +
                       (f" Budgets the windows alone exceed: "
@@ -869,6 +906,10 @@ def parse(argv):
                         "--long); gemma3-270m: Gemma-3-270M, a sliding-window hybrid (contexts "
                         "8K, 16K and 32K; docs/evaluate.md \"Sliding-window models\")")
     p.add_argument("--long", action="store_true", help="also an 8K context (smollm2)")
+    p.add_argument("--window-bits", type=int, choices=(16, 8, 4, 3, 2), default=16,
+                   help="how every method holds a sliding-window model's windows: 16 = bf16 as "
+                        "the model does (default), fewer = the spherical codec at that many bits, "
+                        "centred (their bytes count in every method's)")
     p.add_argument("--contexts", "--context", type=int, nargs="+", default=None,
                    help="context lengths in tokens (BOS included for gemma3-270m)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.50, 0.25, 0.15, 0.10],

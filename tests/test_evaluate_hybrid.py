@@ -181,3 +181,25 @@ def test_pages_hold_as_many_states_at_every_head_dim():
     assert unused(256, 2048) > 0.2                      # the 8/8 tier: 3 states, 24 % unused
     assert unused(256, E.page_bytes_for(256)) < 0.06
     assert unused(64, E.page_bytes_for(64)) < 0.06
+
+
+def test_coded_windows_count_their_bytes_and_open_the_low_budgets(runner):
+    """--window-bits 4: every method holds the windows in the 4-bit code (their codes,
+    scales and means counted); the budgets are still of the bf16 total, so a budget under
+    the bf16 windows' share but above the coded one's becomes feasible."""
+    ids = np.random.default_rng(5).integers(0, 101, 100)
+    exact = runner.prefill(ids)
+    coded = E.Runner(runner.model, None, window_bits=4).prefill(ids)
+    assert coded.dense_bytes == exact.dense_bytes
+    d = 32
+    assert coded.window_bytes == 2 * (2 * 7 * (4 * d // 8 + 2) + 2 * d * 4)
+    assert coded.window_bytes < exact.window_bytes        # 7 states a row: the means weigh
+    err = np.linalg.norm(coded.windows[0][0] - exact.windows[0][0]) / np.linalg.norm(exact.windows[0][0])
+    assert 0.01 < err < 0.3
+    b = 0.5 * (exact.window_bytes + coded.window_bytes) / exact.dense_bytes
+    with pytest.raises(E.Infeasible):
+        exact.store_budget(b)
+    assert coded.store_budget(b) > 0
+    lp = runner.logprobs(E._exact_store(coded), coded, ids[-10:])
+    ref = runner.logprobs(E._exact_store(exact), exact, ids[-10:])
+    assert 0 < np.abs(lp - ref).max() < 1.0
