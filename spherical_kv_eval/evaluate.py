@@ -90,6 +90,15 @@ class Prefill:
     window_layers: tuple = ()
     scale: Optional[float] = None
     window_bits: int = 16                       # the windows' storage: 16 = bf16, else the codec
+    exact_windows: Optional[list] = None        # the model's own windows, when those are coded
+
+    def reference(self) -> "Prefill":
+        """This prefill with the model's own windows: what the dense reference (ΔPPL, KL,
+        the dense greedy run) reads, so coded windows show as a cost of every method."""
+        if self.exact_windows is None:
+            return self
+        return dataclasses.replace(self, windows=self.exact_windows, window_bits=16,
+                                   exact_windows=None)
 
     @property
     def store_dense_bytes(self) -> int:
@@ -325,14 +334,17 @@ class Runner:
         stats = attention_stats(queries, keys, window=observe, query_stride=stats_stride,
                                 scale=scale)
         windows = [tuple(x.astype(np.float32) for x in cache.dense_kv(l)) for l in slide]
+        exact_windows = None
         if self.window_bits < 16:
+            exact_windows = windows
             windows = [_coded_window(l, k, v, self.window_bits) for l, (k, v) in zip(slide, windows)]
         return Prefill(keys, [v.astype(np.float32) for v in values],
                        [cache.observed[l].astype(np.float64) for l in full], stats,
                        logits.double().numpy(), len(ids),
                        [q[:, -trailing:] for q in queries] if trailing else None,
                        np.asarray(ids), self.model, windows=windows, store_layers=full,
-                       window_layers=slide, scale=scale, window_bits=self.window_bits)
+                       window_layers=slide, scale=scale, window_bits=self.window_bits,
+                       exact_windows=exact_windows)
 
     def _cache(self, store, pre: "Prefill"):
         """A transformers cache ``pre.length`` tokens in: the full-attention layers read
@@ -507,15 +519,16 @@ def _unit(job) -> dict:
     pre = runner.prefill(ctx)
     out["window_bytes"] = pre.window_bytes / pre.dense_bytes
     rec = _RecordingStore(_exact_store(pre))
-    dense_lp = runner.logprobs(rec, pre, cont)
+    dense_lp = runner.logprobs(rec, pre.reference(), cont)
     # the scored tokens' own queries (every 8th): what later decoding asks of the context
     future_q = [q[0][:, ::8] for _, q in sorted(rec.queries.items())]
     if args.generate:
         gpre = pre
         if args.defer:      # compress after the first ``defer`` tokens, generated densely
-            first = runner.greedy(_exact_store(pre), pre, args.defer)
+            first = runner.greedy(_exact_store(pre), pre.reference(), args.defer)
             gpre = runner.prefill(np.concatenate([ctx, first]), observe=args.defer)
-        ref_tokens, ref_gaps = runner.greedy(_exact_store(gpre), gpre, args.generate, margins=True)
+        ref_tokens, ref_gaps = runner.greedy(_exact_store(gpre), gpre.reference(), args.generate,
+                                             margins=True)
         out["dense_gaps"] = [float(g) for g in ref_gaps]
     out["dense_nll"] = float(-dense_lp[np.arange(len(cont)), cont].mean())
     for m in _progress(methods, desc=f"T={T} window {w + 1}", leave=False, position=position):

@@ -203,3 +203,7 @@ def test_coded_windows_count_their_bytes_and_open_the_low_budgets(runner):
     lp = runner.logprobs(E._exact_store(coded), coded, ids[-10:])
     ref = runner.logprobs(E._exact_store(exact), exact, ids[-10:])
     assert 0 < np.abs(lp - ref).max() < 1.0
+    # the dense reference reads the model's own windows: the code is a cost of every method
+    np.testing.assert_array_equal(
+        runner.logprobs(E._exact_store(coded), coded.reference(), ids[-10:]), ref)
+    assert exact.reference() is exact
