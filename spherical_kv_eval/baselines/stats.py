@@ -39,13 +39,14 @@ class AttentionStats:
                                  f"the cache's (kv_heads, T) = {want}")
 
 
-def _layer_stats(q: np.ndarray, k: np.ndarray, window: int, block: int, stride: int):
+def _layer_stats(q: np.ndarray, k: np.ndarray, window: int, block: int, stride: int,
+                 scale=None):
     hq, T, d = q.shape
     hk = k.shape[0]
     if hq % hk:
         raise ValueError(f"{hq} query heads do not split into groups over {hk} kv-heads")
     group = hq // hk
-    scale = np.float32(1.0 / np.sqrt(d))
+    scale = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
     acc = np.zeros((hk, T))
     obs = np.zeros((hk, T))
     w0 = T - window
@@ -71,7 +72,7 @@ def _layer_stats(q: np.ndarray, k: np.ndarray, window: int, block: int, stride: 
 
 
 def attention_stats(queries, keys, *, window: int = 32, block: int = 256,
-                    query_stride: int = 1) -> AttentionStats:
+                    query_stride: int = 1, scale=None) -> AttentionStats:
     """Accumulated and observation-window attention per (layer, kv-head, token).
 
     ``queries[l]``: (q_heads, T, d); ``keys[l]``: (kv_heads, T, d), post-RoPE.
@@ -80,6 +81,7 @@ def attention_stats(queries, keys, *, window: int = 32, block: int = 256,
     ``query_stride``: accumulate H2O's attention over every ``query_stride``-th query
     row only (rows 0, s, 2s, ...), times s, to cut the O(T²) cost on long contexts; 1
     (the default) is exact. The observation window always uses all its rows.
+    ``scale``: the softmax scale (default 1/√d; a model's own where it differs).
     """
     if len(queries) == 0 or len(queries) != len(keys):
         raise ValueError(f"need one query and one key array per layer, got {len(queries)} "
@@ -96,7 +98,7 @@ def attention_stats(queries, keys, *, window: int = 32, block: int = 256,
         if q.ndim != 3 or k.ndim != 3 or q.shape[1:] != k.shape[1:] or k.shape[1] != T:
             raise ValueError(f"layer {l}: queries {q.shape} and keys {k.shape} must be "
                              f"(heads, T={T}, d) with the same T and d")
-        a, o = _layer_stats(q, k, window, block, query_stride)
+        a, o = _layer_stats(q, k, window, block, query_stride, scale)
         acc.append(a)
         obs.append(o)
     return AttentionStats(acc, obs, window)
