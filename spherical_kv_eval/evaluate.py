@@ -107,7 +107,7 @@ def _rdr_policy(recent: int = 32) -> CompressPolicy:
 
 def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(), centre=True,
                      policy=None, page_bytes=2048, seed=0, extra_tokens=512):
-    from spherical_kv_ref.hf import SphericalStore, fill_cache, observing
+    from spherical_kv_ref.hf import SphericalStore, fill_cache, observing, rope_frequencies
     L = len(prefill.keys)
     H, T, d = prefill.keys[0].shape
     # room for the context and the tokens scoring/generation append (at the top tier)
@@ -115,7 +115,7 @@ def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(),
     pool = (L * H * ((T + extra_tokens) // per_page + len(ladder) + 2) + 16) * page_bytes
     kv = SphericalKVCache(L, H, d, ladder, page_bytes=page_bytes, pool_bytes=pool, seed=seed,
                           num_q_heads=cfg.num_attention_heads, centre=centre,
-                          policy=observing(policy or _rdr_policy(), prefill.queries[0].shape[1]))
+                          rope_inv_freq=rope_frequencies(cfg), policy=observing(policy or _rdr_policy(), prefill.queries[0].shape[1]))
     seq = fill_cache(kv, prefill.keys, prefill.values, prefill.queries, protect)
     if budget_bytes is not None:
         kv.compress(seq, int(budget_bytes))
@@ -506,6 +506,7 @@ def run(args) -> list[dict]:
                 "greedy_dense_gap_at_divergence": [r.get("gap") for r in rs if "agree" in r],
                 "greedy_token_agreement": float(np.mean(get("tokens"))) if get("tokens") else None,
                 "greedy_margin_err": float(np.mean(get("margin_err"))) if get("margin_err") else None,
+                "greedy_margin_err_windows": get("margin_err"),     # for window-paired CIs
                 "attn_out_rel_err": float(np.mean(get("err"))),
                 "kl_nats": float(np.mean(get("kl"))),
                 "top1_agreement": float(np.mean(get("top1"))),
