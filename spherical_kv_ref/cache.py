@@ -64,7 +64,8 @@ class CompressPolicy:
         were recorded. N > 0: they are first carried through RoPE to the next N decode
         positions (``rdr.statistics.future_queries``: the recent queries' mean and
         covariance rotated to the positions to come and averaged; the cache needs
-        ``rope_inv_freq``). Measured on SmolLM2/Austen in docs/rdr.md §1.
+        ``rope_inv_freq``). On SmolLM2/Austen it raised the greedy margin error against
+        the last-N estimate (docs/rdr.md §5), so it is off by default.
     """
     sinks: int = 4
     recent: int = 32
