@@ -174,7 +174,7 @@ def page_bytes_for(head_dim: int) -> int:
 
 def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(), centre=True,
                      policy=None, page_bytes=None, seed=0, extra_tokens=512):
-    from spherical_kv_ref.hf import SphericalStore, fill_cache, observing
+    from spherical_kv_ref.hf import SphericalStore, fill_cache, observing, rope_frequencies
     L = len(prefill.keys)
     H, T, d = prefill.keys[0].shape
     page_bytes = page_bytes or page_bytes_for(d)
@@ -183,7 +183,7 @@ def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(),
     pool = (L * H * ((T + extra_tokens) // per_page + len(ladder) + 2) + 16) * page_bytes
     kv = SphericalKVCache(L, H, d, ladder, page_bytes=page_bytes, pool_bytes=pool, seed=seed,
                           num_q_heads=cfg.num_attention_heads, centre=centre,
-                          softmax_scale=prefill.scale,
+                          softmax_scale=prefill.scale, rope_inv_freq=rope_frequencies(cfg),
                           policy=observing(policy or _rdr_policy(), prefill.queries[0].shape[1]))
     seq = fill_cache(kv, prefill.keys, prefill.values, prefill.queries, protect)
     if budget_bytes is not None:
@@ -697,6 +697,7 @@ def run(args) -> list[dict]:
                 "greedy_dense_gap_at_divergence": [r.get("gap") for r in rs if "agree" in r],
                 "greedy_token_agreement": float(np.mean(get("tokens"))) if get("tokens") else None,
                 "greedy_margin_err": float(np.mean(get("margin_err"))) if get("margin_err") else None,
+                "greedy_margin_err_windows": get("margin_err"),     # for window-paired CIs
                 "attn_out_rel_err": float(np.mean(get("err"))),
                 "kl_nats": float(np.mean(get("kl"))),
                 "top1_agreement": float(np.mean(get("top1"))),

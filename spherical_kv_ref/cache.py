@@ -60,6 +60,12 @@ class CompressPolicy:
     key_term: "lognormal" (default) or "linear", the key-error term of
         ``rdr.distortion``: at 2 bits the logit error is large enough that the
         first-order term underestimates it several times.
+    horizon: 0 (default): the attention estimate reads the recorded queries where they
+        were recorded. N > 0: they are first carried through RoPE to the next N decode
+        positions (``rdr.statistics.future_queries``: the recent queries' mean and
+        covariance rotated to the positions to come and averaged; the cache needs
+        ``rope_inv_freq``). On SmolLM2/Austen it raised the greedy margin error against
+        the last-N estimate (docs/rdr.md §5), so it is off by default.
     """
     sinks: int = 4
     recent: int = 32
@@ -70,6 +76,7 @@ class CompressPolicy:
     prior: float = 0.2
     coherence: bool = True
     key_term: str = "lognormal"
+    horizon: int = 0
 
     def __post_init__(self):
         if not isinstance(self.coherence, (bool, np.bool_)):
@@ -78,7 +85,7 @@ class CompressPolicy:
             raise ValueError(f"policy.key_term must be 'linear' or 'lognormal', got {self.key_term!r}")
         if not (0.0 <= float(self.prior) <= 1.0):
             raise ValueError(f"policy.prior must be in [0, 1], got {self.prior!r}")
-        for name in ("sinks", "recent", "window"):
+        for name in ("sinks", "recent", "window", "horizon"):
             v = getattr(self, name)
             if int(v) != v or v < 0:
                 raise ValueError(f"policy.{name} must be a non-negative integer, got {v!r}")
@@ -160,7 +167,8 @@ class SphericalKVCache:
                  pool_bytes: Optional[int] = None, seed: int = 0, *,
                  num_q_heads: Optional[int] = None, centre: bool = True,
                  policy: Optional[CompressPolicy] = None, softmax_scale: Optional[float] = None,
-                 codebook: str = "uniform", num_splits: int = 4):
+                 codebook: str = "uniform", num_splits: int = 4,
+                 rope_inv_freq: Optional[np.ndarray] = None):
         self.num_layers = _whole("num_layers", num_layers, 1)
         self.num_kv_heads = _whole("num_kv_heads", num_kv_heads, 1)
         self.head_dim = _whole("head_dim", head_dim, 4)
@@ -182,6 +190,16 @@ class SphericalKVCache:
         self.softmax_scale = softmax_scale_of(softmax_scale, self.head_dim)
         self.codebook = codebook
         self.num_splits = _whole("num_splits", num_splits, 1)
+        self.rope_inv_freq = None
+        if rope_inv_freq is not None:
+            f = np.asarray(rope_inv_freq, dtype=np.float64)
+            if f.shape != (self.head_dim // 2,) or not np.all(np.isfinite(f)):
+                raise ValueError(f"rope_inv_freq must be {self.head_dim // 2} finite frequencies "
+                                 f"(head_dim / 2), got shape {f.shape}")
+            self.rope_inv_freq = f
+        if self.policy.horizon and self.rope_inv_freq is None:
+            raise ValueError("policy.horizon carries the queries through RoPE: the cache needs "
+                             "rope_inv_freq (rdr.statistics.rope_inv_freq(head_dim, theta))")
         self.paged = PagedKV(self.ladder, self.head_dim, page_bytes, pool_bytes // page_bytes)
         self._tables = PagedDecodeTables(self.paged, codebook)
         self._codecs: Dict[tuple, SphericalCodec] = {}
@@ -449,7 +467,7 @@ class SphericalKVCache:
         states as rotated float64 vectors on the host (decode never does), the group's
         recorded queries rotated alike; κ includes the row's coherence with
         ``policy.coherence``."""
-        from .rdr.statistics import row_statistics
+        from .rdr.statistics import future_queries, row_statistics
         n = len(st)
         d = self.head_dim
         yk = np.empty((n, d))
@@ -462,7 +480,12 @@ class SphericalKVCache:
         qr = None
         if s.queries[layer]:
             G = self.group_size
-            qs = np.stack(list(s.queries[layer]))[:, h * G:(h + 1) * G].reshape(-1, d)
+            qs = np.stack(list(s.queries[layer]))[:, h * G:(h + 1) * G]       # (m, G, d)
+            if self.policy.horizon:
+                # the m recorded queries are those of the layer's last m positions
+                qs = np.stack([future_queries(qs[:, g], self.rope_inv_freq, self.policy.horizon)
+                               for g in range(G)], axis=1)
+            qs = qs.reshape(-1, d)
             qr = self.codec(layer, h, 16, KEY_SALT).rotation.apply(qs)
         return row_statistics(yk, yv, qr, self.softmax_scale, self.policy.prior,
                               candidates if self.policy.coherence else None)

@@ -329,6 +329,20 @@ def fill_cache(kv: SphericalKVCache, keys, values, queries=None, protect=()) -> 
 
 # ------------------------------------------------------------------------- the HF cache
 
+def rope_frequencies(config) -> Optional[np.ndarray]:
+    """The RoPE frequencies (head_dim / 2,) of a config with the default (unscaled) rotary
+    embedding, for ``CompressPolicy.horizon``; None for any other rope type."""
+    from .rdr.statistics import rope_inv_freq
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    theta = rope.get("rope_theta", getattr(text, "rope_theta", None))
+    if rope.get("rope_type", "default") != "default" or theta is None \
+            or getattr(text, "partial_rotary_factor", 1.0) != 1.0:
+        return None
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return rope_inv_freq(head_dim, theta)
+
+
 def layer_kinds(config):
     """Each layer's attention, ``FULL`` or ``SLIDING``, and the window (tokens; None without
     sliding layers), read from a model config as transformers' own dynamic cache reads it:
@@ -482,6 +496,7 @@ class SphericalCache(Cache):
         super().__init__(layers=[_Layer(self, i, slot[i]) if k == FULL else
                                  _Window(sliding_window=self.sliding_window)
                                  for i, k in enumerate(kinds)])
+        self.model_config = config
         self.observe = int(observe)
         self.observed: List[Optional[np.ndarray]] = [None] * self.num_layers
         self.scaling: Optional[float] = None
@@ -621,6 +636,8 @@ class SphericalCache(Cache):
         kw["policy"] = observing(kw.get("policy"), self.observe)
         if self.scaling is not None:
             kw.setdefault("softmax_scale", self.scaling)
+        if "rope_inv_freq" not in kw:
+            kw["rope_inv_freq"] = rope_frequencies(self.model_config)
         L = len(self.store_layers)
         n = self.layers[self.store_layers[0]].length
         if "pool_bytes" not in kw:

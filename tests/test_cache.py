@@ -554,3 +554,36 @@ class CacheMachine(RuleBasedStateMachine):
 
 CacheMachine.TestCase.settings = settings(settings.default, stateful_step_count=30)
 TestCacheMachine = CacheMachine.TestCase
+
+
+def test_horizon_estimates_from_the_queries_carried_through_rope():
+    from spherical_kv_ref.rdr.statistics import future_queries, rope_inv_freq
+    f = rope_inv_freq(D, 10000.0)
+    with pytest.raises(ValueError, match="rope_inv_freq"):
+        make_cache(L=1, H=1, G=2, policy=CompressPolicy(sinks=0, recent=0, horizon=64))
+    with pytest.raises(ValueError, match="rope_inv_freq"):
+        make_cache(L=1, H=1, G=2, rope_inv_freq=f[:-1])
+    with pytest.raises(ValueError, match="horizon"):
+        CompressPolicy(horizon=-1)
+    q = np.random.default_rng(14).standard_normal((4, 2, D))
+
+    def stats(horizon, window, observations):
+        rng = np.random.default_rng(13)
+        cache = make_cache(L=1, H=1, G=2, rope_inv_freq=f,
+                           policy=CompressPolicy(sinks=0, recent=0, window=window, horizon=horizon))
+        seq = cache.new_sequence()
+        cache.append(seq, 0, rng.standard_normal((1, 50, D)), rng.standard_normal((1, 50, D)))
+        for o in observations:
+            cache.observe(seq, 0, o)
+        st = cache.paged.states((seq, 0, 0))
+        return cache._row_statistics(seq, cache._seqs[seq], 0, 0, st, np.ones(50, bool))
+
+    carried = stats(64, 3, q)                      # the window keeps the last 3 observations
+    # the same as recording, without a horizon, the last 3 queries of each head carried on
+    moved = np.stack([future_queries(q[1:, g], f, 64) for g in range(2)], axis=1)     # (24, 2, D)
+    by_hand = stats(0, len(moved), moved)
+    for a, b in zip(carried, by_hand):
+        assert np.allclose(a, b, rtol=1e-10, atol=1e-14)
+    plain = stats(0, 3, q)
+    assert not np.allclose(plain[0], carried[0])           # the estimate moved
+    assert carried[1] == pytest.approx(plain[1])          # RoPE keeps ‖q‖²: so does Q²

@@ -154,3 +154,25 @@ def test_any_chunking_equals_the_dense_model_at_the_lossless_tier(tiny_model, pl
     logits throughout (a dense multi-token chunk once read its past with the wrong causal
     alignment; this property finds that at once)."""
     _feed_and_compare(*tiny_model, plan)
+
+
+def test_rope_frequencies_are_the_models(tiny_model):
+    from spherical_kv_ref.hf import rope_frequencies
+    model, _, _ = tiny_model
+    got = rope_frequencies(model.config)
+    assert np.allclose(got, model.model.rotary_emb.inv_freq.double().numpy(), rtol=1e-6)
+    scaled = model.config.__class__(**{**model.config.to_dict(), "rope_scaling":
+                                       {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}})
+    assert rope_frequencies(scaled) is None
+
+
+def test_compress_with_a_horizon_runs_through_the_hf_cache(tiny_model):
+    from spherical_kv_ref.cache import CompressPolicy
+    model, ids, _ = tiny_model
+    cache = SphericalCache(model.config, observe=8, page_bytes=512,
+                           policy=CompressPolicy(sinks=2, recent=4, horizon=32))
+    with torch.no_grad():
+        model(ids[:, :50], past_key_values=cache)
+    report = cache.compress(budget_bytes=16 * 512)
+    assert report.bytes_after <= 16 * 512
+    assert np.allclose(cache.kv.rope_inv_freq, model.model.rotary_emb.inv_freq.double().numpy(), rtol=1e-6)

@@ -562,3 +562,50 @@ def test_protected_over_budget_error_names_the_bytes_needed(p):
         return
     with pytest.raises(ValueError, match=rf"protected states alone need {need} bytes"):
         rdr.Problem(p.distortion, p.cost, p.group, p.protected, need - 1, p.page_bytes)
+
+
+def _rope_matrix(pos, inv_freq):
+    """RoPE at position pos as a d × d matrix (rotate-half layout), built coordinate pair by pair."""
+    half = len(inv_freq)
+    R = np.zeros((2 * half, 2 * half))
+    for i, f in enumerate(inv_freq):
+        c, s = np.cos(pos * f), np.sin(pos * f)
+        R[i, i], R[i, i + half], R[i + half, i], R[i + half, i + half] = c, -s, s, c
+    return R
+
+
+def test_rope_shift_moves_a_rotated_query_to_a_later_position():
+    rng = np.random.default_rng(11)
+    f = rs.rope_inv_freq(16, 100000.0)
+    assert f[0] == 1.0 and f[-1] == pytest.approx(100000.0 ** (-14 / 16))
+    raw = rng.standard_normal((3, 16))
+    pos = np.array([0, 7, 1999])
+    post = np.stack([_rope_matrix(p, f) @ q for p, q in zip(pos, raw)])
+    moved = rs.rope_shift(post, np.array([5, 0.5, 37]), f)
+    want = np.stack([_rope_matrix(p + s, f) @ q for p, s, q in zip(pos, [5, 0.5, 37], raw)])
+    assert np.allclose(moved, want, atol=1e-12)
+    assert np.allclose(np.linalg.norm(moved, axis=1), np.linalg.norm(raw, axis=1))
+    with pytest.raises(ValueError, match="frequencies"):
+        rs.rope_shift(post, 1, f[:-1])
+    with pytest.raises(ValueError, match="even"):
+        rs.rope_inv_freq(15)
+
+
+def test_future_queries_carry_the_recent_moments_to_the_positions_to_come():
+    """The second moment of the carried queries is (1/K)·Σ_k R(f_k) M R(f_k)ᵀ, with M the
+    pre-RoPE queries' second moment (μμᵀ + Σ) and f_k the K future positions."""
+    rng = np.random.default_rng(12)
+    d, m, L, H, K = 8, 5, 40, 24, 4
+    f = rs.rope_inv_freq(d, 500.0)
+    raw = rng.standard_normal((m, d)) + 2.0
+    post = np.stack([_rope_matrix(L - m + j, f) @ raw[j] for j in range(m)])
+    fq = rs.future_queries(post, f, H, points=K)
+    assert fq.shape == (m * K, d)
+    future = L - 1 + (np.arange(K) + 0.5) * H / K
+    M = raw.T @ raw / m
+    want = sum(_rope_matrix(p, f) @ M @ _rope_matrix(p, f).T for p in future) / K
+    assert np.allclose(fq.T @ fq / (m * K), want, atol=1e-10)
+    mean = sum(_rope_matrix(p, f) @ raw.mean(axis=0) for p in future) / K
+    assert np.allclose(fq.mean(axis=0), mean, atol=1e-10)
+    with pytest.raises(ValueError, match="positive"):
+        rs.future_queries(post, f, 0)

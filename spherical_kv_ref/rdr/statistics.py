@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["row_statistics", "eviction_coherence", "window_attention", "AttentionAccumulator", "output_statistics",
+__all__ = ["row_statistics", "eviction_coherence", "rope_inv_freq", "rope_shift", "future_queries", "window_attention", "AttentionAccumulator", "output_statistics",
            "sink_mask", "recent_mask", "span_mask", "outlier_mask"]
 
 
@@ -73,6 +73,55 @@ def row_statistics(keys, values, queries, softmax_scale, prior, candidates=None)
     p = np.sqrt(p2)
     res = np.sqrt(e / np.maximum(p2, tiny))
     return p, float(np.mean(np.sum(qr * qr, axis=1))), r, vn, res, np.maximum(kappa, 1.0)
+
+
+def rope_inv_freq(head_dim, theta=10000.0):
+    """The rotary frequencies θ_i = theta^(−2i/d), i < d/2, of the default (unscaled) RoPE."""
+    d = int(head_dim)
+    if d < 2 or d % 2:
+        raise ValueError(f"head_dim must be even and >= 2 for RoPE, got {head_dim!r}")
+    return 1.0 / float(theta) ** (np.arange(0, d, 2, dtype=np.float64) / d)
+
+
+def rope_shift(q, shift, inv_freq):
+    """Post-RoPE queries moved ``shift`` positions on: R(p + Δ)·q̃ = R(Δ)·(R(p)·q̃), RoPE's
+    rotations composing. The rotate-half layout of transformers: coordinate i pairs with
+    i + d/2 at frequency inv_freq[i]. q: (..., d); shift: broadcastable to q's leading
+    shape (tokens, may be fractional); inv_freq: (d/2,). Returns float64 like q."""
+    q = np.asarray(q, dtype=np.float64)
+    f = np.asarray(inv_freq, dtype=np.float64)
+    half = f.shape[0]
+    if q.shape[-1] != 2 * half:
+        raise ValueError(f"queries of dimension {q.shape[-1]} need {q.shape[-1] // 2} RoPE "
+                         f"frequencies, got {half}")
+    ang = np.asarray(shift, dtype=np.float64)[..., None] * f          # (..., d/2)
+    c, s = np.cos(ang), np.sin(ang)
+    a, b = q[..., :half], q[..., half:]
+    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+
+def future_queries(queries, inv_freq, horizon, points=4):
+    """The recorded queries carried to the positions of the next ``horizon`` decode steps.
+
+    queries: (m, d) post-RoPE queries of the last m positions L−m .. L−1 (oldest first);
+    each is moved (:func:`rope_shift`) to the ``points`` future positions L − 1 + h_k,
+    h_k = (k + ½)·horizon/points. Returns (m·points, d): an empirical model of the queries
+    to come whose mean and second moment are those of the recent queries' content (μ, Σ of
+    the pre-RoPE queries) rotated to the future positions and averaged over them,
+    (1/K)·Σ_k R(f_k)(μμᵀ + Σ)R(f_k)ᵀ; every sample-based statistic of
+    :func:`row_statistics` (P², the residuals, κ) is then an expectation over that model, not
+    over the positions the queries were recorded at. (ExpectedAttention scores keys with the
+    same carried moments, in a Gaussian closed form.)
+    """
+    q = np.asarray(queries, dtype=np.float64)
+    if q.ndim != 2:
+        raise ValueError(f"queries must be (m, d), got shape {q.shape}")
+    if int(horizon) < 1 or int(points) < 1:
+        raise ValueError(f"horizon and points must be positive, got {horizon!r}, {points!r}")
+    m = q.shape[0]
+    ahead = (np.arange(int(points)) + 0.5) * (int(horizon) / int(points))        # (K,)
+    shift = (m - 1 - np.arange(m))[:, None] + ahead[None, :]                    # (m, K)
+    return rope_shift(np.repeat(q[:, None, :], ahead.size, axis=1), shift, inv_freq).reshape(-1, q.shape[1])
 
 
 def eviction_coherence(P, o, values, dist2, p2, candidates) -> float:
