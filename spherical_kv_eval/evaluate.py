@@ -609,6 +609,17 @@ def window_starts(num_ids: int, T: int, continuation: int, windows: int) -> np.n
     return np.linspace(0, num_ids - T - continuation - 1, windows + 2)[1:-1].astype(int)
 
 
+def run_windows(tok, args, unit):
+    """The lab scripts' loop: ``args.windows`` windows of ``args.context`` tokens (and
+    ``args.continuation`` more) spread over the corpus, the first ``args.first`` of them, each
+    a job (T, window, start, args, ids) run by ``unit`` over ``args.jobs`` worker processes."""
+    T = args.context
+    ids, _ = corpus_tokens(tok, (T + args.continuation) * (args.windows + 1))
+    starts = window_starts(len(ids), T, args.continuation, args.windows)
+    jobs = [(T, w, int(s), args, ids) for w, s in enumerate(starts)][:args.first]
+    return _pool_run(jobs, args.jobs, unit=unit)
+
+
 def _pool_run(jobs, procs: int, unit=None, model_name: str = "smollm2", window_bits: int = 16):
     """Run ``unit`` (default ``_unit``) over the jobs, in ``procs`` worker processes of one
     thread each (two processes on two cores beat one process of two threads: numpy's BLAS

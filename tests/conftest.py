@@ -243,3 +243,14 @@ def tiny_llama():
                                        num_key_value_heads=2, max_position_embeddings=max_positions)
         return transformers.LlamaForCausalLM(cfg).eval()
     return build
+
+
+@pytest.fixture
+def worker(runner):
+    """The evaluation tests' ``runner`` (each module defines its own) installed as a worker
+    process's, which is what the evaluation's units read; removed after."""
+    from spherical_kv_eval import evaluate as E
+    E._WORKER.clear()
+    E._WORKER.update(runner=runner, cfg=runner.model.config)
+    yield runner
+    E._WORKER.clear()

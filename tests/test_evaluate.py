@@ -22,13 +22,6 @@ def runner(tiny_llama):
     return E.Runner(tiny_llama(512), tokenizer=None)
 
 
-@pytest.fixture
-def worker(runner):
-    """The runner installed as a worker process's (what the units read), removed after."""
-    E._WORKER.clear()
-    E._WORKER.update(runner=runner, cfg=runner.model.config)
-    yield runner
-    E._WORKER.clear()
 
 
 def test_exact_store_scores_zero_and_a_lossy_store_does_not(runner):

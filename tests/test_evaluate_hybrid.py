@@ -34,12 +34,6 @@ def runner():
     return E.Runner(_gemma(), tokenizer=None)
 
 
-@pytest.fixture
-def worker(runner):
-    E._WORKER.clear()
-    E._WORKER.update(runner=runner, cfg=runner.model.config)
-    yield runner
-    E._WORKER.clear()
 
 
 def test_prefill_splits_full_layers_from_windows_and_the_exact_store_is_the_model(runner):

@@ -151,10 +151,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     _, tok = E._main_setup(args.jobs)
     T = args.context
-    ids, _ = E.corpus_tokens(tok, (T + args.continuation) * (args.windows + 1))
-    starts = E.window_starts(len(ids), T, args.continuation, args.windows)
-    jobs = [(T, w, int(s), args, ids) for w, s in enumerate(starts)][:args.first]
-    units = E._pool_run(jobs, args.jobs, unit=_unit)
+    units = E.run_windows(tok, args, _unit)
     rows = summarise(units)
     base = _variant(0)
     comparisons = []
