@@ -10,7 +10,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from ._module import constants
+from ._module import DIMS, constants
 
 GEOM_STRIDE = constants()["SKV_GEOM_STRIDE"]   # int32 per geometry row (csrc/spherical_common.cuh)
 LEVEL_BITS = (1, 2, 3, 4, 8)   # rows of the (5, 256) level tables
@@ -84,7 +84,6 @@ def kernel_tables(ladder, dim: int, page_bytes: int = 4096,
     if not tiers:
         raise ValueError("the ladder needs at least one tier")
     from spherical_kv_ref.codec import whole
-    from ._module import DIMS
     if whole("dim", dim, 1) not in DIMS:
         raise ValueError(f"dim must be one of the head dims the kernels are built for, {DIMS}; got {dim}")
     if whole("page_bytes", page_bytes, 16) % 16:

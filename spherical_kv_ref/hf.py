@@ -46,7 +46,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from .cache import CompressPolicy, SphericalKVCache
-from .codec import whole
+from .codec import as_real_array, check_finite, whole
 from .rotation import KEY_SALT, VALUE_SALT
 
 ATTENTION_NAME = "spherical_kv"
@@ -96,13 +96,13 @@ def _chunk_part(q, k, v, k_held, v_held, scale):
 
 
 def _real_rows(x, name: str) -> np.ndarray:
-    """x as a finite real (n, d) array; ValueError naming ``name`` otherwise."""
-    a = np.asarray(x)
-    if a.dtype.kind not in "fiu" or a.ndim != 2:
+    """x as a finite real (n, d) array; ValueError naming ``name`` otherwise (the codec's
+    checks, ``as_real_array`` and ``check_finite``, plus the shape)."""
+    a = as_real_array(x, name)
+    if a.ndim != 2:
         raise ValueError(f"{name}: every kv-head must be a real (n, d) array, got {a.dtype} "
                          f"{a.shape}")
-    if not np.all(np.isfinite(a)):
-        raise ValueError(f"{name} contains NaN or Inf")
+    check_finite(a, name)
     return a
 
 
