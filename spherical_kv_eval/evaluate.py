@@ -220,7 +220,12 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers
     from spherical_kv_eval.baselines import peers as P
     nq = cfg.num_attention_heads
     methods = []
+    # kvpress's presses run in the line-up where it is installed: then the project's own
+    # SnapKV and StreamingLLM (the same methods, held to kvpress's in the tests) stay out
+    with_peers = peers and P.kvpress_available() and not _has_windows(cfg)
     for m in B.standard_methods(budgets, kivi_residual=kivi_residual):
+        if with_peers and isinstance(m, (B.SnapKV, B.StreamingLLM)):
+            continue
         family = type(m).__name__.lower()
 
         def build(pre, m=m, protect=()):
@@ -231,7 +236,7 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers
         methods.append(Method(m.name, family, m.budget, build))
     # kvpress presses run their own prefill over every layer: on a sliding-window model they
     # would not see the windows as the evaluation keeps them, so they stay out there
-    if peers and P.kvpress_available() and not _has_windows(cfg):
+    if with_peers:
         for m in P.peer_methods(budgets):
             def build(pre, m=m, protect=()):
                 return _compressed_store(m.compress(pre.keys, pre.values,
@@ -285,11 +290,15 @@ def _has_windows(cfg) -> bool:
 class Runner:
     """Prefill, score and generate with one model through ``spherical_kv`` attention."""
 
-    def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None, window_bits: int = 16):
+    def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None, window_bits: int = 16,
+                 peer_device: Optional[str] = None):
         import torch
         from spherical_kv_ref.hf import use_spherical_attention
         self.torch, self.model, self.tok = torch, model, tokenizer
         self.cfg = model.config
+        # the model the kvpress baselines run their own prefills with: this one, or a copy on
+        # ``peer_device`` (e.g. "cuda"; only which states they keep comes back)
+        self.peer_model = model if peer_device is None else copy.deepcopy(model).to(peer_device)
         # A sliding-window layer's prefill in one pass costs O(T²) (sdpa walks the whole
         # banded mask); in chunks of C it costs O(T·(C + window)): 2048 for such models. A
         # model without windows runs its prefill in one pass (the committed runs' numbers).
@@ -343,7 +352,7 @@ class Runner:
                        [cache.observed[l].astype(np.float64) for l in full], stats,
                        logits.double().numpy(), len(ids),
                        [q[:, -trailing:] for q in queries] if trailing else None,
-                       np.asarray(ids), self.model, windows=windows, store_layers=full,
+                       np.asarray(ids), self.peer_model, windows=windows, store_layers=full,
                        window_layers=slide, scale=scale, window_bits=self.window_bits,
                        exact_windows=exact_windows)
 
@@ -480,8 +489,10 @@ def _methods(cfg, args) -> list:
             if not args.methods or any(m.name.startswith(p) for p in args.methods)]
 
 
-def _worker_setup(threads: Optional[int], model_name: str = "smollm2", window_bits: int = 16) -> None:
-    """Load the model once per process (``threads``: torch threads, None = leave)."""
+def _worker_setup(threads: Optional[int], model_name: str = "smollm2", window_bits: int = 16,
+                  peer_device: Optional[str] = None) -> None:
+    """Load the model once per process (``threads``: torch threads, None = leave;
+    ``peer_device``: where the kvpress baselines' prefills run, ``Runner``)."""
     if _WORKER:
         return
     import torch
@@ -489,13 +500,21 @@ def _worker_setup(threads: Optional[int], model_name: str = "smollm2", window_bi
     if threads:
         torch.set_num_threads(threads)
     model, tok = load_model(model_name)
-    _WORKER.update(runner=Runner(model, tok, window_bits=window_bits), cfg=model.config, tok=tok)
+    _WORKER.update(runner=Runner(model, tok, window_bits=window_bits, peer_device=peer_device),
+                   cfg=model.config, tok=tok)
 
 
 def _unit(job) -> dict:
     """One (context length, window): a dense prefill, then every method through its own
     compressed copy. Window ``"probe"``: the retrieval probe of that context length.
     Returns per-method results."""
+    t0 = time.time()
+    out = _unit_results(job)
+    out["seconds"] = round(time.time() - t0, 1)
+    return out
+
+
+def _unit_results(job) -> dict:
     T, w, s, args, ids, position = job
     runner, cfg = _WORKER["runner"], _WORKER["cfg"]
     methods = _methods(cfg, args)
@@ -592,12 +611,13 @@ def _gap_summary(gaps: np.ndarray) -> dict:
             "smallest": [float(g) for g in np.sort(gaps)[:8]]}
 
 
-def _main_setup(procs: int, model_name: str = "smollm2", window_bits: int = 16):
+def _main_setup(procs: int, model_name: str = "smollm2", window_bits: int = 16,
+                peer_device: Optional[str] = None):
     """(model config, tokenizer) for the main process of a run. With one process the units
     run here too, so the model is loaded once, for them as well; with more, the workers load
     their own and this process keeps only the config and the tokenizer."""
     if procs <= 1:
-        _worker_setup(None, model_name, window_bits)
+        _worker_setup(None, model_name, window_bits, peer_device)
         return _WORKER["cfg"], _WORKER["tok"]
     from spherical_kv_eval.model import load_model
     model, tok = load_model(model_name)
@@ -621,22 +641,33 @@ def run_windows(tok, args, unit):
     return _pool_run(jobs, args.jobs, unit=unit)
 
 
-def _pool_run(jobs, procs: int, unit=None, model_name: str = "smollm2", window_bits: int = 16):
+def _pool_run(jobs, procs: int, unit=None, model_name: str = "smollm2", window_bits: int = 16,
+              peer_device: Optional[str] = None, done: Optional[Callable] = None):
     """Run ``unit`` (default ``_unit``) over the jobs, in ``procs`` worker processes of one
     thread each (two processes on two cores beat one process of two threads: numpy's BLAS
-    and torch's threads fight)."""
+    and torch's threads fight); ``done(result)``, if given, is called on each result as it
+    comes (in this process)."""
     unit = _unit if unit is None else unit
+    done = done or (lambda result: None)
     if procs <= 1:
-        _worker_setup(None, model_name, window_bits)
-        return [unit(j) for j in jobs]
+        _worker_setup(None, model_name, window_bits, peer_device)
+        out = []
+        for j in jobs:
+            out.append(unit(j))
+            done(out[-1])
+        return out
     import multiprocessing as mp
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     os.environ.update({k: "1" for k in saved})          # the workers' BLAS reads this at import
     try:
         with mp.get_context("spawn").Pool(procs, initializer=_worker_setup,
-                                     initargs=(1, model_name, window_bits)) as pool:
-            return list(_progress(pool.imap_unordered(unit, jobs), total=len(jobs),
-                                  desc="(context, window) units", position=procs))
+                                     initargs=(1, model_name, window_bits, peer_device)) as pool:
+            out = []
+            for result in _progress(pool.imap_unordered(unit, jobs), total=len(jobs),
+                                    desc="(context, window) units", position=procs):
+                out.append(result)
+                done(result)
+            return out
     finally:
         for k, v in saved.items():
             if v is None:
@@ -661,24 +692,87 @@ def layer_summary(cfg) -> dict:
     return out
 
 
+# the settings a (context, window) unit's result depends on (the context lengths are the
+# units' own): a run resumes only units made with the same ones
+UNIT_SETTINGS = ("model", "budgets", "rdr_extra", "rdr_recent", "windows",
+                 "continuation", "generate", "defer", "probe", "methods", "peers", "seed",
+                 "window_bits")
+
+
+class UnitLog:
+    """``units.jsonl`` under a run's folder: its first line the unit settings, then one line
+    per finished (context, window) unit, appended as each ends, so an interrupted run (or
+    one split with ``--max-units``) goes on with ``--resume`` where it stopped. Without
+    ``resume`` the log is started afresh; with it, a log made with other settings is
+    refused (nothing is mixed)."""
+
+    def __init__(self, path: Path, settings: dict, resume: bool):
+        self.path, self.done = path, {}
+        settings = json.loads(json.dumps(settings))          # as it reads back
+        if resume and path.exists():
+            lines = path.read_text().splitlines()
+            first = json.loads(lines[0]) if lines else {}
+            if first.get("settings") != settings:
+                diff = sorted(k for k in set(settings) | set(first.get("settings") or {})
+                              if settings.get(k) != (first.get("settings") or {}).get(k))
+                raise ValueError(f"--resume: {path} was made with other settings ({', '.join(diff)} "
+                                 f"differ); run without --resume to start afresh")
+            for line in lines[1:]:
+                try:
+                    u = json.loads(line)
+                except json.JSONDecodeError:        # a line cut off by the interruption
+                    continue
+                self.done[(u["T"], u["w"])] = u
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"settings": settings}) + "\n")
+
+    def add(self, unit: dict) -> None:
+        self.done[(unit["T"], unit["w"])] = unit
+        with self.path.open("a") as f:
+            f.write(json.dumps(unit) + "\n")
+
+
+class Unfinished(RuntimeError):
+    """A run split with ``--max-units`` still has units to do (``--resume`` goes on)."""
+
+
 def run(args) -> list[dict]:
     from spherical_kv_eval.model import MODELS
     t0 = time.time()
     spec = MODELS[args.model]
-    cfg, tok = _main_setup(args.jobs, args.model, args.window_bits)
+    peer_device = getattr(args, "peer_device", None)
+    cfg, tok = _main_setup(args.jobs, args.model, args.window_bits, peer_device)
     args.bos = tok.bos_token_id if spec.bos else None
-    need = max(args.contexts) + args.continuation
-    ids, source = corpus_tokens(tok, need * (args.windows + 1), special=not spec.bos)
     methods = _methods(cfg, args)
     jobs = []
     for T in args.contexts:
+        # each context length's windows depend on it alone (not on the other lengths of the
+        # run), so a run of more lengths holds a run of fewer, and --resume can add lengths
+        ids, source = corpus_tokens(tok, (T + args.continuation) * (args.windows + 1),
+                                    special=not spec.bos)
         starts = window_starts(len(ids), T, args.continuation, args.windows)
         jobs += [(T, w, int(s), args, ids) for w, s in enumerate(starts)]
         jobs.append((T, "probe", int(starts[0]), args, ids))
     # longest first (a window costs about three probes), so the two processes end together
     jobs.sort(key=lambda j: -j[0] * (1 if j[1] == "probe" else 3))
-    jobs = [j + (i % max(args.jobs, 1),) for i, j in enumerate(jobs)]
-    units = _pool_run(jobs, args.jobs, model_name=args.model, window_bits=args.window_bits)
+    log = UnitLog(args.out / "units.jsonl", {k: getattr(args, k, None) for k in UNIT_SETTINGS},
+                  getattr(args, "resume", False))
+    todo = [j for j in jobs if (j[0], j[1]) not in log.done]
+    if getattr(args, "max_units", None) is not None:
+        todo = todo[:args.max_units]
+    if len(todo) < len(jobs):
+        resumed = sum((j[0], j[1]) in log.done for j in jobs)
+        _say(f"{len(jobs)} units: {resumed} resumed from {log.path}, {len(todo)} to run now, "
+             f"{len(jobs) - resumed - len(todo)} left for later")
+    todo = [j + (i % max(args.jobs, 1),) for i, j in enumerate(todo)]
+    _pool_run(todo, args.jobs, model_name=args.model, window_bits=args.window_bits,
+              peer_device=peer_device, done=log.add)
+    missing = sum((j[0], j[1]) not in log.done for j in jobs)
+    if missing:
+        raise Unfinished(f"{missing} of {len(jobs)} units still to run: the same command with "
+                         f"--resume goes on ({log.path})")
+    units = [log.done[(j[0], j[1])] for j in jobs]      # the log may hold other lengths too
     rows, infeasible = [], {}
     for T in args.contexts:
         mine = sorted((u for u in units if u["T"] == T and u["w"] != "probe"), key=lambda u: u["w"])
@@ -705,20 +799,29 @@ def run(args) -> list[dict]:
                 "retrieval_loss": float(np.mean(get("ret"))),
                 "retrieval_loss_protected": float(np.mean(get("ret_p"))) if get("ret_p") else None,
                 "greedy_agreement": float(np.mean(get("agree"))) if get("agree") else None,
+                "greedy_agreement_ci95": ci95(get("agree")),
                 "greedy_agreement_windows": get("agree"),
                 "greedy_dense_gap_at_divergence": [r.get("gap") for r in rs if "agree" in r],
                 "greedy_token_agreement": float(np.mean(get("tokens"))) if get("tokens") else None,
+                "greedy_token_agreement_ci95": ci95(get("tokens")),
                 "greedy_margin_err": float(np.mean(get("margin_err"))) if get("margin_err") else None,
+                "greedy_margin_err_ci95": ci95(get("margin_err")),
                 "greedy_margin_err_windows": get("margin_err"),     # for window-paired CIs
                 "attn_out_rel_err": float(np.mean(get("err"))),
+                "attn_out_rel_err_ci95": ci95(get("err")),
                 "kl_nats": float(np.mean(get("kl"))),
+                "kl_nats_ci95": ci95(get("kl")),
+                "kl_windows": get("kl"),
                 "top1_agreement": float(np.mean(get("top1"))),
+                "top1_agreement_ci95": ci95(get("top1")),
             })
     print(f"{len(methods)} methods x {len(units)} units (context x (windows + probe)) done "
           f"({time.time() - t0:.0f} s)", file=sys.stderr)
     meta = {"model": spec.title, "corpus": source, "continuation": args.continuation,
             "generate": args.generate, "defer": args.defer, "probe_tokens": args.probe, "seed": args.seed,
             "windows": args.windows, "processes": args.jobs, "seconds": round(time.time() - t0, 1),
+            "unit_seconds": round(sum(u.get("seconds", 0.0) for u in units), 1),
+            "peer_device": peer_device or "cpu",
             "layers": dict(layer_summary(cfg), window_bits=args.window_bits), "infeasible": infeasible}
     if args.generate:     # how close to a tie the dense greedy runs come (their top-2 logit gaps)
         meta["dense_greedy_gaps"] = {
@@ -754,50 +857,111 @@ def write_reports(rows, meta, out: Path) -> None:
                       f"{lay.get('full_attention')} get the rest." +
                       (f" Budgets the windows alone exceed: "
                        f"{', '.join(meta['infeasible'][str(T)])}." if str(T) in meta.get("infeasible", {}) else ""),
-                      "", "| method | bytes % of bf16 | full-attn layers % | ΔPPL % (± 95 % CI) | spread | KL (nats) | top-1 agree | retrieval loss | protected | greedy agree | greedy tokens | margin err | attn err |",
-                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        else:
-            lines += ["| method | bytes % of bf16 | ΔPPL % (± 95 % CI) | spread | KL (nats) | top-1 agree | retrieval loss | protected | greedy agree | greedy tokens | margin err | attn err |",
-                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                      ""]
+        head = ["method", "bytes % of bf16"] + (["full-attn layers %"] if share else []) + [
+            "ΔPPL %", "spread", "KL (nats)", "top-1 agree", "retrieval loss", "protected",
+            "greedy agree", "greedy tokens", "margin err", "attn err"]
+        lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         for r in sorted(mine, key=lambda r: -r["bytes_fraction"]):
-            f = lambda v, p=3: "—" if v is None else f"{v:.{p}f}"
-            store = f" {100 * r['store_bytes_fraction']:.1f} |" if share else ""
-            ci = "" if r.get("delta_ppl_ci95") is None else f" ± {r['delta_ppl_ci95']:.2f}"
-            lines.append(f"| {r['method']} | {100 * r['bytes_fraction']:.1f} |{store} {r['delta_ppl_pct']:.2f}{ci} | "
-                         f"{r['delta_ppl_spread']:.2f} | {r['kl_nats']:.4f} | {r['top1_agreement']:.3f} | "
-                         f"{f(r['retrieval_loss'])} | "
-                         f"{f(r['retrieval_loss_protected'])} | {f(r['greedy_agreement'], 2)} | "
-                         f"{f(r['greedy_token_agreement'], 3)} | "
-                         f"{f(r.get('greedy_margin_err'), 4)} | {f(r['attn_out_rel_err'])} |")
-        lines.append("")
-        pairs = rdr_against_baselines([r for r in rows if r["context"] == T])
+            store = [f"{100 * r['store_bytes_fraction']:.1f}"] if share else []
+            cells = [r["method"], f"{100 * r['bytes_fraction']:.1f}"] + store + [
+                _with_ci(r["delta_ppl_pct"], r.get("delta_ppl_ci95"), 2),
+                f"{r['delta_ppl_spread']:.2f}",
+                _with_ci(r["kl_nats"], r.get("kl_nats_ci95"), 4),
+                _with_ci(r["top1_agreement"], r.get("top1_agreement_ci95"), 3),
+                _with_ci(r["retrieval_loss"], None, 3),
+                _with_ci(r["retrieval_loss_protected"], None, 3),
+                _with_ci(r["greedy_agreement"], r.get("greedy_agreement_ci95"), 2),
+                _with_ci(r["greedy_token_agreement"], r.get("greedy_token_agreement_ci95"), 3),
+                _with_ci(r.get("greedy_margin_err"), r.get("greedy_margin_err_ci95"), 4),
+                _with_ci(r["attn_out_rel_err"], r.get("attn_out_rel_err_ci95"), 3)]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", f"± : half-width of the 95 % confidence interval of the mean over the "
+                      f"{mine[0]['windows']} windows (Student's t); the retrieval probe is one "
+                      f"planted context per length, so it has none.", ""]
+        pairs = rdr_against_baselines(mine)
         if pairs:
             lines += ["Each baseline point against the RDR point (10-50 % budgets) with the most "
-                      "bytes not above its own; the ΔPPL difference RDR − baseline is paired by "
-                      "window (mean ± standard error; negative: RDR lower):", "",
-                      "| baseline | bytes % | ΔPPL % | KL | RDR point | ΔPPL % | KL | "
-                      "difference | 95 % CI | windows RDR lower |",
-                      "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+                      "bytes not above its own: the difference RDR − baseline, paired by window, "
+                      "with its 95 % CI; **lower** / **higher**: the CI excludes 0, *tie*: it "
+                      "holds 0.", "",
+                      "| baseline | bytes % | RDR point | bytes % | ΔPPL % | KL (nats) | margin err | "
+                      "ΔPPL lower in |",
+                      "|---|---:|---|---:|---:|---:|---:|---:|"]
             for p in pairs:
                 a, b = p["rdr"], p["baseline"]
-                lines.append(f"| {b['method']} | {100 * b['bytes_fraction']:.1f} | "
-                             f"{b['delta_ppl_pct']:.2f} | {b['kl_nats']:.4f} | {a['method']} | "
-                             f"{a['delta_ppl_pct']:.2f} | {a['kl_nats']:.4f} | "
-                             f"{p['diff']:+.2f} ± {p['se']:.2f} | "
-                             + ("—" if p["ci95"] is None else
-                                f"[{p['diff'] - p['ci95']:+.2f}, {p['diff'] + p['ci95']:+.2f}]")
+                cells = [_paired_cell(p["by_metric"][k], digits)
+                         for k, digits in (("delta_ppl_pct", 2), ("kl_nats", 4),
+                                           ("greedy_margin_err", 4))]
+                lines.append(f"| {b['method']} | {100 * b['bytes_fraction']:.1f} | {a['method']} | "
+                             f"{100 * a['bytes_fraction']:.1f} | " + " | ".join(cells)
                              + f" | {p['lower']}/{p['windows']} |")
             lines.append("")
+            for key, label in (("delta_ppl_pct", "ΔPPL"), ("greedy_margin_err", "margin error")):
+                v = [p["by_metric"][key]["verdict"] for p in pairs if p["by_metric"][key]]
+                if v:
+                    lines.append(f"{label}: RDR lower by the CI than {v.count('lower')} of the "
+                                 f"{len(v)} baseline points, tied with {v.count('tie')}, higher "
+                                 f"than {v.count('higher')}.")
+            lines.append("")
+        target = greedy_target(mine)
+        if target is not None:
+            lines += [f"Greedy target (after-prefill protocol): {target['rdr']}'s margin error "
+                      f"{target['rdr_value']:.4f} against {target['fp8']}'s {target['fp8_value']:.4f}; "
+                      f"difference {_paired_cell(target, 4)}: "
+                      + ("met" if target["met"] else "not met")
+                      + (" (the CI holds 0)" if target["verdict"] == "tie" else "") + ".", ""]
     (out / "evaluate.md").write_text("\n".join(lines))
     plot_reports(rows, out)
+
+
+def _with_ci(value, half, digits: int) -> str:
+    """A table cell: ``value`` with ``± half`` (its 95 % CI) where there is one."""
+    if value is None:
+        return "—"
+    return f"{value:.{digits}f}" + ("" if half is None else f" ± {half:.{digits}f}")
+
+
+def _paired_cell(p: Optional[dict], digits: int) -> str:
+    """A paired difference as ``+0.12 ± 0.05 **lower**`` (bold where the CI excludes 0)."""
+    if p is None:
+        return "—"
+    if p["ci95"] is None:
+        return f"{p['diff']:+.{digits}f}"
+    mark = {"tie": "*tie*"}.get(p["verdict"], f"**{p['verdict']}**")
+    return f"{p['diff']:+.{digits}f} ± {p['ci95']:.{digits}f} {mark}"
+
+
+# the per-window figures a claim is paired on: (row key of the mean, row key of the windows)
+PAIRED = (("delta_ppl_pct", "delta_ppl_windows"), ("kl_nats", "kl_windows"),
+          ("greedy_margin_err", "greedy_margin_err_windows"))
+
+
+def paired_difference(a: dict, b: dict, key: str) -> Optional[dict]:
+    """Row ``a`` − row ``b`` on ``key`` (one of ``PAIRED``), paired by window: mean, standard
+    error, 95 % CI half-width, the windows where ``a`` is lower, and the verdict: "lower"
+    or "higher" where the CI excludes 0, "tie" where it holds 0. None where either row
+    lacks that figure's per-window values (older runs, no greedy run)."""
+    windows = dict(PAIRED)[key]
+    x, y = a.get(windows), b.get(windows)
+    if not x or not y or len(x) != len(y):
+        return None
+    d = np.asarray(x, float) - np.asarray(y, float)
+    half = ci95(d)
+    verdict = ("—" if half is None else "lower" if d.mean() + half < 0
+               else "higher" if d.mean() - half > 0 else "tie")
+    return {"diff": float(d.mean()), "windows": len(d), "ci95": half, "verdict": verdict,
+            "se": float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan"),
+            "lower": int(np.sum(d < 0))}
 
 
 def rdr_against_baselines(rows) -> list[dict]:
     """The claim "RDR below every baseline at the same or more bytes", point by point for one
     context length: each baseline point (neither RDR nor dense) against the RDR point of the
-    10-50 % budgets with the most bytes not above its own, with the window-paired ΔPPL
-    difference (RDR − baseline): mean, standard error and the number of windows where RDR is
-    lower. Rows without per-window ΔPPLs (older runs) give nothing."""
+    10-50 % budgets with the most bytes not above its own, with the window-paired
+    differences RDR − baseline of ΔPPL (the top-level ``diff``, ``se``, ``ci95``, ``lower``,
+    ``verdict``), of KL and of the greedy margin error (``by_metric``, ``paired_difference``).
+    Rows without per-window ΔPPLs (older runs) give nothing."""
     rdr = sorted((r for r in rows if r["family"] == "skv-rdr" and "delta_ppl_windows" in r
                   and 0.1 - 1e-9 <= (r["budget_fraction"] or 0) <= 0.5 + 1e-9),
                  key=lambda r: r["bytes_fraction"])
@@ -809,11 +973,27 @@ def rdr_against_baselines(rows) -> list[dict]:
         if not within:
             continue
         a = within[-1]
-        d = np.array(a["delta_ppl_windows"]) - np.array(b["delta_ppl_windows"])
-        out.append({"rdr": a, "baseline": b, "diff": float(d.mean()), "windows": len(d),
-                    "se": float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan"),
-                    "ci95": ci95(d), "lower": int(np.sum(d < 0))})
+        by_metric = {k: paired_difference(a, b, k) for k, _ in PAIRED}
+        if by_metric["delta_ppl_pct"] is None:
+            continue
+        out.append(dict(by_metric["delta_ppl_pct"], rdr=a, baseline=b, by_metric=by_metric))
     return out
+
+
+def greedy_target(rows) -> Optional[dict]:
+    """Issue 26's greedy target for one context length: RDR's greedy margin error at the
+    largest RDR point within 20 % of the bytes against fp8-e4m3's (50 %), paired by window.
+    ``met``: the mean difference is ≤ 0; ``verdict``: what its 95 % CI says. None without
+    both points or without a greedy run."""
+    rdr = [r for r in rows if r["family"] == "skv-rdr" and r["bytes_fraction"] <= 0.20 + 1e-3
+           and r.get("greedy_margin_err_windows")]
+    fp8 = [r for r in rows if r["family"] == "fp8e4m3" and r.get("greedy_margin_err_windows")]
+    if not rdr or not fp8:
+        return None
+    a = max(rdr, key=lambda r: r["bytes_fraction"])
+    p = paired_difference(a, fp8[0], "greedy_margin_err")
+    return dict(p, rdr=a["method"], fp8=fp8[0]["method"], met=p["diff"] <= 0,
+                rdr_value=a["greedy_margin_err"], fp8_value=fp8[0]["greedy_margin_err"])
 
 
 def ci95(x) -> Optional[float]:
@@ -831,6 +1011,9 @@ PARETO_METRICS = [("delta_ppl_pct", "ΔPPL vs dense, % (symmetric log)", "symlog
 GREEDY_METRICS = [("greedy_agreement", "greedy agreement: common prefix / generated", "linear",
                    (0.9, "target: agreement 0.9")),
                   ("greedy_margin_err", "RMS change of the greedy margin, logits (log)", "log", None)]
+# each plotted figure's 95 % CI half-width in a row (error bars)
+CI_KEYS = {"delta_ppl_pct": "delta_ppl_ci95", "kl_nats": "kl_nats_ci95",
+           "greedy_agreement": "greedy_agreement_ci95", "greedy_margin_err": "greedy_margin_err_ci95"}
 # one marker shape per method family, so points that coincide stay told apart
 MARKERS = {"skv-rdr": "o", "skv-fixed": "s", "fp8e4m3": "D", "kivi": "^", "h2o": "v",
            "snapkv": "P", "streamingllm": "X"}
@@ -880,10 +1063,17 @@ def plot(rows, path: Path, metrics=PARETO_METRICS) -> None:
                 shift = 1 + NUDGE * (2 * i / max(len(fams) - 1, 1) - 1)
                 x = [100 * r["bytes_fraction"] * shift for r in rs]
                 y = [max(r[key], 1e-5) if scale == "log" else r[key] for r in rs]
-                ax.plot(x, y, marker=MARKERS.get(fam, "o"), color=COLORS.get(fam),
-                        ms=7 if fam == "skv-rdr" else 6,
-                        mfc="none" if fam != "skv-rdr" else None, mew=1.4,
-                        lw=2.5 if fam == "skv-rdr" else 1.2, label=fam)
+                peer = fam.startswith("kvpress-")           # the field's own code: dashed
+                line, = ax.plot(x, y, marker=MARKERS.get(fam.removeprefix("kvpress-"), "o"),
+                                color=COLORS.get(fam), ms=7 if fam == "skv-rdr" else 6,
+                                mfc="none" if fam != "skv-rdr" else None, mew=1.4,
+                                ls="--" if peer else "-",
+                                lw=2.5 if fam == "skv-rdr" else 1.2, label=fam)
+                half = [r.get(CI_KEYS.get(key, "")) for r in rs]
+                if all(h is not None for h in half):         # the 95 % CIs as error bars
+                    lo = [min(h, v - 1e-5) if scale == "log" else h for h, v in zip(half, y)]
+                    ax.errorbar(x, y, yerr=[lo, half], fmt="none", ecolor=line.get_color(),
+                                alpha=0.45, lw=1, capsize=2)
                 xs += x
                 ys += y
             if ref is not None:
@@ -945,7 +1135,9 @@ def parse(argv):
     p.add_argument("--rdr-recent", type=int, nargs="+", default=[32],
                    help="protected recent windows of the RDR methods (tokens; the first is the "
                         "default method, each further one adds skv-rdr@B%%+rN)")
-    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--windows", type=int, default=32,
+                   help="windows of the corpus per context length (default 32: every figure "
+                        "carries a 95 %% CI over them)")
     p.add_argument("--continuation", type=int, default=256)
     p.add_argument("--generate", type=int, default=128)
     p.add_argument("--defer", type=int, default=0,
@@ -957,6 +1149,15 @@ def parse(argv):
     p.add_argument("--no-peers", dest="peers", action="store_false",
                    help="leave out kvpress's presses (kvpress-*; in the line-up by default "
                         "where kvpress is installed: pip install 'spherical-kv[peers]')")
+    p.add_argument("--peer-device", default=None,
+                   help="torch device of the kvpress baselines' own prefills (default: the CPU, "
+                        "as the rest of the run; e.g. cuda: only which states they keep comes back)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with the units already under --out (units.jsonl) made with the "
+                        "same settings, after an interruption or a --max-units part")
+    p.add_argument("--max-units", type=int, default=None,
+                   help="run at most this many of the units still to do, then stop (a long run "
+                        "in parts; --resume goes on, and the last part writes the reports)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="worker processes, one thread each (default: 2, or 1 on one core)")
@@ -1016,7 +1217,11 @@ def main(argv=None) -> int:
     if args.peers and not kvpress_available():
         _say("the kvpress baselines (kvpress-snapkv, ...) need the Python package 'kvpress' "
              "(pip install 'spherical-kv[peers]'); this run leaves them out")
-    rows, meta = run(args)
+    try:
+        rows, meta = run(args)
+    except Unfinished as e:
+        _say(str(e))
+        return 0
     write_reports(rows, meta, args.out)
     print((args.out / "evaluate.md").read_text())
     files = ", ".join(sorted(f.name for f in args.out.iterdir() if f.is_file()))

@@ -239,3 +239,110 @@ def test_plot_limits_hold_every_point_with_room(scale):
     span = t.transform(np.array([max(values)]))[0] - t.transform(np.array([min(values)]))[0]
     assert t.transform(np.array([hi]))[0] - t.transform(np.array([max(values)]))[0] > 0.05 * span
     plt.close(fig)
+
+
+def _row(method, family, budget, nbytes, dppl, kl=None, margin=None):
+    kl = [0.01] * len(dppl) if kl is None else kl
+    margin = [0.1] * len(dppl) if margin is None else margin
+    return {"method": method, "family": family, "budget_fraction": budget, "bytes_fraction": nbytes,
+            "delta_ppl_pct": float(np.mean(dppl)), "delta_ppl_windows": dppl,
+            "kl_nats": float(np.mean(kl)), "kl_windows": kl,
+            "greedy_margin_err": float(np.mean(margin)), "greedy_margin_err_windows": margin}
+
+
+def test_paired_differences_say_lower_higher_or_tie_by_their_95_ci():
+    """A difference whose 95 % CI excludes 0 is a verdict, one that holds 0 is a tie; the
+    half-width is Student's t over the windows."""
+    from scipy.stats import t
+    a = _row("skv-rdr@25%", "skv-rdr", 0.25, 0.25, [0.1, 0.2, 0.1, 0.2], kl=[0.1, 0.3, 0.1, 0.3])
+    b = _row("h2o@25%", "h2o", 0.25, 0.25, [1.0, 1.1, 1.2, 1.0], kl=[0.0, 0.4, 0.2, 0.2])
+    p = E.paired_difference(a, b, "delta_ppl_pct")
+    d = np.array([-0.9, -0.9, -1.1, -0.8])
+    assert abs(p["diff"] - d.mean()) < 1e-12 and p["verdict"] == "lower" and p["lower"] == 4
+    assert abs(p["ci95"] - t.ppf(0.975, 3) * d.std(ddof=1) / 2) < 1e-12
+    assert E.paired_difference(b, a, "delta_ppl_pct")["verdict"] == "higher"
+    assert E.paired_difference(a, b, "kl_nats")["verdict"] == "tie"      # +0.1, -0.1, -0.1, +0.1
+    assert E.paired_difference(a, dict(b, kl_windows=[0.1]), "kl_nats") is None
+    assert E.paired_difference(a, dict(b, greedy_margin_err_windows=[]), "greedy_margin_err") is None
+    cell = E._paired_cell(E.paired_difference(a, b, "kl_nats"), 2)
+    assert cell.endswith("*tie*") and "0.00 ± 0.18" in cell
+
+
+def test_greedy_target_sets_the_largest_rdr_point_within_20_percent_against_fp8():
+    fp8 = _row("fp8-e4m3", "fp8e4m3", None, 0.5, [0.4] * 3, margin=[0.07, 0.06, 0.08])
+    rows = [fp8, _row("skv-rdr@25%", "skv-rdr", 0.25, 0.25, [0.1] * 3, margin=[0.01] * 3),
+            _row("skv-rdr@20%", "skv-rdr", 0.2, 0.1995, [0.5] * 3, margin=[0.09, 0.07, 0.10]),
+            _row("skv-rdr@10%", "skv-rdr", 0.1, 0.1, [1.0] * 3, margin=[0.01] * 3)]
+    got = E.greedy_target(rows)
+    assert got["rdr"] == "skv-rdr@20%" and got["fp8"] == "fp8-e4m3"
+    assert abs(got["diff"] - 0.05 / 3) < 1e-12 and not got["met"]
+    assert E.greedy_target(rows[1:]) is None
+
+
+def test_reports_mark_ties_and_state_the_greedy_target(tmp_path):
+    rows = [_row("fp8-e4m3", "fp8e4m3", None, 0.5, [0.4, 0.5, 0.3], margin=[0.07, 0.06, 0.08]),
+            _row("skv-rdr@20%", "skv-rdr", 0.2, 0.1995, [0.5, 0.2, 0.4], margin=[0.03, 0.04, 0.05])]
+    for r in rows:
+        r.update(context=2048, windows=3, delta_ppl_spread=0.2, delta_ppl_ci95=0.1,
+                 top1_agreement=0.9, retrieval_loss=1.0, retrieval_loss_protected=None,
+                 greedy_agreement=0.5, greedy_token_agreement=0.9, attn_out_rel_err=0.1)
+    meta = {"model": "m", "corpus": "debian:x", "continuation": 8, "generate": 4,
+            "probe_tokens": 4, "seconds": 1.0}
+    E.write_reports(rows, meta, tmp_path)
+    md = (tmp_path / "evaluate.md").read_text()
+    assert "| fp8-e4m3 | 50.0 | skv-rdr@20% | 20.0 | -0.03 ± " in md and "*tie*" in md
+    assert "margin err" in md and "Greedy target" in md and ": met." in md
+    assert "0.400 ± " not in md and "0.40 ± 0.10" in md        # ΔPPL with its CI
+
+
+def test_a_run_in_parts_resumes_to_the_rows_of_one_run(worker, tmp_path, monkeypatch):
+    """``--max-units`` stops a run with units left (``Unfinished``), ``--resume`` goes on
+    from ``units.jsonl`` and gives the rows one whole run gives; a log of other settings is
+    refused, and a line cut off by an interruption is run again."""
+    from types import SimpleNamespace
+    ids = np.random.default_rng(3).integers(0, 101, 4000)
+    monkeypatch.setattr(E, "_main_setup", lambda *a, **k: (worker.model.config, None))
+    monkeypatch.setattr(E, "corpus_tokens", lambda tok, need, special=True: (ids, "test"))
+
+    def args(out, **kw):
+        base = dict(model="smollm2", contexts=[256], budgets=[0.5], rdr_extra=[], rdr_recent=[32],
+                    windows=2, continuation=16, generate=4, defer=0, probe=8, methods=["skv-rdr", "h2o"],
+                    peers=False, seed=0, window_bits=16, jobs=1, out=out, resume=False,
+                    max_units=None, peer_device=None)
+        return SimpleNamespace(**dict(base, **kw))
+
+    whole, _ = E.run(args(tmp_path / "whole"))
+    with pytest.raises(E.Unfinished, match="--resume"):
+        E.run(args(tmp_path / "parts", max_units=1))
+    log = tmp_path / "parts" / "units.jsonl"
+    assert len(log.read_text().splitlines()) == 2
+    log.write_text(log.read_text() + '{"T": 256, "w": 1, "meth')          # cut off
+    with pytest.raises(ValueError, match="continuation"):
+        E.run(args(tmp_path / "parts", resume=True, continuation=8))
+    parts, meta = E.run(args(tmp_path / "parts", resume=True))
+    strip = lambda rows: [{k: v for k, v in r.items()} for r in rows]
+    assert strip(parts) == strip(whole)
+    assert meta["unit_seconds"] > 0
+
+
+def test_a_context_length_s_windows_do_not_depend_on_the_other_lengths(worker, tmp_path, monkeypatch):
+    """A run of two lengths holds the run of one: --resume adds a length to a finished run
+    and reuses its units, and the shorter length's rows are the same either way."""
+    from types import SimpleNamespace
+    ids = np.random.default_rng(4).integers(0, 101, 6000)
+    monkeypatch.setattr(E, "_main_setup", lambda *a, **k: (worker.model.config, None))
+    monkeypatch.setattr(E, "corpus_tokens", lambda tok, need, special=True: (ids[:need * 2], "test"))
+    ran = []
+    real = E._unit
+    monkeypatch.setattr(E, "_unit", lambda job: ran.append(job[:2]) or real(job))
+
+    def args(contexts, resume):
+        return SimpleNamespace(model="smollm2", contexts=contexts, budgets=[0.5], rdr_extra=[],
+                               rdr_recent=[32], windows=2, continuation=16, generate=0, defer=0,
+                               probe=8, methods=["h2o"], peers=False, seed=0, window_bits=16, jobs=1,
+                               out=tmp_path, resume=resume, max_units=None, peer_device=None)
+    one, _ = E.run(args([192], False))
+    ran.clear()
+    both, _ = E.run(args([192, 256], True))
+    assert sorted(set(t for t, _ in ran)) == [256]            # the 192 units were resumed
+    assert [r for r in both if r["context"] == 192] == one

@@ -216,7 +216,9 @@ class KVPressMethod(_Evictor):
         _kvpress()
         import torch
         from transformers import DynamicCache
-        ids = torch.as_tensor(np.asarray(input_ids)).reshape(1, -1)
+        # on whatever device the model is (a CUDA copy runs the presses' prefills far faster;
+        # what was kept comes back to the host)
+        ids = torch.as_tensor(np.asarray(input_ids)).reshape(1, -1).to(model.device)
         cfg = model.config
         H, T, d = cfg.num_key_value_heads, ids.shape[1], _head_dim(cfg)
         n = self.tokens_per_head(H, T, d)
@@ -229,8 +231,7 @@ class KVPressMethod(_Evictor):
         def record(idx):
             def hook(module, args, kwargs, output):   # runs before the press's own hook
                 lay = kwargs["past_key_values"].layers[idx]
-                dense[idx] = (lay.keys[0].float().numpy().copy(),
-                              lay.values[0].float().numpy().copy())
+                dense[idx] = (_host(lay.keys[0]), _host(lay.values[0]))
             return hook
 
         handles = [layer.self_attn.register_forward_hook(record(i), with_kwargs=True)
@@ -245,12 +246,11 @@ class KVPressMethod(_Evictor):
                 masked = getattr(layer.self_attn, "masked_key_indices", None)
                 if masked is not None:           # AdaKV: the cache is whole, pruned ones marked
                     m = np.ones((H, T), dtype=bool)
-                    _, heads, pos = (t.numpy() for t in masked)
+                    _, heads, pos = (t.cpu().numpy() for t in masked)
                     m[heads, pos] = False
                 else:
                     lay = cache.layers[i]
-                    m = _kept_positions(*dense[i], lay.keys[0].float().numpy(),
-                                        lay.values[0].float().numpy())
+                    m = _kept_positions(*dense[i], _host(lay.keys[0]), _host(lay.values[0]))
                 keep.append(m)
         finally:
             for h in handles:
@@ -282,6 +282,11 @@ class KVPressMethod(_Evictor):
             raise RuntimeError(f"{self.name}: layer {layer} needs {nbytes} bytes, over its "
                                f"budget of {self.layer_budget_bytes(H, T, d)}")
         return kept_layer(keys, values, keep, nbytes)
+
+
+def _host(t) -> np.ndarray:
+    """A torch tensor of the cache as a float32 NumPy array of its own."""
+    return t.float().cpu().numpy().copy()
 
 
 def _clear_masks(layers) -> None:
