@@ -753,7 +753,8 @@ def run(args) -> list[dict]:
                                     special=not spec.bos)
         starts = window_starts(len(ids), T, args.continuation, args.windows)
         jobs += [(T, w, int(s), args, ids) for w, s in enumerate(starts)]
-        jobs.append((T, "probe", int(starts[0]), args, ids))
+        if args.probe:                          # --probe 0: no retrieval probe
+            jobs.append((T, "probe", int(starts[0]), args, ids))
     # longest first (a window costs about three probes), so the two processes end together
     jobs.sort(key=lambda j: -j[0] * (1 if j[1] == "probe" else 3))
     log = UnitLog(args.out / "units.jsonl", {k: getattr(args, k, None) for k in UNIT_SETTINGS},
@@ -766,8 +767,10 @@ def run(args) -> list[dict]:
         _say(f"{len(jobs)} units: {resumed} resumed from {log.path}, {len(todo)} to run now, "
              f"{len(jobs) - resumed - len(todo)} left for later")
     todo = [j + (i % max(args.jobs, 1),) for i, j in enumerate(todo)]
-    _pool_run(todo, args.jobs, model_name=args.model, window_bits=args.window_bits,
-              peer_device=peer_device, done=log.add)
+    resumed = len(jobs) - len(todo)
+    if todo:
+        _pool_run(todo, args.jobs, model_name=args.model, window_bits=args.window_bits,
+                  peer_device=peer_device, done=log.add)
     missing = sum((j[0], j[1]) not in log.done for j in jobs)
     if missing:
         raise Unfinished(f"{missing} of {len(jobs)} units still to run: the same command with "
@@ -796,7 +799,7 @@ def run(args) -> list[dict]:
                 "delta_ppl_spread": float(dppl.max() - dppl.min()),
                 "delta_ppl_ci95": ci95(dppl),
                 "delta_ppl_windows": [float(x) for x in dppl],
-                "retrieval_loss": float(np.mean(get("ret"))),
+                "retrieval_loss": float(np.mean(get("ret"))) if get("ret") else None,
                 "retrieval_loss_protected": float(np.mean(get("ret_p"))) if get("ret_p") else None,
                 "greedy_agreement": float(np.mean(get("agree"))) if get("agree") else None,
                 "greedy_agreement_ci95": ci95(get("agree")),
@@ -821,6 +824,7 @@ def run(args) -> list[dict]:
             "generate": args.generate, "defer": args.defer, "probe_tokens": args.probe, "seed": args.seed,
             "windows": args.windows, "processes": args.jobs, "seconds": round(time.time() - t0, 1),
             "unit_seconds": round(sum(u.get("seconds", 0.0) for u in units), 1),
+            "units_resumed": resumed,       # of len(units), made by earlier parts of the run
             "peer_device": peer_device or "cpu",
             "layers": dict(layer_summary(cfg), window_bits=args.window_bits), "infeasible": infeasible}
     if args.generate:     # how close to a tie the dense greedy runs come (their top-2 logit gaps)
@@ -877,8 +881,9 @@ def write_reports(rows, meta, out: Path) -> None:
                 _with_ci(r["attn_out_rel_err"], r.get("attn_out_rel_err_ci95"), 3)]
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", f"± : half-width of the 95 % confidence interval of the mean over the "
-                      f"{mine[0]['windows']} windows (Student's t); the retrieval probe is one "
-                      f"planted context per length, so it has none.", ""]
+                      f"{mine[0]['windows']} windows (Student's t)"
+                      + ("; the retrieval probe is one planted context per length, so it has none"
+                         if any(r["retrieval_loss"] is not None for r in mine) else "") + ".", ""]
         pairs = rdr_against_baselines(mine)
         if pairs:
             lines += ["Each baseline point against the RDR point (10-50 % budgets) with the most "
