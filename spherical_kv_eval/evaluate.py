@@ -507,7 +507,9 @@ def _worker_setup(threads: Optional[int], model_name: str = "smollm2", window_bi
 def _unit(job) -> dict:
     """One (context length, window): a dense prefill, then every method through its own
     compressed copy. Window ``"probe"``: the retrieval probe of that context length.
-    Returns per-method results."""
+    Returns per-method results. A job ``(T, w, start, args, ids, position, part)`` with
+    ``args.method_parts`` = N > 1 runs every N-th method of the line-up from the ``part``-th
+    on (its own prefill, the same for every part)."""
     t0 = time.time()
     out = _unit_results(job)
     out["seconds"] = round(time.time() - t0, 1)
@@ -515,10 +517,11 @@ def _unit(job) -> dict:
 
 
 def _unit_results(job) -> dict:
-    T, w, s, args, ids, position = job
+    T, w, s, args, ids, position, *rest = job
+    part, parts = (rest[0] if rest else 0), max(1, getattr(args, "method_parts", 1) or 1)
     runner, cfg = _WORKER["runner"], _WORKER["cfg"]
-    methods = _methods(cfg, args)
-    out = {"T": T, "w": w, "methods": {}}
+    methods = _methods(cfg, args)[part::parts]
+    out = {"T": T, "w": w, "part": part, "parts": parts, "methods": {}}
     bos = getattr(args, "bos", None)
     if w == "probe":        # one planted context per context length
         pctx, span, p0 = probe_context(ids[s:], T, args.probe, np.random.default_rng([args.seed, T]),
@@ -710,7 +713,11 @@ class UnitLog:
         self.path, self.done = path, {}
         settings = json.loads(json.dumps(settings))          # as it reads back
         if resume and path.exists():
-            lines = path.read_text().splitlines()
+            text = path.read_text()
+            if text and not text.endswith("\n"):     # cut off mid-line: later lines start anew
+                with path.open("a") as f:
+                    f.write("\n")
+            lines = text.splitlines()
             first = json.loads(lines[0]) if lines else {}
             if first.get("settings") != settings:
                 diff = sorted(k for k in set(settings) | set(first.get("settings") or {})
@@ -722,15 +729,41 @@ class UnitLog:
                     u = json.loads(line)
                 except json.JSONDecodeError:        # a line cut off by the interruption
                     continue
-                self.done[(u["T"], u["w"])] = u
+                self.done[self._key(u)] = u
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"settings": settings}) + "\n")
 
     def add(self, unit: dict) -> None:
-        self.done[(unit["T"], unit["w"])] = unit
+        self.done[self._key(unit)] = unit
         with self.path.open("a") as f:
             f.write(json.dumps(unit) + "\n")
+
+    @staticmethod
+    def _key(unit: dict) -> tuple:
+        return unit["T"], unit["w"], unit.get("part", 0), unit.get("parts", 1)
+
+    def find(self, T, w, part: int, parts: int) -> Optional[dict]:
+        """The logged unit holding part ``part`` of ``parts`` of (T, w): that part, or the
+        window whole (a unit of one part), or None."""
+        return self.done.get((T, w, part, parts)) or self.done.get((T, w, 0, 1))
+
+
+def _merge_parts(units: list) -> dict:
+    """One (length, window) unit from its parts (the same unit, alone, when it is whole):
+    their methods together, the prefill's figures from the first, checked equal in every
+    part (each part ran the same prefill; a difference would mix two computations)."""
+    units = list({id(u): u for u in units}.values())
+    if len(units) == 1:
+        return units[0]
+    out = dict(units[0], methods={}, seconds=sum(u.get("seconds", 0.0) for u in units))
+    for u in units:
+        for k in ("dense_nll", "dense_gaps", "window_bytes"):
+            if u.get(k) != units[0].get(k):
+                raise RuntimeError(f"the parts of unit (T={u['T']}, window {u['w']}) disagree "
+                                   f"on {k}: their prefills differ (not one machine's run?)")
+        out["methods"].update(u["methods"])
+    return out
 
 
 class Unfinished(RuntimeError):
@@ -742,6 +775,7 @@ def run(args) -> list[dict]:
     t0 = time.time()
     spec = MODELS[args.model]
     peer_device = getattr(args, "peer_device", None)
+    parts = max(1, getattr(args, "method_parts", 1) or 1)
     cfg, tok = _main_setup(args.jobs, args.model, args.window_bits, peer_device)
     args.bos = tok.bos_token_id if spec.bos else None
     methods = _methods(cfg, args)
@@ -752,30 +786,33 @@ def run(args) -> list[dict]:
         ids, source = corpus_tokens(tok, (T + args.continuation) * (args.windows + 1),
                                     special=not spec.bos)
         starts = window_starts(len(ids), T, args.continuation, args.windows)
-        jobs += [(T, w, int(s), args, ids) for w, s in enumerate(starts)]
+        windows = [(T, w, int(s)) for w, s in enumerate(starts)]
         if args.probe:                          # --probe 0: no retrieval probe
-            jobs.append((T, "probe", int(starts[0]), args, ids))
+            windows.append((T, "probe", int(starts[0])))
+        jobs += [(T, w, s, args, ids, k) for T, w, s in windows for k in range(parts)]
     # longest first (a window costs about three probes), so the two processes end together
     jobs.sort(key=lambda j: -j[0] * (1 if j[1] == "probe" else 3))
     log = UnitLog(args.out / "units.jsonl", {k: getattr(args, k, None) for k in UNIT_SETTINGS},
                   getattr(args, "resume", False))
-    todo = [j for j in jobs if (j[0], j[1]) not in log.done]
+    todo = [j for j in jobs if log.find(j[0], j[1], j[5], parts) is None]
+    resumed = len(jobs) - len(todo)
     if getattr(args, "max_units", None) is not None:
         todo = todo[:args.max_units]
     if len(todo) < len(jobs):
-        resumed = sum((j[0], j[1]) in log.done for j in jobs)
         _say(f"{len(jobs)} units: {resumed} resumed from {log.path}, {len(todo)} to run now, "
              f"{len(jobs) - resumed - len(todo)} left for later")
-    todo = [j + (i % max(args.jobs, 1),) for i, j in enumerate(todo)]
-    resumed = len(jobs) - len(todo)
+    todo = [j[:5] + (i % max(args.jobs, 1), j[5]) for i, j in enumerate(todo)]
     if todo:
         _pool_run(todo, args.jobs, model_name=args.model, window_bits=args.window_bits,
                   peer_device=peer_device, done=log.add)
-    missing = sum((j[0], j[1]) not in log.done for j in jobs)
+    missing = sum(log.find(j[0], j[1], j[5], parts) is None for j in jobs)
     if missing:
         raise Unfinished(f"{missing} of {len(jobs)} units still to run: the same command with "
                          f"--resume goes on ({log.path})")
-    units = [log.done[(j[0], j[1])] for j in jobs]      # the log may hold other lengths too
+    # one unit per (length, window), its parts' methods together; the log may hold other
+    # lengths too
+    units = [_merge_parts([log.find(T, w, k, parts) for k in range(parts)])
+             for T, w, _ in dict.fromkeys((j[0], j[1], 0) for j in jobs)]
     rows, infeasible = [], {}
     for T in args.contexts:
         mine = sorted((u for u in units if u["T"] == T and u["w"] != "probe"), key=lambda u: u["w"])
@@ -1163,6 +1200,10 @@ def parse(argv):
     p.add_argument("--max-units", type=int, default=None,
                    help="run at most this many of the units still to do, then stop (a long run "
                         "in parts; --resume goes on, and the last part writes the reports)")
+    p.add_argument("--method-parts", type=int, default=1,
+                   help="split each window's line-up into N units (every N-th method, each "
+                        "with its own prefill), so that no unit runs longer than a part of a "
+                        "run may (long contexts under --max-units)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="worker processes, one thread each (default: 2, or 1 on one core)")

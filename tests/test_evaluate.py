@@ -320,9 +320,18 @@ def test_a_run_in_parts_resumes_to_the_rows_of_one_run(worker, tmp_path, monkeyp
     with pytest.raises(ValueError, match="continuation"):
         E.run(args(tmp_path / "parts", resume=True, continuation=8))
     parts, meta = E.run(args(tmp_path / "parts", resume=True))
-    strip = lambda rows: [{k: v for k, v in r.items()} for r in rows]
-    assert strip(parts) == strip(whole)
+    assert parts == whole
     assert meta["unit_seconds"] > 0
+    # each window's line-up split over two units (every other method): the same rows
+    split, _ = E.run(args(tmp_path / "split", method_parts=2))
+    assert split == whole
+    logged = [json.loads(x) for x in (tmp_path / "split" / "units.jsonl").read_text().splitlines()[1:]]
+    assert sorted((str(u["w"]), u["part"]) for u in logged) == [
+        ("0", 0), ("0", 1), ("1", 0), ("1", 1), ("probe", 0), ("probe", 1)]
+    assert all(len(u["methods"]) < len(whole) for u in logged)
+    # a whole-window log resumes under a split: nothing runs again
+    again, meta = E.run(args(tmp_path / "parts", resume=True, method_parts=2))
+    assert again == whole and meta["units_resumed"] == 6
 
 
 def test_a_context_length_s_windows_do_not_depend_on_the_other_lengths(worker, tmp_path, monkeypatch):
