@@ -1023,7 +1023,7 @@ def rdr_against_baselines(rows) -> list[dict]:
 
 
 def greedy_target(rows) -> Optional[dict]:
-    """Issue 26's greedy target for one context length: RDR's greedy margin error at the
+    """The greedy target for one context length: RDR's greedy margin error at the
     largest RDR point within 20 % of the bytes against fp8-e4m3's (50 %), paired by window.
     ``met``: the mean difference is ≤ 0; ``verdict``: what its 95 % CI says. None without
     both points or without a greedy run."""
