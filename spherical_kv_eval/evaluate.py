@@ -1057,10 +1057,14 @@ GREEDY_METRICS = [("greedy_agreement", "greedy agreement: common prefix / genera
 CI_KEYS = {"delta_ppl_pct": "delta_ppl_ci95", "kl_nats": "kl_nats_ci95",
            "greedy_agreement": "greedy_agreement_ci95", "greedy_margin_err": "greedy_margin_err_ci95"}
 # one marker shape per method family, so points that coincide stay told apart
+# (kvpress's presses by their press name, drawn dashed)
 MARKERS = {"skv-rdr": "o", "skv-fixed": "s", "fp8e4m3": "D", "kivi": "^", "h2o": "v",
-           "snapkv": "P", "streamingllm": "X"}
+           "snapkv": "P", "streamingllm": "X", "expected": "<", "tova": ">", "knorm": "h",
+           "observed": "*", "adakv-expected": "d", "adakv-snapkv": "p"}
 COLORS = {"fp8e4m3": "tab:blue", "h2o": "tab:orange", "kivi": "tab:green", "skv-fixed": "tab:red",
-          "skv-rdr": "tab:purple", "snapkv": "tab:brown", "streamingllm": "tab:pink"}
+          "skv-rdr": "tab:purple", "snapkv": "tab:brown", "streamingllm": "tab:pink",
+          "expected": "tab:olive", "tova": "tab:cyan", "knorm": "tab:gray", "observed": "black",
+          "adakv-expected": "darkgoldenrod", "adakv-snapkv": "navy"}
 NUDGE = 0.012     # points of one family shift by up to ±NUDGE·x sideways (log x): ties stay visible
 
 
@@ -1106,8 +1110,9 @@ def plot(rows, path: Path, metrics=PARETO_METRICS) -> None:
                 x = [100 * r["bytes_fraction"] * shift for r in rs]
                 y = [max(r[key], 1e-5) if scale == "log" else r[key] for r in rs]
                 peer = fam.startswith("kvpress-")           # the field's own code: dashed
-                line, = ax.plot(x, y, marker=MARKERS.get(fam.removeprefix("kvpress-"), "o"),
-                                color=COLORS.get(fam), ms=7 if fam == "skv-rdr" else 6,
+                style = fam.removeprefix("kvpress-")
+                line, = ax.plot(x, y, marker=MARKERS.get(style, "o"),
+                                color=COLORS.get(style), ms=7 if fam == "skv-rdr" else 6,
                                 mfc="none" if fam != "skv-rdr" else None, mew=1.4,
                                 ls="--" if peer else "-",
                                 lw=2.5 if fam == "skv-rdr" else 1.2, label=fam)
