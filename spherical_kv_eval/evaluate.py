@@ -516,9 +516,14 @@ def _unit(job) -> dict:
     return out
 
 
+def _method_parts(args) -> int:
+    """How many units each window's line-up is split over (``--method-parts``, at least 1)."""
+    return max(1, getattr(args, "method_parts", 1) or 1)
+
+
 def _unit_results(job) -> dict:
     T, w, s, args, ids, position, *rest = job
-    part, parts = (rest[0] if rest else 0), max(1, getattr(args, "method_parts", 1) or 1)
+    part, parts = (rest[0] if rest else 0), _method_parts(args)
     runner, cfg = _WORKER["runner"], _WORKER["cfg"]
     methods = _methods(cfg, args)[part::parts]
     out = {"T": T, "w": w, "part": part, "parts": parts, "methods": {}}
@@ -775,7 +780,7 @@ def run(args) -> list[dict]:
     t0 = time.time()
     spec = MODELS[args.model]
     peer_device = getattr(args, "peer_device", None)
-    parts = max(1, getattr(args, "method_parts", 1) or 1)
+    parts = _method_parts(args)
     cfg, tok = _main_setup(args.jobs, args.model, args.window_bits, peer_device)
     args.bos = tok.bos_token_id if spec.bos else None
     methods = _methods(cfg, args)
@@ -812,7 +817,7 @@ def run(args) -> list[dict]:
     # one unit per (length, window), its parts' methods together; the log may hold other
     # lengths too
     units = [_merge_parts([log.find(T, w, k, parts) for k in range(parts)])
-             for T, w, _ in dict.fromkeys((j[0], j[1], 0) for j in jobs)]
+             for T, w in dict.fromkeys((j[0], j[1]) for j in jobs)]
     rows, infeasible = [], {}
     for T in args.contexts:
         mine = sorted((u for u in units if u["T"] == T and u["w"] != "probe"), key=lambda u: u["w"])

@@ -31,12 +31,11 @@ from spherical_kv_eval import evaluate as E
 
 
 def ci95(x) -> tuple[float, float]:
-    """(mean, half-width of the 95 % Student-t interval) of per-window values."""
-    from scipy.stats import t
+    """(mean, half-width of the 95 % Student-t interval, ``evaluate.ci95``; NaN below two
+    windows) of per-window values."""
     x = np.asarray(x, dtype=np.float64)
-    if x.size < 2:
-        return float(x.mean()), float("nan")
-    return float(x.mean()), float(t.ppf(0.975, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
+    half = E.ci95(x)
+    return float(x.mean()), float("nan") if half is None else half
 
 
 def _variant(h: int) -> str:
@@ -92,24 +91,21 @@ def summarise(units) -> list[dict]:
 
 
 def paired(rows, a: str, b: str) -> dict:
-    """a − b, paired by window: ΔPPL and margin error, mean and 95 % CI half-width."""
+    """a − b, paired by window (``evaluate.paired_difference``): ΔPPL and margin error, as
+    (mean, 95 % CI half-width), and each one's verdict under ``verdicts``."""
     ra = next(r for r in rows if r["method"] == a)
     rb = next(r for r in rows if r["method"] == b)
-    out = {"a": a, "b": b}
-    for k in ("delta_ppl", "greedy_margin_err"):
-        key = "delta_ppl_windows" if k == "delta_ppl" else "greedy_margin_err_windows"
-        out[k] = ci95(np.array(ra[key]) - np.array(rb[key]))
+    out = {"a": a, "b": b, "verdicts": {}}
+    for k, key in (("delta_ppl", "delta_ppl_pct"), ("greedy_margin_err", "greedy_margin_err")):
+        p = E.paired_difference(ra, rb, key)
+        out[k] = (p["diff"], float("nan") if p["ci95"] is None else p["ci95"])
+        out["verdicts"][k] = p["verdict"]
     return out
 
 
 def _fmt(m_h, digits) -> str:
     m, h = m_h
     return f"{m:.{digits}f} ± {h:.{digits}f}"
-
-
-def _verdict(d) -> str:
-    m, h = d
-    return "tie" if abs(m) <= h else ("lower" if m < 0 else "higher")
 
 
 def report(rows, comparisons, meta) -> str:
@@ -127,8 +123,9 @@ def report(rows, comparisons, meta) -> str:
     lines += ["", "Window-paired differences (a − b, mean ± 95 % CI; 'tie' where the CI holds 0):", "",
               "| a | b | ΔPPL diff (pp) | margin err diff |", "|---|---|---:|---:|"]
     for c in comparisons:
-        lines.append(f"| {c['a']} | {c['b']} | {_fmt(c['delta_ppl'], 2)} ({_verdict(c['delta_ppl'])}) | "
-                     f"{_fmt(c['greedy_margin_err'], 4)} ({_verdict(c['greedy_margin_err'])}) |")
+        v = c["verdicts"]
+        lines.append(f"| {c['a']} | {c['b']} | {_fmt(c['delta_ppl'], 2)} ({v['delta_ppl']}) | "
+                     f"{_fmt(c['greedy_margin_err'], 4)} ({v['greedy_margin_err']}) |")
     return "\n".join(lines) + "\n"
 
 
