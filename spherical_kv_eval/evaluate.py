@@ -215,7 +215,8 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers
     ``budgets`` and the extra points ``rdr_extra``; one RDR method per protected recent window
     in ``rdr_recent``, the first unnamed: ``skv-rdr@20%``, the others ``skv-rdr@20%+r256``).
     ``peers``: also kvpress's presses at ``budgets`` (``kvpress-snapkv@25%``, ...) where
-    kvpress is installed (``baselines.peers``; without it they are absent, ``main`` says so)."""
+    kvpress is installed, and transformers' QuantizedCache (``hf-hqq4``, ``hf-hqq2``) where
+    hqq is (``baselines.peers``; without them they are absent, ``main`` says so)."""
     from spherical_kv_eval import baselines as B
     from spherical_kv_eval.baselines import peers as P
     nq = cfg.num_attention_heads
@@ -242,6 +243,14 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers
                 return _compressed_store(m.compress(pre.keys, pre.values,
                                                     m.select(pre.model, pre.ids)), nq)
             methods.append(Method(m.name, m.family, m.budget, build))
+    # transformers' QuantizedCache (HQQ), where hqq is installed: it quantizes the prefill
+    # the evaluation made, on the peer device (a CUDA run is far faster than a CPU core)
+    if peers and P.quantized_cache_available():
+        for m in P.quantized_cache_methods():
+            def build(pre, m=m, protect=()):
+                on = P.QuantizedCacheMethod(m.nbits, device=str(pre.model.device))
+                return _compressed_store(on.compress(pre.keys, pre.values), nq, pre.window_bytes)
+            methods.append(Method(m.name, m.family, None, build))
     for bits in (4, 3, 2):
         ladder = TierLadder([(bits, bits), (16, 16)])
 
@@ -524,9 +533,16 @@ def _method_parts(args) -> int:
 def _unit_results(job) -> dict:
     T, w, s, args, ids, position, *rest = job
     part, parts = (rest[0] if rest else 0), _method_parts(args)
+    extra = tuple(rest[1]) if len(rest) > 1 and rest[1] else ()
     runner, cfg = _WORKER["runner"], _WORKER["cfg"]
-    methods = _methods(cfg, args)[part::parts]
-    out = {"T": T, "w": w, "part": part, "parts": parts, "methods": {}}
+    if extra:           # a supplement: only these methods (the line-up grew since the log)
+        methods = [m for m in _methods(cfg, args) if m.name in extra]
+    else:
+        methods = _methods(cfg, args)[part::parts]
+    out = {"T": T, "w": w, "part": part, "parts": parts, "methods": {},
+           "attempted": [m.name for m in methods]}
+    if extra:
+        out["extra"] = list(extra)
     bos = getattr(args, "bos", None)
     if w == "probe":        # one planted context per context length
         pctx, span, p0 = probe_context(ids[s:], T, args.probe, np.random.default_rng([args.seed, T]),
@@ -746,12 +762,23 @@ class UnitLog:
 
     @staticmethod
     def _key(unit: dict) -> tuple:
-        return unit["T"], unit["w"], unit.get("part", 0), unit.get("parts", 1)
+        return (unit["T"], unit["w"], unit.get("part", 0), unit.get("parts", 1),
+                tuple(unit.get("extra", ())))
 
     def find(self, T, w, part: int, parts: int) -> Optional[dict]:
         """The logged unit holding part ``part`` of ``parts`` of (T, w): that part, or the
         window whole (a unit of one part), or None."""
-        return self.done.get((T, w, part, parts)) or self.done.get((T, w, 0, 1))
+        return self.done.get((T, w, part, parts, ())) or self.done.get((T, w, 0, 1, ()))
+
+    def supplements(self, T, w) -> list:
+        """The logged supplements of (T, w): units of methods the line-up gained later."""
+        return [u for k, u in self.done.items() if k[:2] == (T, w) and k[4]]
+
+
+def _attempted(units) -> set:
+    """The methods the units ran (or found infeasible); a unit logged before units said so
+    ran those it holds."""
+    return {name for u in units for name in u.get("attempted", u["methods"])}
 
 
 def _merge_parts(units: list) -> dict:
@@ -764,10 +791,34 @@ def _merge_parts(units: list) -> dict:
     out = dict(units[0], methods={}, seconds=sum(u.get("seconds", 0.0) for u in units))
     for u in units:
         for k in ("dense_nll", "dense_gaps", "window_bytes"):
-            if u.get(k) != units[0].get(k):
+            if not _same_figure(u.get(k), units[0].get(k)):
                 raise RuntimeError(f"the parts of unit (T={u['T']}, window {u['w']}) disagree "
-                                   f"on {k}: their prefills differ (not one machine's run?)")
+                                   f"on {k}: their prefills differ")
         out["methods"].update(u["methods"])
+    return out
+
+
+def _same_figure(a, b) -> bool:
+    """Whether two parts' prefill figures come from one computation: equal, or within
+    float32 rounding (the same run on another host's BLAS build differs in the last bits;
+    another window, model or setting differs by far more)."""
+    if a is None or b is None:
+        return a is b
+    return np.allclose(np.asarray(a, float), np.asarray(b, float), rtol=1e-5, atol=1e-6)
+
+
+def _supplements(log: UnitLog, jobs, parts: int, names) -> list:
+    """The supplement jobs ``(T, w, start, args, ids, 0, methods)`` of every window whose
+    logged units (all its parts there) lack some of the line-up's ``names``."""
+    out = []
+    for T, w, s, args, ids, _ in [j for j in jobs if j[5] == 0]:
+        logged = [log.find(T, w, k, parts) for k in range(parts)]
+        if None in logged:
+            continue
+        have = _attempted(logged + log.supplements(T, w))
+        lacking = tuple(n for n in names if n not in have)
+        if lacking:
+            out.append((T, w, s, args, ids, 0, lacking))
     return out
 
 
@@ -801,22 +852,30 @@ def run(args) -> list[dict]:
                   getattr(args, "resume", False))
     todo = [j for j in jobs if log.find(j[0], j[1], j[5], parts) is None]
     resumed = len(jobs) - len(todo)
+    # a line-up grown since the log was made (a new baseline): each logged window runs only
+    # the methods it lacks, in a supplement unit of its own, merged with the rest below
+    names = [m.name for m in methods]
+    supplements = _supplements(log, jobs, parts, names)
+    todo += supplements
     if getattr(args, "max_units", None) is not None:
         todo = todo[:args.max_units]
-    if len(todo) < len(jobs):
-        _say(f"{len(jobs)} units: {resumed} resumed from {log.path}, {len(todo)} to run now, "
-             f"{len(jobs) - resumed - len(todo)} left for later")
-    todo = [j[:5] + (i % max(args.jobs, 1), j[5]) for i, j in enumerate(todo)]
+    if len(todo) < len(jobs) + len(supplements):
+        new = f" ({len(supplements)} for methods new to the line-up)" if supplements else ""
+        _say(f"{len(jobs) + len(supplements)} units{new}: {resumed} resumed from {log.path}, "
+             f"{len(todo)} to run now, {len(jobs) + len(supplements) - resumed - len(todo)} "
+             f"left for later")
+    todo = [j[:5] + (i % max(args.jobs, 1),) + j[5:] for i, j in enumerate(todo)]
     if todo:
         _pool_run(todo, args.jobs, model_name=args.model, window_bits=args.window_bits,
                   peer_device=peer_device, done=log.add)
-    missing = sum(log.find(j[0], j[1], j[5], parts) is None for j in jobs)
+    missing = (sum(log.find(j[0], j[1], j[5], parts) is None for j in jobs)
+               + len(_supplements(log, jobs, parts, names)))
     if missing:
-        raise Unfinished(f"{missing} of {len(jobs)} units still to run: the same command with "
-                         f"--resume goes on ({log.path})")
+        raise Unfinished(f"{missing} of {len(jobs) + len(supplements)} units still to run: the "
+                         f"same command with --resume goes on ({log.path})")
     # one unit per (length, window), its parts' methods together; the log may hold other
     # lengths too
-    units = [_merge_parts([log.find(T, w, k, parts) for k in range(parts)])
+    units = [_merge_parts([log.find(T, w, k, parts) for k in range(parts)] + log.supplements(T, w))
              for T, w in dict.fromkeys((j[0], j[1]) for j in jobs)]
     rows, infeasible = [], {}
     for T in args.contexts:
@@ -887,7 +946,7 @@ def write_reports(rows, meta, out: Path) -> None:
              "", f"Next {meta['continuation']} tokens scored; greedy {meta['generate']} tokens"
              + (f" after {meta['defer']} generated on the dense cache (compression deferred to then)"
                 if meta.get("defer") else "") + "; "
-             f"probe of {meta['probe_tokens']} planted tokens; run took {meta['seconds']} s.", ""]
+             f"probe of {meta['probe_tokens']} planted tokens; " + _time_line(meta), ""]
     for T in sorted({r["context"] for r in rows}):
         lines += [f"## Context {T} tokens", ""]
         mine = [r for r in rows if r["context"] == T]
@@ -944,7 +1003,8 @@ def write_reports(rows, meta, out: Path) -> None:
                              f"{100 * a['bytes_fraction']:.1f} | " + " | ".join(cells)
                              + f" | {p['lower']}/{p['windows']} |")
             lines.append("")
-            for key, label in (("delta_ppl_pct", "ΔPPL"), ("greedy_margin_err", "margin error")):
+            for key, label in (("delta_ppl_pct", "ΔPPL"), ("kl_nats", "KL"),
+                               ("greedy_margin_err", "margin error")):
                 v = [p["by_metric"][key]["verdict"] for p in pairs if p["by_metric"][key]]
                 if v:
                     lines.append(f"{label}: RDR lower by the CI than {v.count('lower')} of the "
@@ -960,6 +1020,15 @@ def write_reports(rows, meta, out: Path) -> None:
                       + (" (the CI holds 0)" if target["verdict"] == "tie" else "") + ".", ""]
     (out / "evaluate.md").write_text("\n".join(lines))
     plot_reports(rows, out)
+
+
+def _time_line(meta) -> str:
+    """How long the run took: this command's seconds, and for a run resumed from earlier
+    parts the units' own seconds (summed over the worker processes) too."""
+    if not meta.get("units_resumed"):
+        return f"run took {meta['seconds']} s."
+    return (f"the units took {meta.get('unit_seconds')} s of worker time in all (this command "
+            f"{meta['seconds']} s; {meta['units_resumed']} units came from earlier parts of the run).")
 
 
 def _with_ci(value, half, digits: int) -> str:
@@ -1062,14 +1131,14 @@ GREEDY_METRICS = [("greedy_agreement", "greedy agreement: common prefix / genera
 CI_KEYS = {"delta_ppl_pct": "delta_ppl_ci95", "kl_nats": "kl_nats_ci95",
            "greedy_agreement": "greedy_agreement_ci95", "greedy_margin_err": "greedy_margin_err_ci95"}
 # one marker shape per method family, so points that coincide stay told apart
-# (kvpress's presses by their press name, drawn dashed)
+# (kvpress's presses by their press name; the peers' lines are dashed)
 MARKERS = {"skv-rdr": "o", "skv-fixed": "s", "fp8e4m3": "D", "kivi": "^", "h2o": "v",
            "snapkv": "P", "streamingllm": "X", "expected": "<", "tova": ">", "knorm": "h",
-           "observed": "*", "adakv-expected": "d", "adakv-snapkv": "p"}
+           "observed": "*", "adakv-expected": "d", "adakv-snapkv": "p", "hf-quantized-hqq": "8"}
 COLORS = {"fp8e4m3": "tab:blue", "h2o": "tab:orange", "kivi": "tab:green", "skv-fixed": "tab:red",
           "skv-rdr": "tab:purple", "snapkv": "tab:brown", "streamingllm": "tab:pink",
           "expected": "tab:olive", "tova": "tab:cyan", "knorm": "tab:gray", "observed": "black",
-          "adakv-expected": "darkgoldenrod", "adakv-snapkv": "navy"}
+          "adakv-expected": "darkgoldenrod", "adakv-snapkv": "navy", "hf-quantized-hqq": "teal"}
 NUDGE = 0.012     # points of one family shift by up to ±NUDGE·x sideways (log x): ties stay visible
 
 
@@ -1114,7 +1183,7 @@ def plot(rows, path: Path, metrics=PARETO_METRICS) -> None:
                 shift = 1 + NUDGE * (2 * i / max(len(fams) - 1, 1) - 1)
                 x = [100 * r["bytes_fraction"] * shift for r in rs]
                 y = [max(r[key], 1e-5) if scale == "log" else r[key] for r in rs]
-                peer = fam.startswith("kvpress-")           # the field's own code: dashed
+                peer = fam.startswith(("kvpress-", "hf-"))  # the field's own code: dashed
                 style = fam.removeprefix("kvpress-")
                 line, = ax.plot(x, y, marker=MARKERS.get(style, "o"),
                                 color=COLORS.get(style), ms=7 if fam == "skv-rdr" else 6,
@@ -1199,11 +1268,14 @@ def parse(argv):
     p.add_argument("--probe", type=int, default=32)
     p.add_argument("--methods", nargs="*", default=None, help="name prefixes to keep")
     p.add_argument("--no-peers", dest="peers", action="store_false",
-                   help="leave out kvpress's presses (kvpress-*; in the line-up by default "
-                        "where kvpress is installed: pip install 'spherical-kv[peers]')")
+                   help="leave out the peer libraries' baselines: kvpress's presses "
+                        "(kvpress-*) and transformers' QuantizedCache (hf-hqq*), in the line-up "
+                        "by default where kvpress and hqq are installed: pip install "
+                        "'spherical-kv[peers]'")
     p.add_argument("--peer-device", default=None,
-                   help="torch device of the kvpress baselines' own prefills (default: the CPU, "
-                        "as the rest of the run; e.g. cuda: only which states they keep comes back)")
+                   help="torch device of the kvpress baselines' own prefills and of the "
+                        "QuantizedCache's quantization (default: the CPU, as the rest of the "
+                        "run; e.g. cuda: only what they keep comes back)")
     p.add_argument("--resume", action="store_true",
                    help="go on with the units already under --out (units.jsonl) made with the "
                         "same settings, after an interruption or a --max-units part")
@@ -1269,10 +1341,13 @@ def main(argv=None) -> int:
         _say("--quick is a smoke test: 512-token contexts, 2 windows, 32 scored tokens; its "
              "numbers show that the job runs, not how well the methods do (run without --quick "
              "for the results)")
-    from .baselines.peers import kvpress_available
+    from .baselines.peers import kvpress_available, quantized_cache_available
     if args.peers and not kvpress_available():
         _say("the kvpress baselines (kvpress-snapkv, ...) need the Python package 'kvpress' "
              "(pip install 'spherical-kv[peers]'); this run leaves them out")
+    if args.peers and not quantized_cache_available():
+        _say("transformers' QuantizedCache baselines (hf-hqq4, hf-hqq2) need the Python package "
+             "'hqq' (pip install 'spherical-kv[peers]'); this run leaves them out")
     try:
         rows, meta = run(args)
     except Unfinished as e:

@@ -334,6 +334,48 @@ def test_a_run_in_parts_resumes_to_the_rows_of_one_run(worker, tmp_path, monkeyp
     assert again == whole and meta["units_resumed"] == 6
 
 
+def test_a_grown_line_up_resumes_with_only_the_new_methods(worker, tmp_path, monkeypatch):
+    """A log made before the line-up gained a method resumes by running that method alone,
+    in one supplement unit per window, and gives the rows of one whole run; a supplement
+    whose prefill differs from its window's is refused."""
+    from types import SimpleNamespace
+    ids = np.random.default_rng(5).integers(0, 101, 4000)
+    monkeypatch.setattr(E, "_main_setup", lambda *a, **k: (worker.model.config, None))
+    monkeypatch.setattr(E, "corpus_tokens", lambda tok, need, special=True: (ids, "test"))
+
+    def args(out, **kw):
+        base = dict(model="smollm2", contexts=[256], budgets=[0.5], rdr_extra=[], rdr_recent=[32],
+                    windows=2, continuation=16, generate=4, defer=0, probe=8,
+                    methods=["skv-rdr", "h2o", "fp8"], peers=False, seed=0, window_bits=16,
+                    jobs=1, out=out, resume=False, max_units=None, peer_device=None)
+        return SimpleNamespace(**dict(base, **kw))
+
+    whole, _ = E.run(args(tmp_path / "whole"))
+    full = E._methods
+    monkeypatch.setattr(E, "_methods", lambda cfg, a: [m for m in full(cfg, a) if m.name != "fp8-e4m3"])
+    older, _ = E.run(args(tmp_path / "grown"))
+    assert "fp8-e4m3" not in {r["method"] for r in older}
+    monkeypatch.setattr(E, "_methods", full)
+    ran = []
+    real = E._unit
+    monkeypatch.setattr(E, "_unit", lambda job: ran.append(job) or real(job))
+    with pytest.raises(E.Unfinished, match="--resume"):          # one supplement at a time
+        E.run(args(tmp_path / "grown", resume=True, max_units=1))
+    grown, meta = E.run(args(tmp_path / "grown", resume=True))
+    assert grown == whole
+    assert sorted(str(j[1]) for j in ran) == ["0", "1", "probe"]
+    assert all(tuple(j[7]) == ("fp8-e4m3",) for j in ran)
+    again, _ = E.run(args(tmp_path / "grown", resume=True))      # nothing left to run
+    assert again == whole and len(ran) == 3
+    log = tmp_path / "grown" / "units.jsonl"
+    units = [json.loads(x) for x in log.read_text().splitlines()]
+    extra = next(u for u in units[1:] if u.get("extra") and u["w"] == 0)
+    extra["dense_nll"] += 0.5                                    # another prefill
+    log.write_text("\n".join(json.dumps(u) for u in units) + "\n")
+    with pytest.raises(RuntimeError, match="disagree on dense_nll"):
+        E.run(args(tmp_path / "grown", resume=True))
+
+
 def test_a_context_length_s_windows_do_not_depend_on_the_other_lengths(worker, tmp_path, monkeypatch):
     """A run of two lengths holds the run of one: --resume adds a length to a finished run
     and reuses its units, and the shorter length's rows are the same either way."""
