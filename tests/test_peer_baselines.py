@@ -160,3 +160,76 @@ def test_a_state_the_press_changed_is_refused():
     edited[1, 0, 0] += 1e-3
     with pytest.raises(RuntimeError, match="changed"):
         P._kept_positions(k, v, edited, v[:, [7, 1]])
+
+
+# ----------------------------------------------------------------------------- QuantizedCache
+
+needs_hqq = pytest.mark.skipif(not P.quantized_cache_available(),
+                               reason="hqq is not installed (the 'peers' extra)")
+
+
+def _kv(H=3, n=128, d=64, layers=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return ([rng.standard_normal((H, n, d)).astype(np.float32) for _ in range(layers)],
+            [rng.standard_normal((H, n, d)).astype(np.float32) for _ in range(layers)])
+
+
+@needs_hqq
+def test_quantized_cache_holds_what_transformers_own_cache_returns():
+    """Each layer's states are what transformers' QuantizedCache (public API, HQQ, axis 1)
+    hands the attention on the step after the prefill, and the bytes are its tensors'."""
+    import torch
+    from transformers import LlamaConfig, QuantizedCache
+    keys, values = _kv()
+    cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3,
+                      hidden_size=192)
+    for bits in (4, 2):
+        got = P.QuantizedCacheMethod(bits).compress(keys, values)
+        cache = QuantizedCache("hqq", cfg, nbits=bits, axis_key=1, axis_value=1)
+        for l, (k, v) in enumerate(zip(keys, values)):
+            bk = torch.as_tensor(k)[None].bfloat16()
+            bv = torch.as_tensor(v)[None].bfloat16()
+            cache.update(bk, bv, l)                                   # the prefill
+            k_seen, v_seen = cache.update(bk[:, :, :1], bv[:, :, :1], l)   # the next token
+            np.testing.assert_array_equal(got.layers[l].keys, k_seen[0, :, :-1].float().numpy())
+            np.testing.assert_array_equal(got.layers[l].values, v_seen[0, :, :-1].float().numpy())
+            assert got.layers[l].keep.all()
+        # packed codes + a bf16 scale and zero point per 64 elements, against bf16's 2 bytes
+        assert got.fraction == pytest.approx((bits / 8 + 4 / 64) / 2)
+
+
+@needs_hqq
+def test_quantized_cache_error_falls_with_its_bits_and_its_inputs_are_checked():
+    keys, values = _kv(seed=1)
+    err = {b: np.sqrt(np.mean((P.QuantizedCacheMethod(b).compress(keys, values).layers[0].keys
+                               - keys[0]) ** 2)) for b in (2, 4, 8)}
+    assert err[8] < err[4] / 4 < err[2] / 8 and err[4] < 0.15
+    with pytest.raises(ValueError, match="NaN"):
+        P.QuantizedCacheMethod(4).compress([np.full((3, 128, 64), np.nan, np.float32)] * 2,
+                                           values)
+    with pytest.raises(ValueError, match="groups of 64"):
+        P.QuantizedCacheMethod(4).compress([k[:, :5, :7] for k in keys],
+                                           [v[:, :5, :7] for v in values])
+    for kw in ({"nbits": 5}, {"axis": 2}, {"backend": "quanto"}):
+        with pytest.raises(ValueError):
+            P.QuantizedCacheMethod(**kw)
+
+
+@needs_hqq
+def test_evaluation_lineup_runs_the_quantized_cache(prefill):
+    from spherical_kv_eval import evaluate as E
+    model, ids, qkv = prefill
+    assert [m.name for m in E.lineup(model.config, [0.25]) if m.name.startswith("hf-")] == \
+        ["hf-hqq4", "hf-hqq2"]
+    assert not any(m.name.startswith("hf-") for m in E.lineup(model.config, [0.25], peers=False))
+
+
+def test_without_hqq_the_quantized_cache_is_absent_with_a_reason(monkeypatch):
+    from spherical_kv_eval import evaluate as E
+    monkeypatch.setattr(P, "quantized_cache_available", lambda backend="hqq": False)
+    with pytest.raises(P.PeersUnavailable, match="pip install"):
+        P.quantized_cache_methods()
+
+    class Cfg:
+        num_attention_heads = 9
+    assert not any(m.name.startswith("hf-") for m in E.lineup(Cfg, [0.25]))
