@@ -248,7 +248,8 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers
     if peers and P.quantized_cache_available():
         for m in P.quantized_cache_methods():
             def build(pre, m=m, protect=()):
-                on = P.QuantizedCacheMethod(m.nbits, device=str(pre.model.device))
+                on = copy.copy(m)
+                on.device = str(pre.model.device)
                 return _compressed_store(on.compress(pre.keys, pre.values), nq, pre.window_bytes)
             methods.append(Method(m.name, m.family, None, build))
     for bits in (4, 3, 2):

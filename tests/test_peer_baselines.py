@@ -219,9 +219,14 @@ def test_quantized_cache_error_falls_with_its_bits_and_its_inputs_are_checked():
 def test_evaluation_lineup_runs_the_quantized_cache(prefill):
     from spherical_kv_eval import evaluate as E
     model, ids, qkv = prefill
-    assert [m.name for m in E.lineup(model.config, [0.25]) if m.name.startswith("hf-")] == \
-        ["hf-hqq4", "hf-hqq2"]
+    lineup = {m.name: m for m in E.lineup(model.config, [0.25]) if m.name.startswith("hf-")}
+    assert list(lineup) == ["hf-hqq4", "hf-hqq2"]
     assert not any(m.name.startswith("hf-") for m in E.lineup(model.config, [0.25], peers=False))
+    keys, values = _kv(H=model.config.num_key_value_heads, n=64)   # d = 64: whole groups
+    pre = E.Prefill(keys, values, [], None, None, 64, ids=ids[:64], model=model)
+    store, nbytes = lineup["hf-hqq4"].build(pre)
+    assert nbytes == store.nbytes() == P.QuantizedCacheMethod(4).compress(keys, values).nbytes
+    assert nbytes / pre.dense_bytes == pytest.approx(0.28125)
 
 
 def test_without_hqq_the_quantized_cache_is_absent_with_a_reason(monkeypatch):
