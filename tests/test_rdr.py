@@ -227,6 +227,24 @@ def test_bad_input_errors():
         rdr.solve(p, method="greedy")
     with pytest.raises(ValueError, match="milp options"):
         rdr.solve(p, method="milp", threads=4)
+    with pytest.raises(ValueError, match="fast options"):
+        rdr.solve(p, method="fast", time_limit=4)
+    for bad in (-1, float("nan"), "many"):
+        with pytest.raises(ValueError, match="max_search_work"):
+            rdr.solve(p, method="fast", max_search_work=bad)
+
+
+def test_the_page_search_runs_within_its_work_limit():
+    """max_search_work = 0 skips the page-aware search (step 6), inf runs it at any size;
+    on an instance it improves, the default (it fits the limit) gives the searched answer."""
+    from spherical_kv_ref.rdr import fast
+    p = rdr.synthetic_problem(2000, 16, page_bytes=4096, seed=0)
+    searched, skipped = rdr.solve(p), rdr.solve(p, "fast", max_search_work=0)
+    assert fast.search_fits(int((~p.protected).sum()))
+    assert searched.objective < 0.5 * skipped.objective
+    assert rdr.solve(p, "fast", max_search_work=np.inf).objective == searched.objective
+    for a in (searched, skipped):
+        assert a.lower_bound <= a.objective and a.bytes <= p.budget_bytes
 
 
 # ---------------------------------------------------------------- surrogate

@@ -78,15 +78,10 @@ def regimes(quick):
 
 def fast_with_step6(p):
     """fast with its page-aware search (step 6) run whatever the instance's size. The
-    library skips the step above ``_SEARCH_MAX_WORK`` for time; this lab run (tens of
-    seconds there) gives the proven bound and the answer that pin the true gap of the
-    library's answer where HiGHS proves nothing."""
-    saved = rdr_fast._SEARCH_MAX_WORK
-    rdr_fast._SEARCH_MAX_WORK = np.inf
-    try:
-        return rdr.solve(p, "fast")
-    finally:
-        rdr_fast._SEARCH_MAX_WORK = saved
+    library skips the step above ``max_search_work`` (default 1e7) for time; this lab run
+    (tens of seconds there) gives the proven bound and the answer that pin the true gap of
+    the library's answer where HiGHS proves nothing."""
+    return rdr.solve(p, "fast", max_search_work=np.inf)
 
 
 def study_row(per_group, groups, page_bytes, budget_fraction, milp_limit):
@@ -100,8 +95,8 @@ def study_row(per_group, groups, page_bytes, budget_fraction, milp_limit):
     best = min(exact.objective, fast.objective)
     bound = max(exact.lower_bound, fast.lower_bound)
     ref = ref_s = None
-    skipped = (fast.gap > rdr_fast._SEARCH_GAP and
-               not rdr_fast._search_affordable(p, int((~p.protected).sum())))
+    skipped = (fast.gap > rdr_fast.SEARCH_GAP and
+               not rdr_fast.search_fits(int((~p.protected).sum())))
     if skipped and not exact.optimal:
         t = time.perf_counter()
         ref = fast_with_step6(p)

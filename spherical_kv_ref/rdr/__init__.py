@@ -46,14 +46,18 @@ __all__ = ["Problem", "Allocation", "solve", "distortion", "tier_error_constants
 def solve(problem: Problem, method: str = "fast", **options) -> Allocation:
     """Solve an RDR problem (docs/rdr.md). method: "fast" (default) or "milp".
 
+    "fast" option: max_search_work, the most work (free states × 125) for which the
+    page-aware search (step 6) runs (default 1e7, about 80,000 free states; ``inf``: always,
+    as a study that wants the search's bound at any size; 0: never).
     "milp" options: time_limit (s), mip_rel_gap (default 0: prove optimality).
     """
     if not isinstance(problem, Problem):
         raise ValueError(f"solve expects an rdr.Problem, got {type(problem).__name__}")
     if method == "fast":
-        if options:
-            raise ValueError(f"method 'fast' takes no options, got {sorted(options)}")
-        return _solve_fast(problem)
+        unknown = set(options) - {"max_search_work"}
+        if unknown:
+            raise ValueError(f"unknown fast options {sorted(unknown)}")
+        return _solve_fast(problem, **options)
     if method == "milp":
         unknown = set(options) - {"time_limit", "mip_rel_gap"}
         if unknown:

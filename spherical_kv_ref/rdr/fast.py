@@ -2,6 +2,8 @@
 repair and fill (docs/rdr.md §4, steps 1–5); the page-count search of step 6 is in pages.py."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numba
 import numpy as np
 
@@ -129,8 +131,10 @@ def _fill(start, sorted_state, v, vert, nv, fgroup, counts, cost, per, page_byte
     return used
 
 
-def _solve_fast(problem: Problem) -> Allocation:
-    """Hull → greedy (LP optimum, the certificate) → page repair → fill (docs/rdr.md §4)."""
+def _solve_fast(problem: Problem, max_search_work: Optional[float] = None) -> Allocation:
+    """Hull → greedy (LP optimum, the certificate) → page repair → fill (docs/rdr.md §4);
+    the page-aware search while its work stays within ``max_search_work``."""
+    _search_limit(max_search_work)                 # a bad limit fails before any work
     n, k = problem.n, problem.num_options
     top = k - 1
     free = np.flatnonzero(~problem.protected).astype(np.int64)
@@ -193,7 +197,7 @@ def _solve_fast(problem: Problem) -> Allocation:
     tier[free] = ftier
     if page_bytes:
         obj = problem.objective_of(tier)
-        if obj > 0 and obj - lower > _SEARCH_GAP * obj and _search_affordable(problem, free.size):
+        if obj > 0 and obj - lower > SEARCH_GAP * obj and search_fits(free.size, max_search_work):
             seed_y = np.zeros_like(counts)
             seed_y[:, 1:] = (counts[:, 1:] + per[1:] - 1) // per[1:]
             better, lower = search_pages(problem, free, fgroup, lower, sorted_state,
@@ -206,14 +210,31 @@ def _solve_fast(problem: Problem) -> Allocation:
 #: fast runs the page-count search (step 6) only when its certificate leaves more than this
 #: relative gap: the search cannot win more than the gap, and with many pages per group
 #: (the serving case) the greedy is already that close
-_SEARCH_GAP = 1e-5
+SEARCH_GAP = 1e-5
 #: ... and only while its work, about (free states) × (capped assignments per group), stays
 #: below this: about 125 assignments per group in a window around steps 1–5's page counts
-_SEARCH_MAX_WORK = 1e7
+SEARCH_MAX_WORK = 1e7
+_SEARCH_WORK_PER_STATE = 125
 
 
-def _search_affordable(problem, num_free):
-    return num_free * 125 <= _SEARCH_MAX_WORK
+def search_fits(num_free: int, max_search_work=None) -> bool:
+    """Whether the page-aware search's work on ``num_free`` free states stays within
+    ``max_search_work`` (None: the default ``SEARCH_MAX_WORK``)."""
+    return num_free * _SEARCH_WORK_PER_STATE <= _search_limit(max_search_work)
+
+
+def _search_limit(max_search_work) -> float:
+    """``max_search_work`` checked: None is the default, else a number >= 0 (inf allowed)."""
+    if max_search_work is None:
+        return SEARCH_MAX_WORK
+    bad = ValueError(f"max_search_work must be a number >= 0, got {max_search_work!r}")
+    try:
+        limit = float(max_search_work)
+    except (TypeError, ValueError):
+        raise bad from None
+    if not limit >= 0:                        # NaN and negatives
+        raise bad
+    return limit
 
 
 @numba.njit(cache=True)
