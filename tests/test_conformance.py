@@ -10,6 +10,7 @@ from spherical_kv_ref import cases
 
 ROOT = Path(__file__).resolve().parents[1] / "reference"
 MANIFEST = json.loads((ROOT / "manifest.json").read_text())
+FLOAT_TOL = 1e-9      # float64 arrays: relative to the array's largest magnitude (at least 1)
 
 
 def test_manifest_lists_every_declared_case():
@@ -30,4 +31,7 @@ def test_vectors_regenerate(case):
         if a.dtype.kind in "uiSb" or a.dtype == np.float16 or name in ("k", "v", "q"):
             assert np.array_equal(a, b), name
         else:
-            assert np.allclose(a, b, rtol=1e-12, atol=1e-12 * max(1.0, np.abs(b).max())), name
+            # float64 results to FLOAT_TOL: the Lloyd–Max levels are specified to 1e-9
+            # (docs/format.md); the 8-bit ones stop at float64's rounding floor, which moves
+            # by ~2e-11 between scipy builds, and what is computed from them moves with them
+            assert np.allclose(a, b, rtol=FLOAT_TOL, atol=FLOAT_TOL * max(1.0, np.abs(b).max())), name
