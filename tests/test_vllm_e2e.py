@@ -121,8 +121,13 @@ def test_fp16_tier_generates_what_vllm_generates(own, t16):
 #: from codes; 1 % is beyond what 322 tokens resolve at this tier: the same computation in
 #: transformers (validation/engine_dppl.py) gives +0.35 % to +6.56 % over rotation seeds 0-9
 #: (mean +4.45 %; cells of the codebook are crossed and the change runs through 30 layers;
-#: docs/serving.md, validation/results/engine/).
-DPPL_4BIT = 0.02
+#: docs/serving.md, validation/results/engine/). The figure of one seed also moves with the
+#: environment: seed 0 in transformers is +4.09 % with scipy 1.16.3 and +5.01 % with 1.17.1,
+#: whose bounded minimiser puts the uniform codebook's scale 1.6e-7 (relative) elsewhere, and
+#: this vLLM run went from under 2 % to +5.49 % with it. So the bound is the seeds' measured
+#: spread with a point of margin: it tells the tier's cost from a broken path (tens of %), not
+#: one seed's luck.
+DPPL_4BIT = 0.08
 
 
 def test_4bit_tier_costs_little_perplexity(own, t44):
