@@ -387,14 +387,10 @@ class QuantizedCacheMethod(KVMethod):
         with torch.no_grad():
             cache.update(k, v)                      # the prefill's update: all quantized
             k_hat, v_hat = cache.update(k[:, :, :0], v[:, :, :0])   # what attention reads
-        nbytes = sum(_tensor_bytes(q) + _tensor_bytes(meta["scale"]) + _tensor_bytes(meta["zero"])
+        nbytes = sum(int(q.nbytes + meta["scale"].nbytes + meta["zero"].nbytes)
                      for q, meta in (cache._quantized_keys, cache._quantized_values))
-        host = lambda t: t[0].float().cpu().numpy()
-        return CompressedLayer(host(k_hat), host(v_hat), np.ones((H, T), dtype=bool), nbytes)
-
-
-def _tensor_bytes(t) -> int:
-    return int(t.numel() * t.element_size())
+        return CompressedLayer(_host(k_hat[0]), _host(v_hat[0]), np.ones((H, T), dtype=bool),
+                               nbytes)
 
 
 def quantized_cache_methods(bits=QUANTIZED_CACHE_BITS, device: str = "cpu"):

@@ -134,7 +134,7 @@ def _fill(start, sorted_state, v, vert, nv, fgroup, counts, cost, per, page_byte
 def _solve_fast(problem: Problem, max_search_work: Optional[float] = None) -> Allocation:
     """Hull → greedy (LP optimum, the certificate) → page repair → fill (docs/rdr.md §4);
     the page-aware search while its work stays within ``max_search_work``."""
-    _search_limit(max_search_work)                 # a bad limit fails before any work
+    max_search_work = _search_limit(max_search_work)   # a bad limit fails before any work
     n, k = problem.n, problem.num_options
     top = k - 1
     free = np.flatnonzero(~problem.protected).astype(np.int64)
