@@ -31,7 +31,8 @@ from .paged_decode import PagedDecodeTables, paged_decode
 from .rotation import KEY_SALT, VALUE_SALT
 from .tiers import TierLadder
 
-__all__ = ["CompressPolicy", "CompressReport", "LayerPageTable", "SphericalKVCache"]
+__all__ = ["CompressPolicy", "CompressReport", "LayerPageTable", "SphericalKVCache",
+           "RowForCompress", "CompressPlan", "plan_compress", "compress_method"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,113 @@ class LayerPageTable:
     last_page_len: np.ndarray
     mean_k: np.ndarray
     mean_v: np.ndarray
+
+
+@dataclass(frozen=True)
+class RowForCompress:
+    """One (sequence, layer, kv-head) row as ``plan_compress`` reads it: ``tier`` (n,) the
+    states' current tiers; ``protected`` (n,) bool, or None for a row without states;
+    ``stats`` the six arrays of ``rdr.statistics.row_statistics``."""
+    key: tuple
+    tier: np.ndarray
+    protected: Optional[np.ndarray]
+    stats: Optional[tuple]
+
+
+@dataclass(frozen=True)
+class CompressPlan:
+    """``plan_compress``'s answer: per row its new tiers (None for a row without states),
+    the solver's allocation, and the counts of the report."""
+    tiers: list
+    allocation: object
+    states_before: int
+    demoted: int
+
+
+def compress_method(policy: CompressPolicy, method: Optional[str]) -> str:
+    method = policy.method if method is None else method
+    if method not in ("fast", "milp"):
+        raise ValueError(f"method must be 'fast' or 'milp', got {method!r}")
+    return method
+
+
+def plan_compress(cache, rows: List[RowForCompress], budget: int, sid: int,
+                  method: str) -> Optional[CompressPlan]:
+    """RDR's decision for one sequence of a cache (the reference's or the device's: both
+    hold ``ladder``, ``head_dim``, ``page_bytes``, ``codebook``, ``policy``,
+    ``softmax_scale``, ``num_layers``, ``num_kv_heads``), from its rows in (layer, kv-head)
+    order: builds one rdr.Problem (groups = rows, page padding charged), solves it and
+    returns the new tiers (evict, demote, never promote). Protected states keep their tier.
+    None when the sequence holds no state. ValueError naming the bytes needed if the
+    protected states alone exceed the budget (nothing solved)."""
+    from . import rdr       # imported here so that importing the package never needs the solver
+    T, d, pb = cache.ladder.top, cache.head_dim, cache.page_bytes
+    H = cache.num_kv_heads
+    cost = cache.ladder.costs(d)
+    per = np.array([0] + [cache.ladder.states_per_page(t, d, pb) for t in range(1, T + 1)])
+    ek, ev = rdr.tier_error_constants(cache.ladder.tiers, d, kind=cache.codebook)
+    dist, grp, prot, cur_all, frees = [], [], [], [], []
+    fixed_pages = 0
+    for row in rows:
+        if row.protected is None:
+            frees.append(None)
+            continue
+        _, layer, h = row.key
+        pmask, cur = row.protected, row.tier
+        p, q2, r, vn, res, kappa = row.stats
+        D = rdr.distortion(p, q2, r, vn, res, ek, ev, d, softmax_scale=cache.softmax_scale,
+                           eviction_factor=kappa, key_term=cache.policy.key_term)
+        # options above the current tier would be promotions: make them strictly
+        # dominated by the current tier, so no solver picks them
+        up = np.arange(T + 1)[None, :] > cur[:, None]
+        dcur = D[np.arange(len(cur)), cur]
+        D = np.where(up, (dcur * (1 + 1e-6) + D[:, 0] + 1e-300)[:, None], D)
+        fixed = pmask & (cur < T)    # protected but already demoted: stays as it is
+        if np.any(fixed):
+            c = np.bincount(cur[fixed], minlength=T + 1)[1:]
+            fixed_pages += int(np.sum(-(-c // per[1:])))
+        free = ~fixed
+        frees.append(free)
+        dist.append(D[free])
+        grp.append(np.full(int(free.sum()), layer * H + h, np.int64))
+        prot.append(pmask[free])
+        cur_all.append(cur[free])
+    n_before = sum(len(row.tier) for row in rows if row.protected is not None)
+    if n_before == 0:
+        return None
+    fixed_bytes = fixed_pages * pb
+    D = np.concatenate(dist) if dist else np.zeros((0, T + 1))
+    group = np.concatenate(grp) if grp else np.zeros(0, np.int64)
+    protected = np.concatenate(prot) if prot else np.zeros(0, bool)
+    cur_free = np.concatenate(cur_all) if cur_all else np.zeros(0, np.int64)
+    # bytes the protected states need by themselves (top-tier ones share pages per group)
+    top_counts = np.bincount(group[protected], minlength=cache.num_layers * H)
+    need = fixed_bytes + int(np.sum(-(-top_counts // per[T]))) * pb
+    if need > budget:
+        raise ValueError(f"the protected states of sequence {sid} alone need {need} bytes "
+                         f"(sinks, recent window and protected spans, page padding included), "
+                         f"more than budget_bytes = {budget}")
+    problem = rdr.Problem(D, cost, group, protected, budget - fixed_bytes, pb)
+    alloc = rdr.solve(problem, method=method)
+    tier = np.minimum(alloc.tier, cur_free)          # a no-op unless a solver misbehaves
+    tiers, a, demoted, pages = [], 0, 0, 0
+    for row, free in zip(rows, frees):
+        if free is None:
+            tiers.append(None)
+            continue
+        new = np.asarray(row.tier).copy()
+        m = int(free.sum())
+        new[free] = tier[a:a + m]
+        a += m
+        demoted += int(np.sum((new > 0) & (new < row.tier)))
+        tiers.append(new)
+        c = np.bincount(new, minlength=T + 1)[1:]
+        pages += int(np.sum(-(-c // per[1:])))
+    # the page count, checked before the caller touches its pool (ceil is subadditive, so
+    # charging the fixed states' pages separately can only over-count)
+    if pages * pb > budget:
+        raise RuntimeError(f"RDR allocation needs {pages * pb} bytes for budget {budget}; this is a bug")
+    return CompressPlan(tiers, alloc, n_before, demoted)
 
 
 class _Sequence:
@@ -542,85 +650,30 @@ class SphericalKVCache:
         sinks and recent window, ``protect`` spans) stay where they are; at the top tier
         they are RDR's protected states. Afterwards bytes_in_use(seq) <= budget_bytes.
         ValueError naming the bytes needed if the protected states alone exceed the budget."""
-        from . import rdr       # imported here so that importing the package never needs the solver
         s = self._seq(seq)
         sid = int(seq)
         budget = self._budget(sid, budget_bytes, budget_fraction)
-        method = self.policy.method if method is None else method
-        if method not in ("fast", "milp"):
-            raise ValueError(f"method must be 'fast' or 'milp', got {method!r}")
-        T, d, pb = self.ladder.top, self.head_dim, self.page_bytes
-        cost = self.ladder.costs(d)
-        per = np.array([0] + [self.ladder.states_per_page(t, d, pb) for t in range(1, T + 1)])
-        ek, ev = rdr.tier_error_constants(self.ladder.tiers, d, kind=self.codebook)
-        rows, dist, grp, prot, cur_all = [], [], [], [], []
-        fixed_pages = 0
+        method = compress_method(self.policy, method)
+        rows = []
         for layer in range(self.num_layers):
             for h in range(self.num_kv_heads):
                 key = (sid, layer, h)
                 st = self.paged.states(key)
                 if len(st) == 0:
-                    rows.append((key, st, None, None))
+                    rows.append(RowForCompress(key, st.tier, None, None))
                     continue
                 pmask = self.protected_mask(sid, layer, st.pos)
-                p, q2, r, vn, res, kappa = self._row_statistics(sid, s, layer, h, st, ~pmask)
-                D = rdr.distortion(p, q2, r, vn, res, ek, ev, d, softmax_scale=self.softmax_scale,
-                                   eviction_factor=kappa, key_term=self.policy.key_term)
-                cur = st.tier
-                # options above the current tier would be promotions: make them strictly
-                # dominated by the current tier, so no solver picks them
-                up = np.arange(T + 1)[None, :] > cur[:, None]
-                dcur = D[np.arange(len(st)), cur]
-                D = np.where(up, (dcur * (1 + 1e-6) + D[:, 0] + 1e-300)[:, None], D)
-                fixed = pmask & (cur < T)    # protected but already demoted: stays as it is
-                if np.any(fixed):
-                    c = np.bincount(cur[fixed], minlength=T + 1)[1:]
-                    fixed_pages += int(np.sum(-(-c // per[1:])))
-                free = ~fixed
-                rows.append((key, st, free, cur))
-                dist.append(D[free])
-                grp.append(np.full(int(free.sum()), layer * self.num_kv_heads + h, np.int64))
-                prot.append(pmask[free])
-                cur_all.append(cur[free])
+                stats = self._row_statistics(sid, s, layer, h, st, ~pmask)
+                rows.append(RowForCompress(key, st.tier, pmask, stats))
         before = self.bytes_in_use(sid)
-        n_before = sum(len(st) for _, st, _, _ in rows)
-        fixed_bytes = fixed_pages * pb
-        if n_before == 0:
+        plan = plan_compress(self, rows, budget, sid, method)
+        if plan is None:
             return CompressReport(before, before, budget, 0, 0, 0, None)
-        D = np.concatenate(dist) if dist else np.zeros((0, T + 1))
-        group = np.concatenate(grp) if grp else np.zeros(0, np.int64)
-        protected = np.concatenate(prot) if prot else np.zeros(0, bool)
-        cur_free = np.concatenate(cur_all) if cur_all else np.zeros(0, np.int64)
-        # bytes the protected states need by themselves (top-tier ones share pages per group)
-        top_counts = np.bincount(group[protected], minlength=self.num_layers * self.num_kv_heads)
-        need = fixed_bytes + int(np.sum(-(-top_counts // per[T]))) * pb
-        if need > budget:
-            raise ValueError(f"the protected states of sequence {sid} alone need {need} bytes "
-                             f"(sinks, recent window and protected spans, page padding included), "
-                             f"more than budget_bytes = {budget}")
-        problem = rdr.Problem(D, cost, group, protected, budget - fixed_bytes, pb)
-        alloc = rdr.solve(problem, method=method)
-        tier = np.minimum(alloc.tier, cur_free)          # a no-op unless a solver misbehaves
-        items, a, demoted = [], 0, 0
-        for key, st, free, cur in rows:
-            if free is None:
-                continue
-            new = cur.copy()
-            m = int(free.sum())
-            new[free] = tier[a:a + m]
-            a += m
-            demoted += int(np.sum((new > 0) & (new < cur)))
-            items.append((key, new, self._codec_for(key[1], key[2])))
-        # check the page count before touching the pool (ceil is subadditive, so charging the
-        # fixed states' pages separately can only over-count)
-        pages = 0
-        for key, new, _ in items:
-            c = np.bincount(new, minlength=T + 1)[1:]
-            pages += int(np.sum(-(-c // per[1:])))
-        if pages * pb > budget:
-            raise RuntimeError(f"RDR allocation needs {pages * pb} bytes for budget {budget}; this is a bug")
+        items = [(row.key, new, self._codec_for(row.key[1], row.key[2]))
+                 for row, new in zip(rows, plan.tiers) if new is not None]
         self.paged.retier(items)
         s.since_compress = 0
         after = self.bytes_in_use(sid)
         kept = self.num_states(sid)
-        return CompressReport(before, after, budget, n_before, kept, demoted, alloc)
+        return CompressReport(before, after, budget, plan.states_before, kept, plan.demoted,
+                              plan.allocation)
