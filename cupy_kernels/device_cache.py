@@ -1,0 +1,900 @@
+"""The device cache: ``spherical_kv_ref.SphericalKVCache``'s GPU twin (docs/design.md §8).
+
+The pool (uint8 pages), each page's tier and count, the rows' centring means and the
+rotation signs live on the GPU as torch tensors; the kernels view them through DLPack and
+launch on torch's current stream. The host keeps only bookkeeping it can compute without
+reading the device: each row's (sequence, layer, kv-head) page list, the pages' tiers and
+counts, and its states' token positions. Nothing of the pool is ever copied back or
+re-uploaded.
+
+Operations, as the reference's (same names, arguments and errors where they share them):
+
+* ``append(seq, layer, k, v)``: a chunk of one sequence (k, v (num_kv_heads, t, d)) encoded
+  by ``encode_kv_into_pages`` straight into the row's open page and fresh pages, at the top
+  tier; the first chunk of a layer fixes its means.
+* ``decode(seqs, layer, q)``: one step of attention for a batch of sequences (q (batch,
+  num_q_heads, d)) through ``ada_decode``; with ``lse=True`` also the log-sum-exps, to
+  merge with a chunk's own part.
+* ``compress(seq, budget_bytes)``: per-state statistics on the GPU (float64, from the stored
+  codes and the observed queries), RDR on the host (``spherical_kv_ref.cache.plan_compress``,
+  the reference's own decision: only per-state figures cross), then ``retier`` in place and
+  the page tables updated. Rewritten rows hold their tiers in ascending order, the top
+  tier's pages last, so a row's last page is the only one appends write to.
+* ``decode_step(seqs, steps)``: a ``DecodeStep`` for the next ``steps`` tokens of a batch:
+  page capacity reserved and every token's (page, slot) planned on the host, the page
+  tables uploaded once; its ``append``/``decode``/``attend`` are the custom ops of
+  ``torch_ops`` on preallocated buffers, with no host sync and no allocation by the kernels,
+  so a model's decode step over them is captured in one CUDA graph. Its ``close`` commits
+  the tokens written to the host bookkeeping and returns the unused reserved pages.
+* ``free(seq)``, ``bytes_in_use``, ``num_states``, ``protect``, ``observe``.
+
+Errors are ValueError naming the argument (``PoolExhaustedError``, one, when the pool cannot
+hold an append, a reservation or a compress), raised before anything changes.
+
+Bytes. ``bytes_in_use(seq)`` counts pages × page_bytes (as the reference);
+``metadata_bytes(seq)`` adds what the device holds beside the pages for it: the means
+(2 · 4 · d bytes per row), each page's tier and count (8 bytes) and its page-table entry
+(4 bytes), so ``bytes_in_use + metadata_bytes`` is every byte the sequence costs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from spherical_kv_ref import codebooks
+from spherical_kv_ref.ada import softmax_scale_of
+from spherical_kv_ref.cache import (CompressPolicy, CompressReport, RowForCompress,
+                                    SphericalKVCache, compress_method, plan_compress)
+from spherical_kv_ref.codec import SphericalCodec, whole
+from spherical_kv_ref.paged import PoolExhaustedError
+from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT
+from spherical_kv_ref.tiers import TierLadder
+
+from .ada_decode import DecodeWorkspace, ada_decode, splits_for
+from .encode import encode_kv_into_pages
+from .pages import kernel_tables, rotation_signs
+from .retier import retier
+
+__all__ = ["DeviceKVCache", "DecodeStep", "PoolExhaustedError"]
+
+#: bytes of device metadata per page (tier and count, int32 each) and per page-table entry
+PAGE_META_BYTES = 8
+INDEX_BYTES = 4
+
+
+def _torch():
+    import torch
+    return torch
+
+
+class _Row:
+    """Host mirror of one (sequence, layer, kv-head) row: its pages in order with their
+    tiers and counts; its states' positions in storage order (pages in order, slots in
+    order) are ``kept`` followed by tail_from .. tail_to - 1 (appended since the row was last
+    rewritten). Only the last page takes appends."""
+    __slots__ = ("pages", "tiers", "counts", "kept", "tail_from", "tail_to")
+
+    def __init__(self):
+        self.pages = np.zeros(0, np.int32)
+        self.tiers = np.zeros(0, np.int32)
+        self.counts = np.zeros(0, np.int32)
+        self.kept = np.zeros(0, np.int64)
+        self.tail_from = self.tail_to = 0
+
+    def positions(self) -> np.ndarray:
+        return np.concatenate([self.kept, np.arange(self.tail_from, self.tail_to, dtype=np.int64)])
+
+    def num_states(self) -> int:
+        return int(self.counts.sum())
+
+    def state_slots(self):
+        """(page, slot, tier) of every state, in storage order."""
+        c = self.counts.astype(np.int64)
+        page = np.repeat(self.pages, c)
+        start = np.repeat(np.cumsum(c) - c, c)
+        slot = np.arange(int(c.sum()), dtype=np.int64) - start
+        return page, slot.astype(np.int32), np.repeat(self.tiers, c)
+
+
+class _Seq:
+    def __init__(self, num_layers, num_kv_heads, dim, torch, device):
+        self.rows = [[_Row() for _ in range(num_kv_heads)] for _ in range(num_layers)]
+        self.length = np.zeros(num_layers, np.int64)
+        self.mean_k = torch.zeros((num_layers, num_kv_heads, dim), dtype=torch.float32, device=device)
+        self.mean_v = torch.zeros_like(self.mean_k)
+        self.has_mean = np.zeros(num_layers, bool)
+        self.spans: List[tuple] = []
+        self.queries: List[Optional[object]] = [None] * num_layers
+        self.step: Optional["DecodeStep"] = None
+
+
+class DeviceKVCache:
+    """The compressed KV cache of one model on one GPU (module docstring).
+
+    Arguments as ``SphericalKVCache``'s (num_layers, num_kv_heads, head_dim, ladder,
+    page_bytes, pool_bytes (default 64 MiB), seed, num_q_heads, centre, policy,
+    softmax_scale, codebook); device: the torch CUDA device (default the current one).
+    Head dims 64, 128 and 256 (the kernels'). ``policy.horizon`` is not supported here."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                 ladder: Optional[TierLadder] = None, page_bytes: int = 4096,
+                 pool_bytes: Optional[int] = None, seed: int = 0, *,
+                 num_q_heads: Optional[int] = None, centre: bool = True,
+                 policy: Optional[CompressPolicy] = None, softmax_scale: Optional[float] = None,
+                 codebook: str = "uniform", device=None):
+        torch = _torch()
+        self.num_layers = whole("num_layers", num_layers, 1)
+        self.num_kv_heads = whole("num_kv_heads", num_kv_heads, 1)
+        self.head_dim = whole("head_dim", head_dim, 4)
+        self.num_q_heads = self.num_kv_heads if num_q_heads is None else whole("num_q_heads", num_q_heads, 1)
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        self.group_size = self.num_q_heads // self.num_kv_heads
+        self.ladder = TierLadder() if ladder is None else ladder
+        if not isinstance(self.ladder, TierLadder):
+            raise ValueError(f"ladder must be a TierLadder, got {type(self.ladder).__name__}")
+        page_bytes = whole("page_bytes", page_bytes, 16)
+        pool_bytes = 64 << 20 if pool_bytes is None else whole("pool_bytes", pool_bytes, page_bytes)
+        self.seed = whole("seed", seed, 0)
+        self.centre = bool(centre)
+        self.policy = CompressPolicy() if policy is None else policy
+        if not isinstance(self.policy, CompressPolicy):
+            raise ValueError(f"policy must be a CompressPolicy, got {type(self.policy).__name__}")
+        if self.policy.horizon:
+            raise ValueError("policy.horizon is not supported by the device cache")
+        if self.policy.every is not None:
+            raise ValueError("policy.every is not supported by the device cache: call compress")
+        self.softmax_scale = softmax_scale_of(softmax_scale, self.head_dim)
+        self.codebook = codebook
+        self.tables = kernel_tables(self.ladder, self.head_dim, page_bytes, codebook=codebook)
+        self.device = torch.device("cuda") if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        n = pool_bytes // page_bytes
+        self.pages = torch.zeros((n, page_bytes), dtype=torch.uint8, device=self.device)
+        self.page_tier = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self.page_count = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self._free = np.arange(n - 1, -1, -1, dtype=np.int32)    # a stack: lowest ids first
+        self._num_free = n
+        self._codecs: Dict[tuple, SphericalCodec] = {}
+        self._signs: Dict[int, tuple] = {}
+        self._rot: Dict[tuple, object] = {}
+        self._seqs: Dict[int, _Seq] = {}
+        self._freed = set()
+        self._next_seq = 0
+        top = self.ladder.top
+        self.top_per_page = self.ladder.states_per_page(top, self.head_dim, page_bytes)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def page_bytes(self) -> int:
+        return self.tables.page_bytes
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.pages.shape[0])
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._num_free
+
+    def codec(self, layer: int, head: int, bits: int, salt: int) -> SphericalCodec:
+        """The reference's codec of (layer, kv-head, bits, salt): the same rotations."""
+        k = (layer, head, bits, salt)
+        if k not in self._codecs:
+            self._codecs[k] = SphericalCodec(self.head_dim, bits, self.seed, layer=layer,
+                                             head=head, salt=salt, codebook=self.codebook)
+        return self._codecs[k]
+
+    def signs(self, layer: int):
+        """(sigma_k, sigma_v) float32 (num_kv_heads, d) on the device."""
+        hit = self._signs.get(layer)
+        if hit is None:
+            torch = _torch()
+            kb, vb = self.ladder.bits(self.ladder.top)
+            hit = tuple(torch.as_tensor(rotation_signs([self.codec(layer, h, b, salt)
+                                                        for h in range(self.num_kv_heads)]),
+                                        device=self.device)
+                        for b, salt in ((kb, KEY_SALT), (vb, VALUE_SALT)))
+            self._signs[layer] = hit
+        return hit
+
+    def _seq(self, seq) -> _Seq:
+        if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)):
+            raise ValueError(f"seq must be an integer sequence id, got {seq!r}")
+        if int(seq) in self._seqs:
+            return self._seqs[int(seq)]
+        if int(seq) in self._freed:
+            raise ValueError(f"sequence {int(seq)} has been freed")
+        raise ValueError(f"unknown sequence {seq!r}")
+
+    def _layer(self, layer) -> int:
+        return whole("layer", layer, 0, self.num_layers)
+
+    def _open(self, s: _Seq, what: str) -> None:
+        if s.step is not None:
+            raise ValueError(f"{what}: the sequence is in an open DecodeStep; close it first")
+
+    def _tensor(self, x, name: str, shape: tuple):
+        torch = _torch()
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch tensor on {self.device}, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got {x.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"{name} is on {x.device}; the cache is on {self.device}")
+        if x.ndim != len(shape) or any(w is not None and a != w for a, w in zip(x.shape, shape)):
+            want = ", ".join("t" if w is None else str(w) for w in shape)
+            raise ValueError(f"{name} must have shape ({want}), got {tuple(x.shape)}")
+        return x
+
+    def _allocate(self, n: int) -> np.ndarray:
+        ids = self._free[self._num_free - n:self._num_free][::-1].copy()
+        self._num_free -= n
+        return ids
+
+    def _release(self, ids: np.ndarray) -> None:
+        torch = _torch()
+        if ids.size == 0:
+            return
+        dev = torch.as_tensor(ids.astype(np.int64), device=self.device)
+        self.page_tier[dev] = 0
+        self.page_count[dev] = 0
+        self._free[self._num_free:self._num_free + ids.size] = ids[::-1]
+        self._num_free += ids.size
+
+    def _set_pages(self, ids: np.ndarray, tier: np.ndarray, count: np.ndarray) -> None:
+        torch = _torch()
+        if ids.size == 0:
+            return
+        dev = torch.as_tensor(ids.astype(np.int64), device=self.device)
+        self.page_tier[dev] = torch.as_tensor(np.asarray(tier, np.int32), device=self.device)
+        self.page_count[dev] = torch.as_tensor(np.asarray(count, np.int32), device=self.device)
+
+    # ------------------------------------------------------------------ lifecycle
+    def sequences(self) -> List[int]:
+        return sorted(self._seqs)
+
+    def new_sequence(self) -> int:
+        """Open a sequence; returns its id (0, 1, 2, … in order of creation)."""
+        sid = self._next_seq
+        self._next_seq += 1
+        self._seqs[sid] = _Seq(self.num_layers, self.num_kv_heads, self.head_dim, _torch(), self.device)
+        return sid
+
+    def free(self, seq) -> None:
+        """Return every page of a sequence to the pool; the id cannot be used again."""
+        s = self._seq(seq)
+        self._open(s, "free")
+        for rows in s.rows:
+            for row in rows:
+                self._release(row.pages)
+        del self._seqs[int(seq)]
+        self._freed.add(int(seq))
+
+    # ------------------------------------------------------------------ append / protect
+    def _tail_plan(self, row: _Row, t: int):
+        """Where t new top-tier states of a row go: (pages to open, page of each, slot of
+        each), filling the row's open last page first."""
+        T, P = self.ladder.top, self.top_per_page
+        room = 0
+        if row.pages.size and row.tiers[-1] == T and row.counts[-1] < P:
+            room = P - int(row.counts[-1])
+        first = min(room, t)
+        new = -(-(t - first) // P)
+        return first, new
+
+    def append(self, seq, layer, k, v) -> None:
+        """Append t new tokens of one layer: k, v (num_kv_heads, t, head_dim) float CUDA
+        tensors, post-RoPE, at positions length..length+t−1 at the top tier. The first
+        chunk of a layer fixes its means μ_K, μ_V (per kv-head, over the chunk)."""
+        torch = _torch()
+        s = self._seq(seq)
+        self._open(s, "append")
+        layer = self._layer(layer)
+        H, d, T, P = self.num_kv_heads, self.head_dim, self.ladder.top, self.top_per_page
+        k = self._tensor(k, "k", (H, None, d))
+        v = self._tensor(v, "v", (H, None, d))
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        t = int(k.shape[1])
+        if t == 0:
+            return
+        bad = torch.stack([~torch.isfinite(k).all(), ~torch.isfinite(v).all()]).cpu().numpy()
+        for flag, name in zip(bad, ("k", "v")):
+            if flag:
+                raise ValueError(f"{name} contains NaN or Inf")
+        rows = s.rows[layer]
+        plans = [self._tail_plan(row, t) for row in rows]
+        need = sum(new for _, new in plans)
+        if need > self._num_free:
+            raise PoolExhaustedError(f"page pool exhausted: appending {t} token(s) to layer {layer} "
+                                     f"needs {need} free pages, {self._num_free} of "
+                                     f"{self.num_pages} are free")
+        k32 = k.detach().to(torch.float32)
+        v32 = v.detach().to(torch.float32)
+        first = self.centre and not s.has_mean[layer]
+        if first:
+            mk = k.detach().to(torch.float64).mean(dim=1).to(torch.float32)
+            mv = v.detach().to(torch.float64).mean(dim=1).to(torch.float32)
+        else:
+            mk, mv = s.mean_k[layer], s.mean_v[layer]
+        pages_new = self._allocate(need)
+        dst_page, dst_slot, opened, a = [], [], [], 0
+        for row, (fill, new) in zip(rows, plans):
+            ids = pages_new[a:a + new]
+            a += new
+            if fill:
+                c0 = int(row.counts[-1])
+                dst_page.append(np.full(fill, row.pages[-1], np.int32))
+                dst_slot.append(np.arange(c0, c0 + fill, dtype=np.int32))
+            rest = t - fill
+            dst_page.append(np.repeat(ids, P)[:rest])
+            dst_slot.append(np.tile(np.arange(P, dtype=np.int32), new)[:rest])
+            opened.append(ids)
+        dp = np.concatenate(dst_page).astype(np.int32)
+        ds = np.concatenate(dst_slot).astype(np.int32)
+        self._set_pages(pages_new, np.full(need, T), np.zeros(need))
+        head = np.repeat(np.arange(H, dtype=np.int32), t)
+        dev = lambda x: torch.as_tensor(x, device=self.device)
+        sk, sv = self.signs(layer)
+        means = dict(mean_k=mk, mean_v=mv, mean_index=dev(head)) if self.centre else {}
+        try:
+            with _stream():
+                encode_kv_into_pages(k32.reshape(H * t, d), v32.reshape(H * t, d), self.pages,
+                                     self.page_tier, self.tables, sk, sv, dev(head), dev(dp),
+                                     dev(ds), **means)
+        except ValueError:
+            self._release(pages_new)
+            raise
+        # bookkeeping: counts of every page written, rows, means, length
+        a = 0
+        for row, (fill, new), ids in zip(rows, plans, opened):
+            if fill:
+                row.counts[-1] += fill
+            counts = np.full(new, P, np.int32)
+            if new:
+                counts[-1] = (t - fill) - P * (new - 1)
+            row.pages = np.concatenate([row.pages, ids])
+            row.tiers = np.concatenate([row.tiers, np.full(new, T, np.int32)])
+            row.counts = np.concatenate([row.counts, counts])
+            if row.tail_to != s.length[layer]:
+                raise AssertionError("row positions out of step with the layer's length")
+            row.tail_to += t
+        touched = np.unique(dp)
+        self._set_pages(touched, np.full(touched.size, T), self._count_of(rows, touched))
+        if first:
+            s.mean_k[layer], s.mean_v[layer], s.has_mean[layer] = mk, mv, True
+        s.length[layer] += t
+
+    @staticmethod
+    def _count_of(rows, pages) -> np.ndarray:
+        table = {}
+        for row in rows:
+            table.update(zip(row.pages.tolist(), row.counts.tolist()))
+        return np.array([table[int(p)] for p in pages], np.int32)
+
+    def protect(self, seq, start, stop) -> None:
+        """As ``SphericalKVCache.protect``: positions start..stop−1 kept at the top tier."""
+        s = self._seq(seq)
+        start = whole("start", start, 0)
+        stop = whole("stop", stop, 0)
+        if stop <= start:
+            raise ValueError(f"protect needs start < stop, got [{start}, {stop})")
+        length = int(s.length.max())
+        if stop > length:
+            raise ValueError(f"protect span [{start}, {stop}) goes past the sequence's {length} "
+                             f"token(s): stop must be <= {length}")
+        s.spans.append((start, stop))
+
+    def protected_mask(self, seq, layer, pos) -> np.ndarray:
+        s = self._seq(seq)
+        layer = self._layer(layer)
+        pos = np.asarray(pos, np.int64)
+        pol = self.policy
+        m = (pos < pol.sinks) | (pos >= s.length[layer] - pol.recent)
+        for a, b in s.spans:
+            m |= (pos >= a) & (pos < b)
+        return m
+
+    def observe(self, seq, layer, q) -> None:
+        """Record queries (num_q_heads, d) or (m, num_q_heads, d) of one layer for RDR's
+        attention estimates; the last ``policy.window`` are kept (float64, on the device)."""
+        torch = _torch()
+        s = self._seq(seq)
+        layer = self._layer(layer)
+        q = self._tensor(q, "q", (q.shape[0], self.num_q_heads, self.head_dim) if getattr(q, "ndim", 0) == 3
+                         else (self.num_q_heads, self.head_dim))
+        q = q.detach().to(torch.float64).reshape(-1, self.num_q_heads, self.head_dim)
+        if not bool(torch.isfinite(q).all()):
+            raise ValueError("q contains NaN or Inf")
+        old = s.queries[layer]
+        both = q if old is None else torch.cat([old, q])
+        s.queries[layer] = both[-max(self.policy.window, 1):].clone()
+
+    # ------------------------------------------------------------------ bytes
+    def bytes_in_use(self, seq=None) -> int:
+        """Bytes the pool holds for a sequence (all sequences if None): pages × page_bytes."""
+        if seq is None:
+            return (self.num_pages - self._num_free) * self.page_bytes
+        s = self._seq(seq)
+        return sum(row.pages.size for rows in s.rows for row in rows) * self.page_bytes
+
+    def metadata_bytes(self, seq) -> int:
+        """Device bytes beside the pages: means, page tiers and counts, page-table entries."""
+        s = self._seq(seq)
+        pages = sum(row.pages.size for rows in s.rows for row in rows)
+        rows = self.num_layers * self.num_kv_heads
+        return rows * 2 * 4 * self.head_dim + pages * (PAGE_META_BYTES + INDEX_BYTES) + 4 * (rows + 1)
+
+    def num_states(self, seq, layer=None) -> int:
+        s = self._seq(seq)
+        layers = range(self.num_layers) if layer is None else [self._layer(layer)]
+        return sum(row.num_states() for l in layers for row in s.rows[l])
+
+    def length(self, seq, layer: int = 0) -> int:
+        return int(self._seq(seq).length[self._layer(layer)])
+
+    # ------------------------------------------------------------------ decode
+    def _table(self, seqs: Sequence[int], layer: int):
+        """indptr, indices (int32 device tensors) and means of one layer over rows
+        (sequence, kv-head) of ``seqs``."""
+        torch = _torch()
+        ss = [self._seq(x) for x in seqs]
+        lists = [row.pages for s in ss for row in s.rows[layer]]
+        indptr = np.zeros(len(lists) + 1, np.int64)
+        indptr[1:] = np.cumsum([p.size for p in lists])
+        indices = np.concatenate(lists) if lists else np.zeros(0, np.int32)
+        mk = torch.cat([s.mean_k[layer] for s in ss])
+        mv = torch.cat([s.mean_v[layer] for s in ss])
+        dev = lambda x: torch.as_tensor(np.ascontiguousarray(x, np.int32), device=self.device)
+        return dev(indptr), dev(indices), mk, mv
+
+    def _seq_list(self, seqs) -> List[int]:
+        if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, (bool, np.bool_)):
+            seqs = [seqs]
+        if not isinstance(seqs, (list, tuple, range, np.ndarray)) or len(seqs) == 0:
+            raise ValueError(f"seqs must be a sequence id or a non-empty list of them, got {seqs!r}")
+        for x in seqs:
+            self._seq(x)
+        return [int(x) for x in seqs]
+
+    def decode(self, seqs, layer, q, *, lse: bool = False):
+        """Attention (batch, num_q_heads, d) float32 of one step of one layer for the
+        sequences ``seqs`` (a list, one per row of q (batch, num_q_heads, d)) over what the
+        cache holds, with the page tables checked (one host sync). With ``lse``: (out, lse
+        (batch, num_q_heads), the natural log-sum-exp of the scaled logits). Records nothing."""
+        torch = _torch()
+        seqs = self._seq_list(seqs)
+        layer = self._layer(layer)
+        q = self._tensor(q, "q", (len(seqs), self.num_q_heads, self.head_dim))
+        indptr, indices, mk, mv = self._table(seqs, layer)
+        sk, sv = self.signs(layer)
+        out = torch.empty((len(seqs), self.num_q_heads, self.head_dim), dtype=torch.float32,
+                          device=self.device)
+        l = (torch.empty((len(seqs), self.num_q_heads), dtype=torch.float32, device=self.device)
+             if lse else None)
+        with _stream():
+            ada_decode(q.detach().to(torch.float32), self.pages, self.page_tier, self.page_count,
+                       indptr, indices, self.tables, sk, sv, num_kv_heads=self.num_kv_heads,
+                       mean_k=mk if self.centre else None, mean_v=mv if self.centre else None,
+                       softmax_scale=self.softmax_scale, out=out, lse=l)
+        return (out, l) if lse else out
+
+    def decode_step(self, seqs, steps: int) -> "DecodeStep":
+        """A captured-decode plan for the next ``steps`` tokens of every sequence of ``seqs``
+        (``DecodeStep``). Every layer's length must be the same in each sequence."""
+        return DecodeStep(self, self._seq_list(seqs), whole("steps", steps, 1))
+
+    # ------------------------------------------------------------------ compress
+    def _rotation(self, layer: int, head: int):
+        """Π of the keys of (layer, kv-head) as a float64 (d, d) device matrix."""
+        hit = self._rot.get((layer, head))
+        if hit is None:
+            torch = _torch()
+            hit = torch.as_tensor(self.codec(layer, head, 16, KEY_SALT).rotation.dense(),
+                                  device=self.device)
+            self._rot[(layer, head)] = hit
+        return hit
+
+    def stored_rotated(self, page, slot, tier: int):
+        """(keys, values) (n, d) float64 device tensors: ŷ = s·ĉ, the rotated, centred
+        vectors the states at (page, slot) (host int arrays, all of tier ``tier``) stand for
+        (``paged.stored_rotated``), decoded from the pool on the device."""
+        torch = _torch()
+        g = self.tables.geom[tier]
+        kb, vb, _, kw, vw, voff, ksoff, vsoff = (int(x) for x in g)
+        words = self.pages.view(torch.int32)
+        halves = self.pages.view(torch.float16)
+        pg = torch.as_tensor(np.asarray(page, np.int64), device=self.device)[:, None]
+        sl = torch.as_tensor(np.asarray(slot, np.int64), device=self.device)[:, None]
+        out = []
+        for bits, nw, off, soff in ((kb, kw, 0, ksoff), (vb, vw, voff, vsoff)):
+            w = words[pg, off + sl * nw + torch.arange(nw, device=self.device)[None, :]]
+            out.append(_points(w, bits, self.head_dim, self.codebook, halves, pg, sl, soff))
+        return out[0], out[1]
+
+    def _layer_stats(self, s: _Seq, layer: int, h: int, page, slot, tier, candidates):
+        """Per-state statistics of one row on the device; returned as host arrays."""
+        torch = _torch()
+        n = page.size
+        d = self.head_dim
+        yk = torch.empty((n, d), dtype=torch.float64, device=self.device)
+        yv = torch.empty_like(yk)
+        for t in np.unique(tier):
+            sel = np.flatnonzero(tier == t)
+            a, b = self.stored_rotated(page[sel], slot[sel], int(t))
+            idx = torch.as_tensor(sel, device=self.device)
+            yk[idx], yv[idx] = a, b
+        qr = None
+        if s.queries[layer] is not None:
+            G = self.group_size
+            qs = s.queries[layer][:, h * G:(h + 1) * G].reshape(-1, d)
+            qr = qs @ self._rotation(layer, h).T
+        cand = torch.as_tensor(candidates, device=self.device) if self.policy.coherence else None
+        return row_statistics_device(yk, yv, qr, self.softmax_scale, self.policy.prior, cand)
+
+    def compress(self, seq, budget_bytes: Optional[int] = None, method: Optional[str] = None, *,
+                 budget_fraction: Optional[float] = None) -> CompressReport:
+        """RDR over every layer and kv-head of a sequence, applied in place on the device
+        (``SphericalKVCache.compress``: the same budget arguments, decision and errors).
+        Needs the new pages free before it releases the old ones (PoolExhaustedError,
+        nothing changed, otherwise)."""
+        s = self._seq(seq)
+        self._open(s, "compress")
+        sid = int(seq)
+        budget = SphericalKVCache._budget(self, sid, budget_bytes, budget_fraction)
+        method = compress_method(self.policy, method)
+        rows, where = [], []
+        for layer in range(self.num_layers):
+            for h in range(self.num_kv_heads):
+                row = s.rows[layer][h]
+                page, slot, tier = row.state_slots()
+                where.append((page, slot, tier))
+                if page.size == 0:
+                    rows.append(RowForCompress((sid, layer, h), tier, None, None))
+                    continue
+                pmask = self.protected_mask(sid, layer, row.positions())
+                stats = self._layer_stats(s, layer, h, page, slot, tier, ~pmask)
+                rows.append(RowForCompress((sid, layer, h), tier, pmask, stats))
+        before = self.bytes_in_use(sid)
+        plan = plan_compress(self, rows, budget, sid, method)
+        if plan is None:
+            return CompressReport(before, before, budget, 0, 0, 0, None)
+        self._apply(s, rows, where, plan.tiers)
+        return CompressReport(before, self.bytes_in_use(sid), budget, plan.states_before,
+                              self.num_states(sid), plan.demoted, plan.allocation)
+
+    def _apply(self, s: _Seq, rows, where, tiers) -> None:
+        """Rewrite every row whose tiers changed: its kept states into fresh pages, tiers in
+        ascending order (top last), by one ``retier`` launch; then release the old pages."""
+        torch = _torch()
+        T = self.ladder.top
+        per = [0] + [self.ladder.states_per_page(t, self.head_dim, self.page_bytes) for t in range(1, T + 1)]
+        jobs = []
+        need = 0
+        for row, (page, slot, tier), new in zip(rows, where, tiers):
+            if new is None or np.array_equal(new, tier):
+                continue
+            layout = []
+            for t in range(1, T + 1):
+                sel = np.flatnonzero(new == t)
+                if sel.size:
+                    layout.append((t, sel, -(-sel.size // per[t])))
+                    need += layout[-1][2]
+            jobs.append((row.key, page, slot, layout))
+        if need > self._num_free:
+            raise PoolExhaustedError(f"page pool exhausted: the allocation needs {need} new pages "
+                                     f"before the old ones are released, {self._num_free} are free")
+        fresh = self._allocate(need)
+        src_p, src_s, dst_p, dst_s = [], [], [], []
+        new_tier, new_count, olds, a = [], [], [], 0
+        for key, page, slot, layout in jobs:
+            _, layer, h = key
+            row = s.rows[layer][h]
+            pos = row.positions()
+            pages, tiers_, counts, kept = [], [], [], []
+            for t, sel, npg in layout:
+                ids = fresh[a:a + npg]
+                a += npg
+                src_p.append(page[sel])
+                src_s.append(slot[sel])
+                dst_p.append(np.repeat(ids, per[t])[:sel.size])
+                dst_s.append(np.tile(np.arange(per[t], dtype=np.int32), npg)[:sel.size])
+                c = np.full(npg, per[t], np.int32)
+                c[-1] = sel.size - per[t] * (npg - 1)
+                pages.append(ids)
+                tiers_.append(np.full(npg, t, np.int32))
+                counts.append(c)
+                kept.append(pos[sel])
+            old = row.pages
+            row.pages = np.concatenate(pages) if pages else np.zeros(0, np.int32)
+            row.tiers = np.concatenate(tiers_) if tiers_ else np.zeros(0, np.int32)
+            row.counts = np.concatenate(counts) if counts else np.zeros(0, np.int32)
+            row.kept = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+            row.tail_from = row.tail_to
+            new_tier.append(row.tiers)
+            new_count.append(row.counts)
+            olds.append(old)
+        if need:
+            self._set_pages(fresh, np.concatenate(new_tier), np.zeros(need))
+            dev = lambda parts: torch.as_tensor(np.concatenate(parts).astype(np.int32), device=self.device)
+            with _stream():
+                retier(self.pages, self.page_tier, self.tables, dev(src_p), dev(src_s), dev(dst_p),
+                       dev(dst_s), check=False)
+            self._set_pages(fresh, np.concatenate(new_tier), np.concatenate(new_count))
+        for old in olds:
+            self._release(old)
+
+
+def _stream():
+    from .torch_ops import torch_stream
+    return torch_stream()
+
+
+def _points(w, bits: int, dim: int, codebook: str, halves, pg, sl, soff: int):
+    """s·ĉ (n, d) float64 from packed words w (n, words) int32 of one part at ``bits``,
+    scales read at byte offset ``soff`` of each page (fp16; none at 16 bits)."""
+    torch = _torch()
+    if bits == 16:
+        return w.contiguous().view(torch.float16)[:, :dim].to(torch.float64)
+    u = w.to(torch.int64) & 0xFFFFFFFF
+
+    def fields(words, b):
+        per = 32 // b
+        shifts = torch.arange(per, device=words.device, dtype=torch.int64) * b
+        f = (words[:, :, None] >> shifts) & ((1 << b) - 1)
+        return f.reshape(words.shape[0], -1)[:, :dim]
+    if bits == 3:
+        w2 = -(-2 * dim // 32)
+        codes = fields(u[:, :w2], 2) | (fields(u[:, w2:], 1) << 2)
+    else:
+        codes = fields(u, bits)
+    levels = torch.as_tensor(codebooks.codebook(bits, dim, codebook), device=w.device)
+    scale = halves[pg[:, 0], soff // 2 + sl[:, 0]].to(torch.float64)
+    return scale[:, None] * levels[codes] / math.sqrt(dim)
+
+
+def _median(x):
+    """numpy's median (the mean of the two middle values for an even count)."""
+    s = x.sort().values
+    m = s.numel()
+    return s[(m - 1) // 2] if m % 2 else 0.5 * (s[m // 2 - 1] + s[m // 2])
+
+
+def row_statistics_device(yk, yv, qr, softmax_scale: float, prior: float, candidates=None):
+    """``spherical_kv_ref.rdr.statistics.row_statistics`` on the device (float64 torch
+    tensors in, the same six figures out as host arrays); tested equal to it."""
+    torch = _torch()
+    n = yk.shape[0]
+    r = yk.norm(dim=1)
+    vn = yv.norm(dim=1)
+    host = lambda x: x.cpu().numpy()
+    if qr is None or qr.shape[0] == 0:
+        p = torch.full((n,), 1.0 / n, dtype=torch.float64, device=yk.device)
+        res = (yv - (p @ yv)[None, :]).norm(dim=1)
+        return host(p), float((r * r).mean()), host(r), host(vn), host(res), np.ones(n)
+    z = softmax_scale * (qr @ yk.T)
+    z = z - z.max(dim=1, keepdim=True).values
+    P = torch.exp(z)
+    P = P / P.sum(dim=1, keepdim=True)
+    P = (1.0 - prior) * P + prior / n
+    o = P @ yv
+    dist2 = torch.clamp(vn[None, :] ** 2 - 2.0 * (o @ yv.T) + (o * o).sum(dim=1)[:, None], min=0.0)
+    w = P * P
+    p2 = w.mean(dim=0)
+    e = (w * dist2).mean(dim=0)
+    e_evict = (w * dist2 / torch.clamp(1.0 - P, min=1e-12) ** 2).mean(dim=0)
+    tiny = np.finfo(float).tiny
+    kappa = torch.where(e > tiny, e_evict / torch.clamp(e, min=tiny), torch.ones_like(e))
+    if candidates is not None:
+        kappa = kappa * _coherence(P, o, yv, dist2, p2, candidates)
+    p = torch.sqrt(p2)
+    res = torch.sqrt(e / torch.clamp(p2, min=tiny))
+    return (host(p), float((qr * qr).sum(dim=1).mean()), host(r), host(vn), host(res),
+            host(torch.clamp(kappa, min=1.0)))
+
+
+def _coherence(P, o, values, dist2, p2, candidates) -> float:
+    """``rdr.statistics.eviction_coherence`` on the device."""
+    torch = _torch()
+    idx = torch.nonzero(candidates).flatten()
+    if idx.numel() < 2:
+        return 1.0
+    S = idx[p2[idx] <= _median(p2[idx])]
+    Ps = P[:, S]
+    shift = Ps.sum(dim=1)[:, None] * o - Ps @ values[S]
+    coherent = float((shift * shift).sum(dim=1).mean())
+    independent = float((Ps * Ps * dist2[:, S]).sum(dim=1).mean())
+    if not independent > 0.0:
+        return 1.0
+    return max(1.0, coherent / independent)
+
+
+class DecodeStep:
+    """The next ``steps`` tokens of a batch of sequences, planned for a captured decode
+    (``DeviceKVCache.decode_step``).
+
+    Made outside the captured region: every row's capacity for ``steps`` top-tier tokens is
+    reserved (fresh pages enter the page tables with count 0, which the decode reads as
+    empty), each step's (page, slot) per row planned into device tables, the page tables and
+    means uploaded, and every buffer the step writes allocated. Per step, outside the
+    graph: ``set_step(i)``. Inside it: ``slots()`` once, then per layer ``append``,
+    ``decode`` or ``attend`` (torch custom ops only). ``close(done)`` commits ``done``
+    tokens to the host bookkeeping and releases what was reserved beyond them."""
+
+    def __init__(self, cache: DeviceKVCache, seqs: List[int], steps: int):
+        torch = _torch()
+        self.cache, self.seqs, self.steps = cache, seqs, steps
+        c = cache
+        L, H, d, P, T = c.num_layers, c.num_kv_heads, c.head_dim, c.top_per_page, c.ladder.top
+        ss = [c._seq(x) for x in seqs]
+        for x, s in zip(seqs, ss):
+            c._open(s, "decode_step")
+            if np.any(s.length != s.length[0]):
+                raise ValueError(f"sequence {x}: its layers hold different lengths {sorted(set(s.length.tolist()))}")
+            if not s.has_mean.all() and c.centre:
+                raise ValueError(f"sequence {x}: every layer needs a first chunk (append) before decode steps")
+        B = len(seqs)
+        R = B * H
+        plans = [[c._tail_plan(s.rows[l][h], steps) for s in ss for h in range(H)] for l in range(L)]
+        need = sum(new for pl in plans for _, new in pl)
+        if need > c._num_free:
+            raise PoolExhaustedError(f"page pool exhausted: {steps} decode steps of {B} sequence(s) "
+                                     f"need {need} free pages, {c._num_free} are free")
+        fresh = c._allocate(need)
+        c._set_pages(fresh, np.full(need, T), np.zeros(need))
+        page = np.empty((steps, L, R), np.int32)
+        slot = np.empty((steps, L, R), np.int32)
+        self._reserved = []
+        indptr = np.zeros((L, R + 1), np.int64)
+        indices = []
+        a = 0
+        for l in range(L):
+            lists = []
+            for r, (fill, new) in enumerate(plans[l]):
+                row = ss[r // H].rows[l][r % H]
+                ids = fresh[a:a + new]
+                a += new
+                c0 = int(row.counts[-1]) if fill else 0
+                pg = np.concatenate([np.full(fill, row.pages[-1] if fill else 0, np.int32),
+                                     np.repeat(ids, P)[:steps - fill]])
+                sl = np.concatenate([np.arange(c0, c0 + fill, dtype=np.int32),
+                                     np.tile(np.arange(P, dtype=np.int32), new)[:steps - fill]])
+                page[:, l, r], slot[:, l, r] = pg, sl
+                self._reserved.append((row, ids))
+                lists.append(np.concatenate([row.pages, ids]))
+            indptr[l, 1:] = np.cumsum([x.size for x in lists])
+            indices.append(np.concatenate(lists))
+        dev = lambda x, dt=torch.int32: torch.as_tensor(np.ascontiguousarray(x), device=c.device).to(dt)
+        self.plan_page, self.plan_slot, self.plan_count = dev(page), dev(slot), dev(slot + 1)
+        self.indptr = [dev(indptr[l]) for l in range(L)]
+        self.indices = [dev(indices[l]) for l in range(L)]
+        self.mean_k = torch.stack([torch.cat([s.mean_k[l] for s in ss]) for l in range(L)])
+        self.mean_v = torch.stack([torch.cat([s.mean_v[l] for s in ss]) for l in range(L)])
+        self.head = dev(np.tile(np.arange(H, dtype=np.int32), B))
+        self.mean_index = dev(np.arange(R, dtype=np.int32))
+        self.step_index = torch.zeros(1, dtype=torch.int64, device=c.device)
+        self.dst_page = torch.empty((1, L, R), dtype=torch.int32, device=c.device)
+        self.dst_slot = torch.empty_like(self.dst_page)
+        self.dst_count = torch.empty_like(self.dst_page)
+        self.status = torch.zeros(1, dtype=torch.int32, device=c.device)
+        self.out = torch.empty((B, c.num_q_heads, d), dtype=torch.float32, device=c.device)
+        self.lse = torch.empty((B, c.num_q_heads), dtype=torch.float32, device=c.device)
+        most = max(int(indptr[l, -1]) for l in range(L))
+        self.num_splits = max(2, splits_for(c.tables, R, most))
+        self.part_o = torch.empty((self.num_splits, R, c.group_size, d), dtype=torch.float32, device=c.device)
+        self.part_lse = torch.empty((self.num_splits, R, c.group_size), dtype=torch.float32, device=c.device)
+        from .torch_ops import register_tables
+        self.tables_id = register_tables(c.tables)
+        self.signs = [c.signs(l) for l in range(L)]
+        self.done = 0
+        self.closed = False
+        for s in ss:
+            s.step = self
+
+    def static_tensors(self) -> list:
+        """Every tensor a captured step reads or writes (for ``torch._dynamo.mark_static_address``)."""
+        c = self.cache
+        out = [c.pages, c.page_tier, c.page_count, self.plan_page, self.plan_slot, self.plan_count,
+               self.mean_k, self.mean_v, self.head, self.mean_index, self.step_index, self.dst_page,
+               self.dst_slot, self.dst_count, self.status, self.out, self.lse, self.part_o,
+               self.part_lse]
+        return out + self.indptr + self.indices + [t for pair in self.signs for t in pair]
+
+    def set_step(self, i: int) -> None:
+        """Which of the planned steps the next replay runs (outside the graph; stream-ordered)."""
+        i = whole("i", i, 0, self.steps)
+        self.step_index.fill_(i)
+        self.done = max(self.done, i + 1)
+
+    def slots(self) -> None:
+        """Gathers the current step's destinations for every layer (captured)."""
+        torch = _torch()
+        torch.index_select(self.plan_page, 0, self.step_index, out=self.dst_page)
+        torch.index_select(self.plan_slot, 0, self.step_index, out=self.dst_slot)
+        torch.index_select(self.plan_count, 0, self.step_index, out=self.dst_count)
+
+    def append(self, layer: int, k, v) -> None:
+        """Writes the step's token of every sequence: k, v (batch, num_kv_heads, d)."""
+        torch = _torch()
+        c = self.cache
+        R = len(self.seqs) * c.num_kv_heads
+        k = k.reshape(R, c.head_dim).to(torch.float32).contiguous()
+        v = v.reshape(R, c.head_dim).to(torch.float32).contiguous()
+        sk, sv = self.signs[layer]
+        torch.ops.spherical_kv.append(k, v, c.pages, c.page_tier, c.page_count, sk, sv, self.head,
+                                      self.dst_page[0, layer], self.dst_slot[0, layer],
+                                      self.dst_count[0, layer], self.mean_k[layer],
+                                      self.mean_v[layer], self.mean_index, self.status,
+                                      self.tables_id)
+
+    def decode(self, layer: int, q, with_lse: bool = False):
+        """ADA attention (batch, num_q_heads, d) float32 of q over the layer's rows (the
+        step's own token included once ``append`` wrote it); a view of a buffer the next
+        call overwrites."""
+        torch = _torch()
+        c = self.cache
+        sk, sv = self.signs[layer]
+        torch.ops.spherical_kv.decode(q.to(torch.float32).contiguous(), c.pages, c.page_tier,
+                                      c.page_count, self.indptr[layer], self.indices[layer], sk, sv,
+                                      self.mean_k[layer], self.mean_v[layer], self.out, self.lse,
+                                      self.part_o, self.part_lse, self.tables_id,
+                                      c.num_kv_heads, c.softmax_scale, self.num_splits, with_lse)
+        return self.out
+
+    def attend(self, layer: int, q, k, v):
+        """The integration's semantics for one new token: q (batch, Hq, d) attends to the
+        stored context (codes) and to its own k, v (batch, H, d) exactly, merged by their
+        log-sum-exps; then the token is appended. Returns float32 (batch, Hq, d)."""
+        torch = _torch()
+        c = self.cache
+        G = c.group_size
+        out = self.decode(layer, q, with_lse=True)
+        q32 = q.to(torch.float32)
+        k32 = k.to(torch.float32).repeat_interleave(G, dim=1)
+        v32 = v.to(torch.float32).repeat_interleave(G, dim=1)
+        own = c.softmax_scale * (q32 * k32).sum(dim=-1)
+        both = torch.logaddexp(self.lse, own)
+        res = torch.exp(self.lse - both)[..., None] * out + torch.exp(own - both)[..., None] * v32
+        self.append(layer, k, v)
+        return res
+
+    def close(self, done: Optional[int] = None) -> None:
+        """Commits ``done`` tokens per sequence (default: the highest step set + 1) to the
+        host bookkeeping and releases the reserved pages no token reached."""
+        if self.closed:
+            return
+        c = self.cache
+        done = self.done if done is None else whole("done", done, 0, self.steps + 1)
+        P, T = c.top_per_page, c.ladder.top
+        H = c.num_kv_heads
+        unused = []
+        for i, (row, ids) in enumerate(self._reserved):
+            fill = 0
+            if row.pages.size and row.tiers[-1] == T and row.counts[-1] < P:
+                fill = min(P - int(row.counts[-1]), self.steps)
+            into_open = min(fill, done)
+            if into_open:
+                row.counts[-1] += into_open
+            rest = done - into_open
+            used = -(-rest // P)
+            counts = np.full(used, P, np.int32)
+            if used:
+                counts[-1] = rest - P * (used - 1)
+            row.pages = np.concatenate([row.pages, ids[:used]])
+            row.tiers = np.concatenate([row.tiers, np.full(used, T, np.int32)])
+            row.counts = np.concatenate([row.counts, counts])
+            row.tail_to += done
+            unused.append(ids[used:])
+        for x in self.seqs:
+            s = c._seq(x)
+            s.length += done
+            s.step = None
+        c._release(np.concatenate(unused) if unused else np.zeros(0, np.int32))
+        self.closed = True

@@ -1,0 +1,259 @@
+"""The device cache (cupy_kernels.device_cache) against its reference, SphericalKVCache: the
+same stored states, attention within the kernel's fp16 budget, the same RDR decision; the
+captured decode step equal to the eager one, under torch.cuda.graph and torch.compile;
+errors that leave the cache unchanged."""
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+cp = pytest.importorskip("cupy")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from cupy_kernels.device_cache import DeviceKVCache, PoolExhaustedError  # noqa: E402
+from spherical_kv_ref import SphericalKVCache  # noqa: E402
+from spherical_kv_ref.cache import CompressPolicy  # noqa: E402
+from spherical_kv_ref.paged import stored_rotated  # noqa: E402
+from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT  # noqa: E402
+
+L, H, G = 2, 2, 3
+POLICY = CompressPolicy(sinks=2, recent=8, window=4)
+
+
+def _pair(d, **kw):
+    args = dict(num_q_heads=H * G, policy=POLICY, pool_bytes=4 << 20)
+    args.update(kw)
+    return SphericalKVCache(L, H, d, **args), DeviceKVCache(L, H, d, **args)
+
+
+def _data(rng, t, d):
+    k = rng.standard_normal((H, t, d)) * 2 + 0.5
+    v = rng.standard_normal((H, t, d))
+    return k, v
+
+
+def _fill(ref, dev, lengths, d, rng):
+    seqs = []
+    for t in lengths:
+        a, b = ref.new_sequence(), dev.new_sequence()
+        assert a == b
+        for layer in range(L):
+            k, v = _data(rng, t, d)
+            ref.append(a, layer, k, v)
+            dev.append(b, layer, torch.tensor(k, device="cuda"), torch.tensor(v, device="cuda"))
+            q = rng.standard_normal((POLICY.window, H * G, d))
+            for qq in q:
+                ref.observe(a, layer, qq)
+            dev.observe(b, layer, torch.tensor(q, device="cuda"))
+        seqs.append(a)
+    return seqs
+
+
+def _close(got, want, rel=4e-3):
+    got = got.detach().cpu().double().numpy() if hasattr(got, "detach") else got
+    scale = np.abs(want).max() + 1e-9
+    assert np.max(np.abs(got - want)) <= rel * scale, np.max(np.abs(got - want)) / scale
+
+
+def _stored_equal(ref, dev, seq, layer, h):
+    """The device's stored vectors (decoded on the device) equal the reference's exactly."""
+    row = dev._seq(seq).rows[layer][h]
+    page, slot, tier = row.state_slots()
+    ref_by_tier = ref.paged.gather((seq, layer, h))
+    for t, (ke, ve, pos) in ref_by_tier.items():
+        kb, vb = ref.ladder.bits(t)
+        sel = tier == t
+        yk, yv = dev.stored_rotated(page[sel], slot[sel], t)
+        order = np.argsort(row.positions()[sel])
+        want_k = stored_rotated(ref.codec(layer, h, kb, KEY_SALT), ke)[np.argsort(pos)]
+        want_v = stored_rotated(ref.codec(layer, h, vb, VALUE_SALT), ve)[np.argsort(pos)]
+        np.testing.assert_array_equal(yk.cpu().numpy()[order], want_k)
+        np.testing.assert_array_equal(yv.cpu().numpy()[order], want_v)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_append_and_decode_equal_the_reference(d):
+    rng = np.random.default_rng(d)
+    ref, dev = _pair(d)
+    seqs = _fill(ref, dev, [17, 97], d, rng)
+    for s in seqs:
+        for h in range(H):
+            _stored_equal(ref, dev, s, 1, h)
+    q = rng.standard_normal((2, H * G, d))
+    for layer in range(L):
+        out, lse = dev.decode(seqs, layer, torch.tensor(q, device="cuda"), lse=True)
+        for i, s in enumerate(seqs):
+            _close(out[i], ref.decode(s, layer, q[i], record=False))
+    assert dev.bytes_in_use(seqs[0]) == ref.bytes_in_use(seqs[0])
+    assert dev.num_states(seqs[1]) == ref.num_states(seqs[1]) == 2 * 2 * 97
+
+
+def test_compress_takes_the_reference_decision():
+    rng = np.random.default_rng(5)
+    ref, dev = _pair(64)
+    seqs = _fill(ref, dev, [150, 61], 64, rng)
+    for s in seqs:
+        budget = ref.bytes_in_use(s) * 2 // 5
+        a = ref.compress(s, budget)
+        b = dev.compress(s, budget)
+        np.testing.assert_array_equal(a.allocation.tier, b.allocation.tier)
+        assert (a.bytes_after, a.states_kept, a.states_demoted) == (b.bytes_after, b.states_kept, b.states_demoted)
+        assert b.bytes_after <= budget
+        for h in range(H):
+            _stored_equal(ref, dev, s, 0, h)
+    q = rng.standard_normal((2, H * G, 64))
+    for layer in range(L):
+        out = dev.decode(seqs, layer, torch.tensor(q, device="cuda"))
+        for i, s in enumerate(seqs):
+            _close(out[i], ref.decode(s, layer, q[i], record=False))
+
+
+def _step_tokens(rng, steps, B, d):
+    return [(rng.standard_normal((B, H * G, d)), rng.standard_normal((L, B, H, d)) + 0.5,
+             rng.standard_normal((L, B, H, d))) for _ in range(steps)]
+
+
+def test_decode_steps_equal_the_reference():
+    """append-then-decode per token through a DecodeStep (the engine's order) equals the
+    reference appending the token and decoding; then the bookkeeping equals it too."""
+    rng = np.random.default_rng(7)
+    ref, dev = _pair(64)
+    seqs = _fill(ref, dev, [40, 13], 64, rng)
+    ref.compress(seqs[0], ref.bytes_in_use(seqs[0]) // 2)
+    dev.compress(seqs[0], dev.bytes_in_use(seqs[0]) // 2)
+    steps = 70                         # past a page boundary of the top tier
+    step = dev.decode_step(seqs, steps)
+    for i, (q, k, v) in enumerate(_step_tokens(rng, steps, 2, 64)):
+        step.set_step(i)
+        step.slots()
+        for layer in range(L):
+            step.append(layer, torch.tensor(k[layer], device="cuda"), torch.tensor(v[layer], device="cuda"))
+            out = step.decode(layer, torch.tensor(q, device="cuda"))
+            for b, s in enumerate(seqs):
+                ref.append(s, layer, k[layer, b][:, None], v[layer, b][:, None])
+                if i % 23 == 0 or i == steps - 1:
+                    _close(out[b], ref.decode(s, layer, q[b], record=False))
+    step.close()
+    for s in seqs:
+        assert dev.num_states(s) == ref.num_states(s)
+        assert dev.bytes_in_use(s) == ref.bytes_in_use(s) or dev.bytes_in_use(s) <= ref.bytes_in_use(s) + 2 * L * H * 4096
+        for h in range(H):
+            _stored_equal(ref, dev, s, 1, h)
+    assert dev.bytes_in_use() == sum(dev.bytes_in_use(s) for s in seqs)
+
+
+def _captured(mode):
+    """One model-like decode step over a DecodeStep: per layer a projection, attend (context
+    from codes + own token exactly, then append), replayed as a graph or compiled."""
+    rng = np.random.default_rng(11)
+    ref, dev = _pair(128)
+    twin = DeviceKVCache(L, H, 128, num_q_heads=H * G, policy=POLICY, pool_bytes=4 << 20)
+    seqs = _fill(ref, dev, [300, 77], 128, np.random.default_rng(3))
+    _fill(SphericalKVCache(L, H, 128, num_q_heads=H * G, policy=POLICY, pool_bytes=4 << 20), twin,
+          [300, 77], 128, np.random.default_rng(3))
+    w = torch.tensor(rng.standard_normal((128, 128)) / 12, device="cuda", dtype=torch.float32)
+    steps = 40
+    a, b = dev.decode_step(seqs, steps), twin.decode_step(seqs, steps)
+    q_in = torch.zeros((2, H * G, 128), device="cuda")
+    kv_in = torch.zeros((L, 2, 2, H, 128), device="cuda")
+
+    def body(step):
+        x = q_in
+        for layer in range(L):
+            o = step.attend(layer, x @ w, kv_in[layer, 0], kv_in[layer, 1])
+            x = torch.tanh(o)
+        return x
+    tokens = _step_tokens(rng, steps, 2, 128)
+    a.set_step(0)
+    a.slots()
+    body(a)                            # warm-up: kernels loaded, tables on the device
+    if mode == "graph":
+        a.set_step(0)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            a.slots()
+            out_a = body(a)
+        run = graph.replay
+    else:
+        from torch._dynamo.utils import counters
+        torch._dynamo.reset()
+        counters.clear()
+        for t in a.static_tensors() + [q_in, kv_in, w]:
+            torch._dynamo.mark_static_address(t)
+        fn = torch.compile(lambda: (a.slots(), body(a))[1], mode="reduce-overhead", fullgraph=True)
+        run = None
+    got, want = [], []
+    for i, (q, k, v) in enumerate(tokens):
+        q_in.copy_(torch.tensor(q, device="cuda"))
+        kv_in[:, 0].copy_(torch.tensor(k, device="cuda"))
+        kv_in[:, 1].copy_(torch.tensor(v, device="cuda"))
+        a.set_step(i)
+        if run is not None:
+            run()
+            got.append(out_a.clone())
+        else:
+            got.append(fn().clone())
+        b.set_step(i)
+        b.slots()
+        want.append(body(b).clone())
+    torch.cuda.synchronize()
+    a.close()
+    b.close()
+    for g, w_ in zip(got, want):
+        torch.testing.assert_close(g, w_, rtol=0, atol=0)
+    if mode == "compile":
+        from torch._dynamo.utils import counters
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    return dev, twin, seqs
+
+
+def test_graph_capture_replays_the_eager_step():
+    dev, twin, seqs = _captured("graph")
+    assert dev.bytes_in_use() == twin.bytes_in_use()
+    assert torch.equal(dev.pages, twin.pages)
+
+
+def test_torch_compile_reduce_overhead_replays_the_eager_step():
+    _captured("compile")
+
+
+def test_errors_leave_the_cache_unchanged():
+    rng = np.random.default_rng(2)
+    dev = DeviceKVCache(L, H, 64, num_q_heads=H * G, policy=POLICY, pool_bytes=64 * 4096)
+    s = dev.new_sequence()
+    k, v = (torch.tensor(x, device="cuda") for x in _data(rng, 20, 64))
+    dev.append(s, 0, k, v)
+    free, pages = dev.num_free_pages, dev.pages.clone()
+    bad = k.clone()
+    bad[1, 3, 5] = float("nan")
+    for call, match in ((lambda: dev.append(s, 0, bad, v), "NaN"),
+                        (lambda: dev.append(s, 0, k[:, :, :32], v[:, :, :32]), "shape"),
+                        (lambda: dev.append(s, 2, k, v), "layer"),
+                        (lambda: dev.append(7, 0, k, v), "unknown sequence"),
+                        (lambda: dev.append(s, 0, k.cpu(), v), "cache is on"),
+                        (lambda: dev.decode([s], 0, torch.zeros((1, 5, 64), device="cuda")), "shape"),
+                        (lambda: dev.compress(s, 1), "protected states"),
+                        (lambda: dev.decode_step([s], 0), "steps")):
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert dev.num_free_pages == free and torch.equal(dev.pages, pages)
+    big = torch.randn((H, 64 * 40, 64), device="cuda")
+    with pytest.raises(PoolExhaustedError):
+        dev.append(s, 1, big, big)
+    assert dev.num_free_pages == free and dev.num_states(s) == 2 * 20
+    with pytest.raises(ValueError, match="different lengths"):
+        dev.decode_step([s], 4)
+    dev.append(s, 1, k, v)
+    step = dev.decode_step([s], 4)
+    with pytest.raises(ValueError, match="open DecodeStep"):
+        dev.append(s, 0, k, v)
+    step.close(0)
+    assert dev.num_free_pages == free - 4
+    dev.free(s)
+    assert dev.num_free_pages == 64
+    with pytest.raises(ValueError, match="freed"):
+        dev.decode([s], 0, torch.zeros((1, H * G, 64), device="cuda"))

@@ -1,0 +1,366 @@
+"""End-to-end decode throughput on one GPU: a Llama-3.1-8B-shaped model whose whole decode
+step runs as one CUDA graph, over (a) a dense bf16 cache with torch SDPA, (c) the device
+cache at 4/4 (uniform codebook) and (d) RDR at a fraction of the bf16 bytes after a real
+prefill (docs/PERF_NOTES.md, "End to end").
+
+The weights are random bf16: decode throughput does not depend on their values (the same
+matrices are read and multiplied whatever they hold), and neither does a cache's speed
+depend on what its states hold, so (a) and (c) fill their caches with random states; (d)
+prefills the model (sdpa, through ``DeviceSphericalCache``) so that RDR decides from the
+states and queries the model makes. One process, one GPU; each row: tokens/s, ms per step
+(median of CUDA-event timings of graph replays), resident KV bytes per token (pages, page
+metadata, page tables and means counted; dense: its static buffers), prefill and compress
+seconds where they ran.
+
+    python -m validation.e2e_bench --out e2e_h200.json [--shapes 32x8192,8x32768,2x131072,1x131072]
+        [--methods dense,ada44,rdr] [--equal-memory] [--plot e2e_h200.png]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+# Llama-3.1-8B's published configuration (its config.json)
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                  high_freq_factor=4.0, original_max_position_embeddings=8192),
+                tie_word_embeddings=False)
+GIB = 1 << 30
+
+
+def build_model(layers: int | None = None):
+    import torch
+    import transformers
+    cfg = dict(LLAMA_8B)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    config = transformers.LlamaConfig(**cfg)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return model
+
+
+class Step:
+    """One decode step of the model over a cache, written from the model's own modules so
+    that attention is the only part that differs between methods."""
+
+    def __init__(self, model, batch: int, attend):
+        import torch
+        self.m = model.model
+        self.head = model.lm_head
+        self.attend = attend
+        cfg = model.config
+        self.Hq, self.H, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.ids = torch.zeros((batch, 1), dtype=torch.long, device="cuda")
+        self.pos = torch.zeros((batch, 1), dtype=torch.long, device="cuda")
+
+    def __call__(self):
+        import torch
+        x = self.m.embed_tokens(self.ids)
+        cos, sin = self.m.rotary_emb(x, self.pos)
+        B = x.shape[0]
+        for i, layer in enumerate(self.m.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(B, 1, self.Hq, self.d).transpose(1, 2)
+            k = a.k_proj(h).view(B, 1, self.H, self.d).transpose(1, 2)
+            v = a.v_proj(h).view(B, 1, self.H, self.d).transpose(1, 2)
+            c, s = cos[:, None], sin[:, None]
+            q = q * c + _rotate_half(q) * s
+            k = k * c + _rotate_half(k) * s
+            o = self.attend(i, q[:, :, 0], k[:, :, 0], v[:, :, 0])        # (B, Hq, d)
+            x = x + a.o_proj(o.to(x.dtype).reshape(B, 1, self.Hq * self.d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.head(self.m.norm(x))
+        return torch.argmax(logits[:, -1], dim=-1)
+
+
+def _rotate_half(x):
+    import torch
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+class Dense:
+    """bf16 K/V buffers (L, B, H, context + steps, d) and SDPA over them, positions past the
+    current one masked (a static cache's decode: it reads its whole buffer)."""
+
+    def __init__(self, model, batch, context, steps):
+        import torch
+        cfg = model.config
+        L, H, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        n = context + steps
+        g = torch.Generator(device="cuda").manual_seed(1)
+        self.k = torch.randn((L, batch, H, n, d), device="cuda", dtype=torch.bfloat16, generator=g)
+        self.v = torch.randn((L, batch, H, n, d), device="cuda", dtype=torch.bfloat16, generator=g)
+        self.at = torch.zeros(1, dtype=torch.long, device="cuda")
+        self.valid = torch.zeros((1, 1, 1, n), dtype=torch.bool, device="cuda")
+        self.context, self.n = context, n
+        self.scale = cfg.head_dim ** -0.5
+        self.bytes_per_token = 2 * 2 * L * H * d
+
+    def set_step(self, i):
+        self.at.fill_(self.context + i)
+        self.valid[..., :self.context + i + 1] = True
+        self.valid[..., self.context + i + 1:] = False
+
+    def __call__(self, layer, q, k, v):
+        import torch
+        self.k[layer].index_copy_(2, self.at, k[:, :, None])
+        self.v[layer].index_copy_(2, self.at, v[:, :, None])
+        B, Hq, d = q.shape
+        H = k.shape[1]
+        # GQA decode: a kv-head's G query heads are G query rows over its one K/V read
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.view(B, H, Hq // H, d), self.k[layer], self.v[layer], attn_mask=self.valid,
+            scale=self.scale)
+        return o.reshape(B, Hq, d)
+
+
+class Ada:
+    """The device cache's DecodeStep in the engine's order: append the token, then decode
+    (the token reads itself from its code, as vLLM reads a quantized cache)."""
+
+    def __init__(self, cache, seqs, steps):
+        self.cache, self.step = cache, cache.decode_step(seqs, steps)
+
+    def set_step(self, i):
+        self.step.set_step(i)
+
+    def __call__(self, layer, q, k, v):
+        if layer == 0:
+            self.step.slots()
+        self.step.append(layer, k, v)
+        return self.step.decode(layer, q)
+
+
+def fill_ada(model, batch, context, ladder=None):
+    """A 4/4 device cache holding ``context`` random states per row of ``batch`` sequences."""
+    import torch
+    from cupy_kernels.device_cache import DeviceKVCache
+    from spherical_kv_ref.tiers import TierLadder
+    cfg = model.config
+    L, H, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    ladder = ladder or TierLadder([(4, 4)])
+    per = ladder.states_per_page(ladder.top, d, 4096)
+    pages = batch * L * H * (-(-(context + 64) // per)) + 16
+    cache = DeviceKVCache(L, H, d, ladder, pool_bytes=pages * 4096, num_q_heads=cfg.num_attention_heads,
+                          codebook="uniform")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    seqs = []
+    for _ in range(batch):
+        s = cache.new_sequence()
+        for layer in range(L):
+            k = torch.randn((H, context, d), device="cuda", generator=g)
+            v = torch.randn((H, context, d), device="cuda", generator=g)
+            cache.append(s, layer, k, v)
+        seqs.append(s)
+    return cache, seqs
+
+
+def time_graph(step, method, steps, reps):
+    """Captures the step once, replays it ``reps`` times (step index i each), returns the
+    median ms per step from CUDA events."""
+    import torch
+    method.set_step(0)
+    for _ in range(2):                   # warm-up: kernels compiled and loaded
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    times = []
+    for i in range(reps):
+        method.set_step(i % steps)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return float(np.median(times[3:]))
+
+
+def rdr_cache(model, batch, context, fraction):
+    """A real prefill of ``batch`` random-token sequences through ``DeviceSphericalCache``
+    (one at a time), then RDR to ``fraction`` of the bf16 bytes: (cache, seqs, prefill s,
+    compress s, reports)."""
+    import torch
+    from cupy_kernels.hf_device import DeviceSphericalCache
+    from spherical_kv_ref.tiers import TierLadder
+    cfg = model.config
+    L, H, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    ladder = TierLadder()
+    per = ladder.states_per_page(ladder.top, d, 4096)
+    per_seq = L * H * (-(-(context + 64) // per)) * 4096
+    dc = DeviceSphericalCache(cfg, budget_fraction=fraction, pool_bytes=int(batch * per_seq * 1.3),
+                              codebook="uniform")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    prefill = 0.0
+    with dc.bound(model), torch.no_grad():
+        for b in range(batch):
+            ids = torch.randint(0, cfg.vocab_size, (1, context), device="cuda", generator=g)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if b == 0:
+                model(ids, past_key_values=dc, logits_to_keep=1)
+            else:
+                sid = dc.kv.new_sequence()
+                every = dc.seqs
+                dc.seqs, dc.seen = [sid], 0
+                model(ids, past_key_values=dc, logits_to_keep=1)
+                dc.seqs = every + [sid]
+            torch.cuda.synchronize()
+            prefill += time.perf_counter() - t0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    dc.decoding = True
+    dc._compress()
+    torch.cuda.synchronize()
+    compress = time.perf_counter() - t0
+    return dc.kv, dc.seqs, prefill, compress, dc.reports
+
+
+def kv_bytes_per_token(cache, seqs, context):
+    held = sum(cache.bytes_in_use(s) + cache.metadata_bytes(s) for s in seqs)
+    return held / (len(seqs) * context)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file the rows are written to")
+    p.add_argument("--shapes", default="32x8192,8x32768,2x131072,1x131072",
+                   help="(batch)x(context) pairs, comma separated")
+    p.add_argument("--methods", default="dense,ada44,rdr", help="dense, ada44, rdr")
+    p.add_argument("--rdr-shapes", default="8x32768", help="shapes RDR runs at (prefill is real)")
+    p.add_argument("--rdr-fraction", type=float, default=0.2, help="RDR's budget, fraction of bf16 bytes")
+    p.add_argument("--equal-memory", action="store_true",
+                   help="also dense and 4/4 at 32K at the largest batch that fits --memory-gib")
+    p.add_argument("--memory-gib", type=float, default=120.0, help="GPU memory for weights + KV")
+    p.add_argument("--steps", type=int, default=32, help="planned decode steps (replayed in turn)")
+    p.add_argument("--reps", type=int, default=30, help="timed graph replays per row")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers (a quick check)")
+    p.add_argument("--plot", default=None, help="PNG of tokens/s against KV bytes per token")
+    args = p.parse_args(argv)
+    import torch
+    model = build_model(args.layers)
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    rows = []
+    methods = args.methods.split(",")
+
+    def record(row):
+        row.update(tokens_per_s=row["batch"] / (row["ms_per_step"] / 1e3), weights_bytes=weights,
+                   gpu=torch.cuda.get_device_name(), random_weights=True)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "config": LLAMA_8B, "note": "random bf16 weights: decode "
+                       "throughput does not depend on their values"}, f, indent=1)
+
+    def run(method_name, batch, context, equal_memory=False):
+        torch.cuda.empty_cache()
+        extra = {}
+        if method_name == "dense":
+            meth = Dense(model, batch, context, args.steps)
+            bpt = meth.bytes_per_token
+        elif method_name == "ada44":
+            cache, seqs = fill_ada(model, batch, context)
+            meth = Ada(cache, seqs, args.steps)
+            bpt = kv_bytes_per_token(cache, seqs, context)
+        else:
+            cache, seqs, pre, comp, reports = rdr_cache(model, batch, context, args.rdr_fraction)
+            meth = Ada(cache, seqs, args.steps)
+            bpt = kv_bytes_per_token(cache, seqs, context)
+            extra = dict(prefill_s=pre, compress_s=comp, compress_over_prefill=comp / pre,
+                         bytes_fraction_of_bf16=bpt / (2 * 2 * model.config.num_hidden_layers
+                                                        * model.config.num_key_value_heads * 128))
+        step = Step(model, batch, meth)
+        ms = time_graph(step, meth, args.steps, args.reps)
+        record(dict(method=method_name, batch=batch, context=context, ms_per_step=ms,
+                    kv_bytes_per_token=bpt, equal_memory=equal_memory,
+                    peak_gib=torch.cuda.max_memory_allocated() / GIB, **extra))
+        if method_name != "dense":
+            meth.step.close(0)
+        del meth, step
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    for shape in args.shapes.split(","):
+        batch, context = (int(x) for x in shape.split("x"))
+        for m in methods:
+            if m == "rdr" and shape not in args.rdr_shapes.split(","):
+                continue
+            run(m, batch, context)
+    if args.equal_memory:
+        context = 32768
+        room = args.memory_gib * GIB - weights - 2 * GIB        # activations and workspace
+        dense_b = int(room // (Dense.bytes_per_seq(model, context + args.steps)))
+        run("dense", dense_b, context, equal_memory=True)
+        ada_seq = ada_bytes_per_seq(model, context + args.steps)
+        run("ada44", int(room // ada_seq), context, equal_memory=True)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+def _dense_bytes_per_seq(model, n):
+    cfg = model.config
+    return 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * n
+
+
+Dense.bytes_per_seq = staticmethod(_dense_bytes_per_seq)
+
+
+def ada_bytes_per_seq(model, n):
+    """Pool pages (4/4 at 4 KiB, one partial page per row) plus the page metadata."""
+    from spherical_kv_ref.tiers import TierLadder
+    cfg = model.config
+    per = TierLadder([(4, 4)]).states_per_page(1, cfg.head_dim, 4096)
+    rows = cfg.num_hidden_layers * cfg.num_key_value_heads
+    pages = rows * -(-(n + 64) // per)
+    return pages * (4096 + 12) + rows * 8 * cfg.head_dim
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    style = {"dense": ("tab:gray", "o"), "ada44": ("tab:blue", "s"), "rdr": ("tab:red", "^")}
+    names = {"dense": "dense bf16 (SDPA)", "ada44": "Spherical KV 4/4", "rdr": "RDR"}
+    for m in style:
+        pts = [r for r in rows if r["method"] == m]
+        if not pts:
+            continue
+        c, mk = style[m]
+        ax.scatter([r["kv_bytes_per_token"] / 1024 for r in pts], [r["tokens_per_s"] for r in pts],
+                   color=c, marker=mk, label=names[m], s=40)
+        for r in pts:
+            ax.annotate(f"{r['batch']}×{r['context'] // 1024}K" + (" eq.mem" if r["equal_memory"] else ""),
+                        (r["kv_bytes_per_token"] / 1024, r["tokens_per_s"]), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("resident KV bytes per token (KiB, every byte counted)")
+    ax.set_ylabel("decode tokens/s (whole model, one CUDA graph)")
+    ax.set_title("Llama-3.1-8B shape, one H200: throughput against KV bytes")
+    ax.legend(loc="lower left", fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
