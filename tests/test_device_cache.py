@@ -257,3 +257,73 @@ def test_errors_leave_the_cache_unchanged():
     assert dev.num_free_pages == 64
     with pytest.raises(ValueError, match="freed"):
         dev.decode([s], 0, torch.zeros((1, H * G, 64), device="cuda"))
+
+
+# ------------------------------------------------------------------ transformers on the GPU
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=256, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _batch(lengths, pad=0):
+    g = torch.Generator().manual_seed(4)
+    n = max(lengths)
+    ids = torch.full((len(lengths), n), pad, dtype=torch.long)
+    mask = torch.zeros((len(lengths), n), dtype=torch.long)
+    prompts = []
+    for b, t in enumerate(lengths):
+        p = torch.randint(1, 101, (t,), generator=g)
+        ids[b, n - t:], mask[b, n - t:] = p, 1
+        prompts.append(p)
+    return ids, mask, prompts
+
+
+def test_generate_left_padded_batch_equals_the_cpu_reference():
+    """Batch 2, prompts of 60 and 37 tokens (left padded), compressed to 40 % of their bf16
+    bytes, 12 greedy steps: every step's logits equal the CPU reference cache's (the same
+    prefill, compress and tokens, one sequence at a time) within the kernels' fp16 budget."""
+    import copy
+    from cupy_kernels.hf_device import DeviceSphericalCache
+    from spherical_kv_ref.hf import SphericalCache, use_spherical_attention
+    cpu = _tiny_llama()
+    gpu = copy.deepcopy(cpu).cuda()
+    ids, mask, prompts = _batch([60, 37])
+    cache = DeviceSphericalCache(gpu.config, budget_fraction=0.4, policy=POLICY, observe=8)
+    with cache.bound(gpu), torch.no_grad():
+        out = gpu.generate(ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache,
+                           max_new_tokens=12, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True, pad_token_id=0)
+    assert len(cache.reports) == 2 and all(r.bytes_after < r.bytes_before for r in cache.reports)
+    new = out.sequences[:, ids.shape[1]:].cpu()
+    use_spherical_attention(cpu)
+    for b, p in enumerate(prompts):
+        ref = SphericalCache(cpu.config, observe=8, policy=POLICY)
+        with torch.no_grad():
+            logits = [cpu(p[None], past_key_values=ref).logits[0, -1]]
+            ref.compress(int(0.4 * 2 * 2 * 64 * 2 * 2 * len(p)))      # 40 % of the bf16 bytes
+            for tok in new[b, :-1]:
+                logits.append(cpu(tok.view(1, 1), past_key_values=ref).logits[0, -1])
+        want = torch.stack(logits).numpy()
+        got = torch.stack([lg[b] for lg in out.logits]).float().cpu().numpy()
+        assert np.max(np.abs(got - want)) <= 2e-2 * np.abs(want).max(), (b, np.max(np.abs(got - want)))
+
+
+def test_generate_at_16_bits_equals_dense_generate():
+    from cupy_kernels.hf_device import DeviceSphericalCache
+    from spherical_kv_ref.tiers import TierLadder
+    gpu = _tiny_llama().cuda()
+    ids, mask, _ = _batch([50, 23, 41])
+    with torch.no_grad():
+        dense = gpu.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=20,
+                             do_sample=False, pad_token_id=0)
+        cache = DeviceSphericalCache(gpu.config, ladder=TierLadder([(16, 16)]), reserve=7)
+        with cache.bound(gpu):
+            ours = gpu.generate(ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache,
+                                max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(dense, ours)
+    assert gpu.config._attn_implementation != "spherical_kv_device"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
-#   validation/gpu_suite.sh build tests sanitize ncu profile bench-quick bench-encode bench flashinfer
+#   validation/gpu_suite.sh build tests device-cache e2e sanitize ncu profile bench-quick bench-encode bench flashinfer
 # (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines;
 #  BENCH_GEOMETRY=d256 times the head_dim-256 layer of cupy_kernels.cases.BENCH_GEOMETRIES)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
@@ -87,6 +87,17 @@ for stage in "$@"; do
       else
         note "flashinfer: no wheel carried"
       fi;;
+    device-cache)
+      # the device cache, its custom ops under graph capture and torch.compile, the GPU cache
+      timeout ${DC_LIMIT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x \
+        tests/test_device_cache.py > "$OUT/pytest_device_cache.log" 2>&1
+      rc=$?; tail -n 30 "$OUT/pytest_device_cache.log";;
+    e2e)
+      # whole-model decode throughput (E2E_SHAPES, E2E_METHODS, E2E_FLAGS such as --equal-memory)
+      timeout ${E2E_LIMIT:-420} python3 -m validation.e2e_bench --out "$OUT/e2e_h200.json" \
+        --plot "$OUT/e2e_h200.png" --shapes ${E2E_SHAPES:-32x8192,8x32768,2x131072,1x131072} \
+        --methods ${E2E_METHODS:-dense,ada44,rdr} ${E2E_FLAGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -n 40
+      rc=${PIPESTATUS[0]};;
     asv)
       # stage asv: the GPU benchmarks' asv results for the committed history, in
       # $OUT/asv_results/h200/ (docs/benchmarks.md; asv's wheels in .whl/, .asv_git/repo.bundle)
