@@ -657,7 +657,7 @@ def _points(w, bits: int, dim: int, codebook: str, halves, pg, sl, soff: int):
         codes = fields(u, bits)
     levels = torch.as_tensor(codebooks.codebook(bits, dim, codebook), device=w.device)
     scale = halves[pg[:, 0], soff // 2 + sl[:, 0]].to(torch.float64)
-    return scale[:, None] * levels[codes] / math.sqrt(dim)
+    return scale[:, None] * (levels[codes] / math.sqrt(dim))
 
 
 def _median(x):
@@ -825,8 +825,8 @@ class DecodeStep:
         torch = _torch()
         c = self.cache
         R = len(self.seqs) * c.num_kv_heads
-        k = k.reshape(R, c.head_dim).to(torch.float32).contiguous()
-        v = v.reshape(R, c.head_dim).to(torch.float32).contiguous()
+        k = k.detach().reshape(R, c.head_dim).to(torch.float32).contiguous()
+        v = v.detach().reshape(R, c.head_dim).to(torch.float32).contiguous()
         sk, sv = self.signs[layer]
         torch.ops.spherical_kv.append(k, v, c.pages, c.page_tier, c.page_count, sk, sv, self.head,
                                       self.dst_page[0, layer], self.dst_slot[0, layer],
@@ -841,7 +841,7 @@ class DecodeStep:
         torch = _torch()
         c = self.cache
         sk, sv = self.signs[layer]
-        torch.ops.spherical_kv.decode(q.to(torch.float32).contiguous(), c.pages, c.page_tier,
+        torch.ops.spherical_kv.decode(q.detach().to(torch.float32).contiguous(), c.pages, c.page_tier,
                                       c.page_count, self.indptr[layer], self.indices[layer], sk, sv,
                                       self.mean_k[layer], self.mean_v[layer], self.out, self.lse,
                                       self.part_o, self.part_lse, self.tables_id,

@@ -29,8 +29,9 @@ def _pair(d, **kw):
 
 
 def _data(rng, t, d):
-    k = rng.standard_normal((H, t, d)) * 2 + 0.5
-    v = rng.standard_normal((H, t, d))
+    # float32 values: the kernels encode float32 rows, the reference whatever it is given
+    k = (rng.standard_normal((H, t, d)) * 2 + 0.5).astype(np.float32).astype(np.float64)
+    v = rng.standard_normal((H, t, d)).astype(np.float32).astype(np.float64)
     return k, v
 
 
@@ -111,8 +112,9 @@ def test_compress_takes_the_reference_decision():
 
 
 def _step_tokens(rng, steps, B, d):
-    return [(rng.standard_normal((B, H * G, d)), rng.standard_normal((L, B, H, d)) + 0.5,
-             rng.standard_normal((L, B, H, d))) for _ in range(steps)]
+    f32 = lambda x: x.astype(np.float32).astype(np.float64)
+    return [(f32(rng.standard_normal((B, H * G, d))), f32(rng.standard_normal((L, B, H, d)) + 0.5),
+             f32(rng.standard_normal((L, B, H, d)))) for _ in range(steps)]
 
 
 def test_decode_steps_equal_the_reference():

@@ -253,6 +253,7 @@ def main(argv=None):
     p.add_argument("--plot", default=None, help="PNG of tokens/s against KV bytes per token")
     args = p.parse_args(argv)
     import torch
+    torch.set_grad_enabled(False)
     model = build_model(args.layers)
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
     rows = []

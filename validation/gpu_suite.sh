@@ -89,7 +89,7 @@ for stage in "$@"; do
       fi;;
     device-cache)
       # the device cache, its custom ops under graph capture and torch.compile, the GPU cache
-      timeout ${DC_LIMIT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x \
+      timeout ${DC_LIMIT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
         tests/test_device_cache.py > "$OUT/pytest_device_cache.log" 2>&1
       rc=$?; tail -n 30 "$OUT/pytest_device_cache.log";;
     e2e)
