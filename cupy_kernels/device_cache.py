@@ -147,7 +147,7 @@ class DeviceKVCache:
             raise ValueError("policy.horizon is not supported by the device cache")
         if self.policy.every is not None:
             raise ValueError("policy.every is not supported by the device cache: call compress")
-        self.softmax_scale = softmax_scale_of(softmax_scale, self.head_dim)
+        self.softmax_scale = float(softmax_scale_of(softmax_scale, self.head_dim))
         self.codebook = codebook
         self.tables = kernel_tables(self.ladder, self.head_dim, page_bytes, codebook=codebook)
         self.device = torch.device("cuda") if device is None else torch.device(device)

@@ -136,18 +136,18 @@ class DeviceSphericalCache(Cache):
         on exit (also after an error)."""
         AttentionInterface.register(ATTENTION_NAME, device_attention)
         AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-        saved = []
+        saved = {}
         for m in model.modules():
             cfg = getattr(m, "config", None)
-            if cfg is not None and hasattr(cfg, "_attn_implementation"):
-                saved.append((cfg, cfg._attn_implementation))
+            if cfg is not None and hasattr(cfg, "_attn_implementation") and id(cfg) not in saved:
+                saved[id(cfg)] = (cfg, cfg._attn_implementation)
                 cfg._attn_implementation = ATTENTION_NAME
             if hasattr(m, "layer_idx") and hasattr(m, "o_proj"):
                 m._skv_cache = self
         try:
             yield self
         finally:
-            for cfg, name in saved:
+            for cfg, name in saved.values():
                 cfg._attn_implementation = name
             for m in model.modules():
                 if getattr(m, "_skv_cache", None) is self:

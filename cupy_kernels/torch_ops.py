@@ -62,9 +62,9 @@ def decode(q: torch.Tensor, pages: torch.Tensor, page_tier: torch.Tensor,
     lse (batch, Hq). part_o (splits, rows, G, d), part_lse (splits, rows, G): the split-K
     partials (num_splits of them; any tensor when num_splits is 1)."""
     cp = cupy()
-    ws = DecodeWorkspace(int(num_splits), cp.from_dlpack(part_o) if num_splits > 1 else None,
-                         cp.from_dlpack(part_lse) if num_splits > 1 else None)
-    with torch_stream():
+    with torch_stream():     # DLPack views made on torch's stream (no cross-stream wait)
+        ws = DecodeWorkspace(int(num_splits), cp.from_dlpack(part_o) if num_splits > 1 else None,
+                             cp.from_dlpack(part_lse) if num_splits > 1 else None)
         ada_decode(q, pages, page_tier, page_count, indptr, indices, _TABLES[tables_id],
                    sigma_k, sigma_v, num_kv_heads=num_kv_heads, mean_k=mean_k, mean_v=mean_v,
                    softmax_scale=softmax_scale, num_splits=num_splits, out=out,
