@@ -171,6 +171,7 @@ def _captured(mode):
     a.set_step(0)
     a.slots()
     body(a)                            # warm-up: kernels loaded, tables on the device
+    torch.cuda.synchronize()
     if mode == "graph":
         a.set_step(0)
         s = torch.cuda.Stream()
@@ -205,8 +206,11 @@ def _captured(mode):
     torch.cuda.synchronize()
     a.close()
     b.close()
+    # the same kernels on the same inputs under a graph; inductor's own kernels for tanh and
+    # the merge round differently in the last bits
+    tol = 0 if mode == "graph" else 1e-4
     for g, w_ in zip(got, want):
-        torch.testing.assert_close(g, w_, rtol=0, atol=0)
+        torch.testing.assert_close(g, w_, rtol=tol, atol=tol)
     if mode == "compile":
         from torch._dynamo.utils import counters
         assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
@@ -307,12 +311,15 @@ def test_generate_left_padded_batch_equals_the_cpu_reference():
         ref = SphericalCache(cpu.config, observe=8, policy=POLICY)
         with torch.no_grad():
             logits = [cpu(p[None], past_key_values=ref).logits[0, -1]]
-            ref.compress(int(0.5 * 2 * 2 * 64 * 2 * 2 * len(p)))      # 50 % of the bf16 bytes
+            ref_report = ref.compress(int(0.5 * 2 * 2 * 64 * 2 * 2 * len(p)))   # 50 % of bf16
             for tok in new[b, :-1]:
                 logits.append(cpu(tok.view(1, 1), past_key_values=ref).logits[0, -1])
         want = torch.stack(logits).numpy()
         got = torch.stack([lg[b] for lg in out.logits]).float().cpu().numpy()
-        assert np.max(np.abs(got - want)) <= 2e-2 * np.abs(want).max(), (b, np.max(np.abs(got - want)))
+        same = np.mean(ref_report.allocation.tier == cache.reports[b].allocation.tier)
+        err = np.max(np.abs(got - want), axis=1) / np.abs(want).max()
+        assert same == 1.0, (b, same, err)      # the same decision from the same states
+        assert np.max(err) <= 2e-2, (b, err)
 
 
 def test_generate_at_16_bits_equals_dense_generate():
