@@ -543,12 +543,17 @@ class DeviceKVCache:
                  budget_fraction: Optional[float] = None) -> CompressReport:
         """RDR over every layer and kv-head of a sequence, applied in place on the device
         (``SphericalKVCache.compress``: the same budget arguments, decision and errors).
+        method "fast" / "milp" (default: the policy's): statistics on the device, the
+        reference's solver on the host; "device": statistics, surrogate and an LP-greedy
+        solver all on the device (``rdr_device``; its gap is reported in the allocation).
         Needs the new pages free before it releases the old ones (PoolExhaustedError,
         nothing changed, otherwise)."""
         s = self._seq(seq)
         self._open(s, "compress")
         sid = int(seq)
         budget = SphericalKVCache._budget(self, sid, budget_bytes, budget_fraction)
+        if method == "device":
+            return self._compress_device(s, sid, budget)
         method = compress_method(self.policy, method)
         rows, where = [], []
         for layer in range(self.num_layers):
@@ -569,6 +574,101 @@ class DeviceKVCache:
         self._apply(s, rows, where, plan.tiers)
         return CompressReport(before, self.bytes_in_use(sid), budget, plan.states_before,
                               self.num_states(sid), plan.demoted, plan.allocation)
+
+    def _compress_device(self, s: _Seq, sid: int, budget: int) -> CompressReport:
+        """``compress`` with method="device" (rdr_device): only the answer leaves the device."""
+        import time
+        from spherical_kv_ref import rdr
+        from spherical_kv_ref.rdr.problem import Allocation
+        from . import rdr_device
+        torch = _torch()
+        t0 = time.perf_counter()
+        T, d, pb = self.ladder.top, self.head_dim, self.page_bytes
+        H, G = self.num_kv_heads, self.group_size
+        per = [self.ladder.states_per_page(t, d, pb) for t in range(1, T + 1)]
+        share = [0.0] + [pb / p for p in per]
+        ek, ev = rdr.tier_error_constants(self.ladder.tiers, d, kind=self.codebook)
+        stats = {k: [] for k in ("p", "q2", "r", "vn", "res", "kappa")}
+        rows, where, cur, prot, group = [], [], [], [], []
+        need_pages = 0
+        for layer in range(self.num_layers):
+            slots = [row.state_slots() for row in s.rows[layer]]
+            masks = [self.protected_mask(sid, layer, row.positions()) for row in s.rows[layer]]
+            for h, ((page, slot, tier), m) in enumerate(zip(slots, masks)):
+                where.append((page, slot, tier))
+                rows.append(RowForCompress((sid, layer, h), tier, m if page.size else None, None))
+                if page.size:
+                    cur.append(tier)
+                    prot.append(m)
+                    group.append(np.full(page.size, layer * H + h, np.int64))
+                    c = np.bincount(tier[m], minlength=T + 1)[1:]
+                    need_pages += int(np.sum(-(-c // np.array(per))))
+            sizes = {x[0].size for x in slots}
+            batches = [list(range(H))] if len(sizes) == 1 else [[h] for h in range(H)]
+            for hs in batches:
+                n = slots[hs[0]][0].size
+                if n == 0:
+                    continue
+                yk = torch.empty((len(hs) * n, d), dtype=torch.float64, device=self.device)
+                yv = torch.empty_like(yk)
+                page = np.concatenate([slots[h][0] for h in hs])
+                slot = np.concatenate([slots[h][1] for h in hs])
+                tier = np.concatenate([slots[h][2] for h in hs])
+                for t in np.unique(tier):
+                    sel = np.flatnonzero(tier == t)
+                    a, b = self.stored_rotated(page[sel], slot[sel], int(t))
+                    idx = torch.as_tensor(sel, device=self.device)
+                    yk[idx], yv[idx] = a, b
+                qr = None
+                if s.queries[layer] is not None:
+                    q = s.queries[layer]
+                    qr = torch.stack([q[:, h * G:(h + 1) * G].reshape(-1, d) @ self._rotation(layer, h).T
+                                      for h in hs])
+                cand = None
+                if self.policy.coherence:
+                    cand = torch.as_tensor(~np.stack([masks[h] for h in hs]), device=self.device)
+                out = rdr_device.row_statistics(yk.view(len(hs), n, d), yv.view(len(hs), n, d), qr,
+                                                self.softmax_scale, self.policy.prior, cand)
+                p, q2, r, vn, res, kappa = out
+                for k, v in zip(("p", "r", "vn", "res", "kappa"), (p, r, vn, res, kappa)):
+                    stats[k].append(v.reshape(-1))
+                stats["q2"].append(q2[:, None].expand(len(hs), n).reshape(-1))
+        before = self.bytes_in_use(sid)
+        if not cur:
+            return CompressReport(before, before, budget, 0, 0, 0, None)
+        if need_pages * pb > budget:
+            raise ValueError(f"the protected states of sequence {sid} alone need {need_pages * pb} "
+                             f"bytes (sinks, recent window and protected spans, page padding "
+                             f"included), more than budget_bytes = {budget}")
+        cat = {k: torch.cat(v) for k, v in stats.items()}
+        D = rdr_device.distortion(cat["p"], cat["q2"], cat["r"], cat["vn"], cat["res"], ek, ev, d,
+                                  self.softmax_scale, cat["kappa"], self.policy.key_term)
+        dev = lambda x, dt: torch.as_tensor(np.concatenate(x), device=self.device).to(dt)
+        tier, objective, bound = rdr_device.greedy_allocation(
+            D, dev(cur, torch.long), dev(prot, torch.bool), dev(group, torch.long), share, pb,
+            float(budget), self.num_layers * H)
+        tier = tier.cpu().numpy()
+        t1 = time.perf_counter()
+        tiers, a, demoted, pages = [], 0, 0, 0
+        for row in rows:
+            if row.protected is None:
+                tiers.append(None)
+                continue
+            new = tier[a:a + row.tier.size]
+            a += row.tier.size
+            demoted += int(np.sum((new > 0) & (new < row.tier)))
+            tiers.append(new)
+            pages += int(np.sum(-(-np.bincount(new, minlength=T + 1)[1:] // np.array(per))))
+        if pages * pb > budget:      # checked before the pool changes
+            raise RuntimeError(f"device RDR needs {pages * pb} bytes of a budget of {budget}; this is a bug")
+        n_before = a
+        self._apply(s, rows, where, tiers)
+        after = self.bytes_in_use(sid)
+        gap = (objective - bound) / objective if objective > 0 else 0.0
+        alloc = Allocation(tier=tier.astype(np.int64), objective=objective, lower_bound=bound,
+                           gap=gap, bytes=after, method="device", optimal=gap == 0.0)
+        self.last_compress_seconds = dict(decide=t1 - t0, apply=time.perf_counter() - t1)
+        return CompressReport(before, after, budget, n_before, self.num_states(sid), demoted, alloc)
 
     def _apply(self, s: _Seq, rows, where, tiers) -> None:
         """Rewrite every row whose tiers changed: its kept states into fresh pages, tiers in

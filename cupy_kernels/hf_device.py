@@ -88,18 +88,21 @@ class DeviceSphericalCache(Cache):
     config: the model config. budget_fraction: the compressed context's bytes as a fraction
     of its bf16 bytes, per sequence; budget_bytes: or a byte count per sequence (at most
     one of the two; neither: no compression). observe: queries per layer recorded for RDR.
+    compress_method: RDR's solver ("fast", "milp" on the host, "device" on the GPU;
+    ``DeviceKVCache.compress``).
     reserve: decode steps planned at a time. Other keyword arguments go to
     ``DeviceKVCache`` (ladder, page_bytes, pool_bytes, seed, codebook, policy)."""
 
     def __init__(self, config, *, budget_fraction: Optional[float] = None,
                  budget_bytes: Optional[int] = None, observe: int = 8, reserve: int = 64,
-                 **cache_kwargs):
+                 compress_method: Optional[str] = None, **cache_kwargs):
         if budget_fraction is not None and budget_bytes is not None:
             raise ValueError("give budget_fraction or budget_bytes, not both")
         if budget_fraction is not None and (isinstance(budget_fraction, bool) or
                                             not 0.0 < float(budget_fraction) <= 1.0):
             raise ValueError(f"budget_fraction must be in (0, 1], got {budget_fraction!r}")
         self.budget_fraction = budget_fraction
+        self.compress_method = compress_method
         self.budget_bytes = None if budget_bytes is None else whole("budget_bytes", budget_bytes, 0)
         self.observe = whole("observe", observe, 1)
         self.reserve = whole("reserve", reserve, 1)
@@ -192,7 +195,7 @@ class DeviceSphericalCache(Cache):
                 budget = self.budget_bytes
             else:
                 continue
-            self.reports.append(self.kv.compress(sid, budget))
+            self.reports.append(self.kv.compress(sid, budget, method=self.compress_method))
 
     def begin_step(self) -> None:
         """Before a decode step (outside any graph): the step's page slots."""

@@ -111,6 +111,31 @@ def test_compress_takes_the_reference_decision():
             _close(out[i], ref.decode(s, layer, q[i], record=False))
 
 
+def test_device_solver_fits_the_budget_and_bounds_the_host_decision():
+    """method="device": statistics, surrogate and LP-greedy on the GPU. The pages fit the
+    budget, nothing is promoted, protected states stay, its bound is below the host fast
+    solver's objective and its own objective within 25 % of it on these rows."""
+    rng = np.random.default_rng(9)
+    ref, dev = _pair(64)
+    seqs = _fill(ref, dev, [400, 150], 64, rng)
+    for s in seqs:
+        budget = ref.bytes_in_use(s) * 3 // 10
+        host = ref.compress(s, budget)
+        before = [dev._seq(s).rows[l][h].positions() for l in range(L) for h in range(H)]
+        got = dev.compress(s, budget, method="device")
+        assert got.bytes_after <= budget and got.allocation.method == "device"
+        assert got.allocation.lower_bound <= host.allocation.objective * (1 + 1e-9)
+        assert got.allocation.objective <= 1.25 * host.allocation.objective
+        for l in range(L):
+            for h in range(H):
+                pos = dev._seq(s).rows[l][h].positions()
+                keep = dev.protected_mask(s, l, before[l * H + h])
+                assert set(before[l * H + h][keep]) <= set(pos)
+        q = rng.standard_normal((1, H * G, 64))
+        out = dev.decode([s], 0, torch.tensor(q, device="cuda"))
+        assert torch.isfinite(out).all()
+
+
 def _step_tokens(rng, steps, B, d):
     f32 = lambda x: x.astype(np.float32).astype(np.float64)
     return [(f32(rng.standard_normal((B, H * G, d))), f32(rng.standard_normal((L, B, H, d)) + 0.5),

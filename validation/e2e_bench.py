@@ -189,7 +189,7 @@ def time_graph(step, method, steps, reps):
     return float(np.median(times[3:]))
 
 
-def rdr_cache(model, batch, context, fraction):
+def rdr_cache(model, batch, context, fraction, solver="device"):
     """A real prefill of ``batch`` random-token sequences through ``DeviceSphericalCache``
     (one at a time), then RDR to ``fraction`` of the bf16 bytes: (cache, seqs, prefill s,
     compress s, reports)."""
@@ -202,7 +202,7 @@ def rdr_cache(model, batch, context, fraction):
     per = ladder.states_per_page(ladder.top, d, 4096)
     per_seq = L * H * (-(-(context + 64) // per)) * 4096
     dc = DeviceSphericalCache(cfg, budget_fraction=fraction, pool_bytes=int(batch * per_seq * 1.3),
-                              codebook="uniform")
+                              codebook="uniform", compress_method=solver)
     g = torch.Generator(device="cuda").manual_seed(3)
     prefill = 0.0
     with dc.bound(model), torch.no_grad():
@@ -239,8 +239,12 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="JSON file the rows are written to")
     p.add_argument("--shapes", default="32x8192,8x32768,2x131072,1x131072",
                    help="(batch)x(context) pairs, comma separated")
-    p.add_argument("--methods", default="dense,ada44,rdr", help="dense, ada44, rdr")
-    p.add_argument("--rdr-shapes", default="8x32768", help="shapes RDR runs at (prefill is real)")
+    p.add_argument("--methods", default="dense,ada44,rdr,rdr-host",
+                   help="dense, ada44, rdr (device solver), rdr-host (the host's fast solver)")
+    p.add_argument("--rdr-shapes", default="32x8192,8x32768,2x131072,1x131072",
+                   help="shapes RDR (device solver) runs at (the prefill is real)")
+    p.add_argument("--rdr-host-shapes", default="1x32768",
+                   help="shapes 'rdr-host' (the host's fast solver) runs at")
     p.add_argument("--rdr-fraction", type=float, default=0.2, help="RDR's budget, fraction of bf16 bytes")
     p.add_argument("--equal-memory", action="store_true",
                    help="also dense and 4/4 at 32K at the largest batch that fits --memory-gib")
@@ -279,10 +283,12 @@ def main(argv=None):
             meth = Ada(cache, seqs, args.steps)
             bpt = kv_bytes_per_token(cache, seqs, context)
         else:
-            cache, seqs, pre, comp, reports = rdr_cache(model, batch, context, args.rdr_fraction)
+            solver = "fast" if method_name == "rdr-host" else "device"
+            cache, seqs, pre, comp, reports = rdr_cache(model, batch, context, args.rdr_fraction, solver)
             meth = Ada(cache, seqs, args.steps)
             bpt = kv_bytes_per_token(cache, seqs, context)
             extra = dict(prefill_s=pre, compress_s=comp, compress_over_prefill=comp / pre,
+                         solver=solver, gap=float(np.mean([r.allocation.gap for r in reports])),
                          bytes_fraction_of_bf16=bpt / (2 * 2 * model.config.num_hidden_layers
                                                         * model.config.num_key_value_heads * 128))
         step = Step(model, batch, meth)
@@ -303,7 +309,8 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         batch, context = (int(x) for x in shape.split("x"))
         for m in methods:
-            if m == "rdr" and shape not in args.rdr_shapes.split(","):
+            if m.startswith("rdr") and shape not in (args.rdr_shapes if m == "rdr"
+                                                     else args.rdr_host_shapes).split(","):
                 continue
             run(m, batch, context)
     if args.equal_memory:
@@ -341,8 +348,10 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    style = {"dense": ("tab:gray", "o"), "ada44": ("tab:blue", "s"), "rdr": ("tab:red", "^")}
-    names = {"dense": "dense bf16 (SDPA)", "ada44": "Spherical KV 4/4", "rdr": "RDR"}
+    style = {"dense": ("tab:gray", "o"), "ada44": ("tab:blue", "s"), "rdr": ("tab:red", "^"),
+             "rdr-host": ("tab:orange", "v")}
+    names = {"dense": "dense bf16 (SDPA)", "ada44": "Spherical KV 4/4", "rdr": "RDR ~20 % (device solver)",
+             "rdr-host": "RDR ~20 % (host solver)"}
     for m in style:
         pts = [r for r in rows if r["method"] == m]
         if not pts:

@@ -92,11 +92,17 @@ for stage in "$@"; do
       timeout ${DC_LIMIT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
         tests/test_device_cache.py > "$OUT/pytest_device_cache.log" 2>&1
       rc=$?; tail -n 30 "$OUT/pytest_device_cache.log";;
+    sanitize-dc)
+      # compute-sanitizer memcheck over the device cache's paths (its own launches and copies)
+      timeout ${SAN_LIMIT:-170} compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 -m validation.sanitize_device_cache > "$OUT/sanitizer_device_cache.log" 2>&1
+      rc=$?; note "compute-sanitizer memcheck (device cache) rc=$rc: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_device_cache.log" | tail -n 1)"
+      [ $rc -ne 0 ] && tail -n 30 "$OUT/sanitizer_device_cache.log";;
     e2e)
       # whole-model decode throughput (E2E_SHAPES, E2E_METHODS, E2E_FLAGS such as --equal-memory)
       timeout ${E2E_LIMIT:-420} python3 -m validation.e2e_bench --out "$OUT/e2e_h200.json" \
         --plot "$OUT/e2e_h200.png" --shapes ${E2E_SHAPES:-32x8192,8x32768,2x131072,1x131072} \
-        --methods ${E2E_METHODS:-dense,ada44,rdr} ${E2E_FLAGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -n 40
+        --methods ${E2E_METHODS:-dense,ada44,rdr,rdr-host} ${E2E_FLAGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
     asv)
       # stage asv: the GPU benchmarks' asv results for the committed history, in

@@ -1,0 +1,182 @@
+"""RDR on the device: the per-state statistics, the distortion surrogate and an LP-greedy
+allocation, as torch float64 tensors on the GPU (docs/rdr.md; docs/design.md §5, §8).
+
+``row_statistics`` is ``spherical_kv_ref.rdr.statistics.row_statistics`` for a batch of
+rows of equal length (the rows of one layer after a prefill), ``distortion`` is
+``rdr.distortion``; both are tested equal to the reference. ``greedy_allocation`` solves the
+problem ``rdr.Problem`` states, with nothing leaving the device but the answer:
+
+* per state, the lower convex hull of its options (cost, distortion), options above its
+  current tier removed (never promote);
+* every hull step as one increment (bytes, distortion saved), all of them sorted by
+  distortion saved per byte and taken in that order while they fit: the LP relaxation's
+  optimum, rounded down to whole steps;
+* bytes are charged per state at its page share page_bytes / P_t, the page padding of
+  partly filled pages (at most one per group and tier) set aside beforehand, so the answer
+  always fits the paged budget;
+* certificate: the LP relaxation at the whole budget with the same per-state shares is a
+  lower bound of the paged optimum (a feasible paged allocation pays at least its shares).
+
+It is the first stage of the host's ``"fast"`` solver without its page repair and search,
+so its gap is larger (reported with every answer); its point is time: the host solver spends
+~20 s on the 8.4M states of one 32K-token Llama-8B sequence, this one milliseconds.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _masked_median(x, mask):
+    """Per row of x (R, n): numpy's median over the entries where mask is True (NaN where
+    fewer than one), and the count."""
+    torch = _torch()
+    k = mask.sum(dim=1)
+    s = torch.where(mask, x, torch.full_like(x, float("inf"))).sort(dim=1).values
+    lo = torch.clamp((k - 1) // 2, min=0)
+    hi = torch.clamp(k // 2, min=0)
+    a = s.gather(1, lo[:, None])[:, 0]
+    b = s.gather(1, hi[:, None])[:, 0]
+    return torch.where(k % 2 == 1, a, 0.5 * (a + b)), k
+
+
+def row_statistics(yk, yv, qr, softmax_scale: float, prior: float, candidates=None):
+    """Surrogate inputs of R rows at once: yk, yv (R, n, d) float64, the stored rotated
+    centred states; qr (R, m, d) the recorded queries in the keys' rotated frame, or None;
+    candidates (R, n) bool or None. Returns p, r, vn, res, kappa (R, n) and q2 (R,), the
+    reference's figures row by row."""
+    torch = _torch()
+    R, n, _ = yk.shape
+    r = yk.norm(dim=2)
+    vn = yv.norm(dim=2)
+    if qr is None or qr.shape[1] == 0:
+        p = torch.full((R, n), 1.0 / n, dtype=torch.float64, device=yk.device)
+        res = (yv - torch.einsum("rn,rnd->rd", p, yv)[:, None, :]).norm(dim=2)
+        return p, (r * r).mean(dim=1), r, vn, res, torch.ones_like(r)
+    z = softmax_scale * torch.bmm(qr, yk.transpose(1, 2))                     # (R, m, n)
+    z = z - z.max(dim=2, keepdim=True).values
+    P = torch.exp(z)
+    P = P / P.sum(dim=2, keepdim=True)
+    P = (1.0 - prior) * P + prior / n
+    o = torch.bmm(P, yv)                                                      # (R, m, d)
+    dist2 = torch.clamp(vn[:, None, :] ** 2 - 2.0 * torch.bmm(o, yv.transpose(1, 2))
+                        + (o * o).sum(dim=2)[:, :, None], min=0.0)
+    w = P * P
+    p2 = w.mean(dim=1)
+    e = (w * dist2).mean(dim=1)
+    e_evict = (w * dist2 / torch.clamp(1.0 - P, min=1e-12) ** 2).mean(dim=1)
+    tiny = np.finfo(float).tiny
+    kappa = torch.where(e > tiny, e_evict / torch.clamp(e, min=tiny), torch.ones_like(e))
+    if candidates is not None:
+        kappa = kappa * _coherence(P, o, yv, dist2, p2, candidates)[:, None]
+    p = torch.sqrt(p2)
+    res = torch.sqrt(e / torch.clamp(p2, min=tiny))
+    return p, (qr * qr).sum(dim=2).mean(dim=1), r, vn, res, torch.clamp(kappa, min=1.0)
+
+
+def _coherence(P, o, values, dist2, p2, candidates):
+    """``rdr.statistics.eviction_coherence`` per row (R,)."""
+    torch = _torch()
+    med, k = _masked_median(p2, candidates)
+    S = candidates & (p2 <= med[:, None])
+    Ps = P * S[:, None, :]
+    shift = Ps.sum(dim=2)[:, :, None] * o - torch.bmm(Ps, values)
+    coherent = (shift * shift).sum(dim=2).mean(dim=1)
+    independent = (Ps * Ps * dist2).sum(dim=2).mean(dim=1)
+    ratio = torch.clamp(coherent / torch.where(independent > 0, independent, torch.ones_like(independent)), min=1.0)
+    return torch.where((k >= 2) & (independent > 0), ratio, torch.ones_like(ratio))
+
+
+def distortion(p, q2, r, vn, res, key_error, value_error, dim: int, softmax_scale: float,
+               eviction_factor, key_term: str = "lognormal"):
+    """``rdr.distortion`` on (n,) tensors (q2 per state): D (n, T+1) float64."""
+    torch = _torch()
+    ek = torch.as_tensor(np.asarray(key_error, np.float64), device=p.device)
+    ev = torch.as_tensor(np.asarray(value_error, np.float64), device=p.device)
+    p2 = p * p
+    res2 = res * res
+    out = torch.empty((p.shape[0], ek.numel() + 1), dtype=torch.float64, device=p.device)
+    out[:, 0] = eviction_factor * p2 * res2
+    sigma2 = ((softmax_scale ** 2) * q2 * r * r / dim)[:, None] * ek[None, :]
+    if key_term == "lognormal":
+        sigma2 = torch.clamp(torch.expm1(2.0 * sigma2) - 2.0 * torch.expm1(0.5 * sigma2),
+                             max=np.finfo(float).max)
+    out[:, 1:] = p2[:, None] * (res2[:, None] * sigma2 + (vn * vn)[:, None] * ev[None, :])
+    return out
+
+
+def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget: float,
+                      num_groups: int):
+    """Tiers (n,) int64 (device) for free states with distortion D (n, T+1), current tiers
+    cur (n,), protected (n,) bool (kept at the top tier T), group ids (n,) in
+    [0, num_groups), per-state byte shares share (T+1,) (share[0] = 0), within ``budget``
+    bytes paged (page padding of every (group, tier) set aside). Returns (tier, objective,
+    lower_bound) with the LP bound described in the module docstring; ValueError if the
+    protected states alone exceed the budget."""
+    torch = _torch()
+    dev = D.device
+    n, T1 = D.shape
+    T = T1 - 1
+    c = torch.as_tensor(np.asarray(share, np.float64), device=dev)
+    free = ~protected
+    # options above a state's current tier are removed (never promote)
+    allowed = torch.arange(T1, device=dev)[None, :] <= cur[:, None]
+    big = torch.finfo(torch.float64).max
+    Dm = torch.where(allowed, D, torch.full_like(D, big))
+    # lower convex hull in (cost, D) per state: point j is kept unless an earlier point has
+    # no more distortion, or it lies on or above the chord of two points around it
+    keep = allowed.clone()
+    for j in range(1, T1):
+        keep[:, j] &= ~(Dm[:, :j] <= Dm[:, j:j + 1]).any(dim=1)
+    for j in range(1, T):
+        for a in range(0, j):
+            for b in range(j + 1, T1):
+                chord = Dm[:, a] + (Dm[:, b] - Dm[:, a]) * ((c[j] - c[a]) / (c[b] - c[a]))
+                on = keep[:, a] & keep[:, b] & (Dm[:, j] >= chord)
+                keep[:, j] &= ~on
+    # increments between consecutive hull points: from each kept point to the next kept one
+    idx = torch.arange(T1, device=dev).expand(n, T1)
+    nxt = torch.full((n, T1), -1, dtype=torch.long, device=dev)
+    last = torch.full((n,), -1, dtype=torch.long, device=dev)
+    for j in range(T1 - 1, -1, -1):
+        nxt[:, j] = last
+        last = torch.where(keep[:, j], idx[:, j], last)
+    step_from = keep & (nxt >= 0) & free[:, None]
+    si, sj = torch.nonzero(step_from, as_tuple=True)
+    sk = nxt[si, sj]
+    dbytes = c[sk] - c[sj]
+    saved = D[si, sj] - D[si, sk]
+    slope = saved / dbytes
+    # bytes: protected states stay at their tiers, padding set aside
+    pb = float(page_bytes)
+    fixed = float(c[cur[protected]].sum())
+    slack = pb * num_groups * T
+    room_lp = budget - fixed
+    if room_lp < 0:
+        raise ValueError(f"the protected states alone need {fixed:.0f} bytes (at page shares), "
+                         f"more than the budget of {budget} bytes")
+    order = torch.sort(slope, descending=True, stable=True).indices
+    cum = torch.cumsum(dbytes[order], dim=0)
+    take = order[cum <= max(room_lp - slack, 0.0)]
+    tier = torch.where(protected, cur, torch.zeros_like(cur))
+    steps = torch.zeros(n, dtype=torch.long, device=dev).index_add_(
+        0, si[take], torch.ones_like(si[take]))
+    # the hull point reached after ``steps`` increments from option 0
+    pos = torch.cumsum(keep.long(), dim=1) - 1          # rank of each kept point
+    reach = (keep & (pos == steps[:, None])).float().argmax(dim=1)
+    tier = torch.where(free, reach, tier)
+    objective = float(D.gather(1, tier[:, None]).sum())
+    # LP bound at the whole room: whole increments while they fit, then a fraction of the next
+    within = cum <= room_lp
+    base = float(D[free, 0].sum()) + float(D[protected].gather(1, cur[protected][:, None]).sum())
+    got = float(saved[order][within].sum())
+    k = int(within.sum())
+    if k < order.numel():
+        before = float(cum[k - 1]) if k else 0.0
+        frac = (room_lp - before) / float(dbytes[order[k]])
+        got += frac * float(saved[order[k]])
+    return tier, objective, min(base - got, objective)
