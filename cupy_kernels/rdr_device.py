@@ -11,9 +11,10 @@ problem ``rdr.Problem`` states, with nothing leaving the device but the answer:
 * every hull step as one increment (bytes, distortion saved), all of them sorted by
   distortion saved per byte and taken in that order while they fit: the LP relaxation's
   optimum, rounded down to whole steps;
-* bytes are charged per state at its page share page_bytes / P_t, the page padding of
-  partly filled pages (at most one per group and tier) set aside beforehand, so the answer
-  always fits the paged budget;
+* bytes are charged per state at its page share page_bytes / P_t; the cut in slope order
+  is the largest whose paged bytes (padding of partly filled pages included) fit, found by
+  bisection between the cut that fits with one page per (group, tier) set aside and the cut
+  that fits at page shares;
 * certificate: the LP relaxation at the whole budget with the same per-state shares is a
   lower bound of the paged optimum (a feasible paged allocation pays at least its shares).
 
@@ -161,14 +162,34 @@ def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget: 
                          f"more than the budget of {budget} bytes")
     order = torch.sort(slope, descending=True, stable=True).indices
     cum = torch.cumsum(dbytes[order], dim=0)
-    take = order[cum <= max(room_lp - slack, 0.0)]
-    tier = torch.where(protected, cur, torch.zeros_like(cur))
-    steps = torch.zeros(n, dtype=torch.long, device=dev).index_add_(
-        0, si[take], torch.ones_like(si[take]))
-    # the hull point reached after ``steps`` increments from option 0
+    base_tier = torch.where(protected, cur, torch.zeros_like(cur))
     pos = torch.cumsum(keep.long(), dim=1) - 1          # rank of each kept point
-    reach = (keep & (pos == steps[:, None])).float().argmax(dim=1)
-    tier = torch.where(free, reach, tier)
+    per = torch.as_tensor([1] + [round(pb / float(x)) for x in c[1:].tolist()], device=dev)
+
+    def tiers_after(k: int):
+        """Every state's tier once the first k increments in slope order are taken."""
+        steps = torch.zeros(n, dtype=torch.long, device=dev).index_add_(
+            0, si[order[:k]], torch.ones(k, dtype=torch.long, device=dev))
+        reach = (keep & (pos == steps[:, None])).float().argmax(dim=1)
+        return torch.where(free, reach, base_tier)
+
+    def paged(tier) -> float:
+        counts = torch.bincount(group * T1 + tier, minlength=num_groups * T1).view(num_groups, T1)
+        return float(((counts[:, 1:] + per[1:] - 1) // per[1:]).sum()) * pb
+
+    # the most increments whose paged bytes fit: at least those that fit with every
+    # (group, tier)'s padding set aside, at most those that fit at page shares
+    lo = int((cum <= max(room_lp - slack, 0.0)).sum())
+    hi = int((cum <= room_lp).sum())
+    if paged(tiers_after(lo)) > budget:
+        lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if paged(tiers_after(mid)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    tier = tiers_after(lo)
     objective = float(D.gather(1, tier[:, None]).sum())
     # LP bound at the whole room: whole increments while they fit, then a fraction of the next
     within = cum <= room_lp
