@@ -1,4 +1,4 @@
-"""Spherical KV production kernels: CuPy RawModule CUDA C + thin launchers (DESIGN §6).
+"""Spherical KV production kernels: CuPy RawModule CUDA C + thin launchers (docs/design.md §6).
 
 Importing this package does not import CuPy; the launchers do, on first use.
 """

@@ -1,4 +1,4 @@
-"""Encode/append launcher (DESIGN §3 steps 0-5, §6; kernel in csrc/encode.cuh).
+"""Encode/append launcher (docs/design.md §3 steps 0-5, §6; kernel in csrc/encode.cuh).
 
 ``encode_into_pages`` encodes n key (part="key") or value (part="value") vectors and writes
 each straight into (dst_page, dst_slot) of the pool, at the bit width of that page's tier;

@@ -1,4 +1,4 @@
-"""The engine adapter's operations on the GPU (DESIGN §8; spherical_kv_ref.engine).
+"""The engine adapter's operations on the GPU (docs/design.md §8; spherical_kv_ref.engine).
 
 ``CudaPagedAttention`` has the interface of ``spherical_kv_ref.engine.CpuPagedAttention``:
 ``write`` stores a step's keys and values in their engine slots with ``encode_kv_into_pages``

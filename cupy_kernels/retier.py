@@ -1,4 +1,4 @@
-"""Re-tier / compaction launcher (DESIGN §4, §6; kernel in csrc/retier.cuh).
+"""Re-tier / compaction launcher (docs/design.md §4, §6; kernel in csrc/retier.cuh).
 
 Applies moves (src_page, src_slot) -> (dst_page, dst_slot) after an RDR decision: equal
 bits at both ends copy the stored codes and scales (compaction), fewer bits re-encode the

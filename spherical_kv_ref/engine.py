@@ -1,5 +1,5 @@
 """The engine adapter: a serving engine's paged-attention metadata on the project's pages
-(DESIGN §8, "adapter"; docs/serving.md).
+(docs/design.md §8, "adapter"; docs/serving.md).
 
 A paged serving engine (vLLM) owns a pool of blocks, each ``block_size`` tokens of every
 kv-head of one layer, and describes a step by four arrays: ``query_start_loc`` (R + 1,)
@@ -21,7 +21,7 @@ the request's states 0..p (causal inside the new tokens, all of them already wri
   serves every such page for every query token;
 * its *own block*: slots 0 .. p % B of block p // B. Tokens are grouped by o = p % B, so that
   within one decode call every page has a single valid count, o + 1;
-the parts are merged by their log-sum-exps, exactly (DESIGN §6, split-K merge).
+the parts are merged by their log-sum-exps, exactly (docs/design.md §6, split-K merge).
 
 ``CpuPagedAttention`` runs the two operations (write, attend) with the reference codecs and the numba paged decode (``paged_decode.decode_pool``);
 ``cupy_kernels.engine.CudaPagedAttention`` runs the same interface with

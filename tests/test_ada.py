@@ -1,4 +1,4 @@
-"""Reference decode attention from codes (DESIGN §3): equal to attention over the decoded
+"""Reference decode attention from codes (docs/design.md §6): equal to attention over the decoded
 states, centring exact, and close to dense attention at high precision."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""GPU tests of the ADA paged decode kernel against the NumPy reference (DESIGN §6).
+"""GPU tests of the ADA paged decode kernel against the NumPy reference (docs/design.md §6).
 
 Tolerance (docs/PERF_NOTES.md "Error budget"): the kernel rounds the rotated query, the
 codebook levels and the softmax weights times value scales to fp16 (relative error 2^-11

@@ -1,4 +1,4 @@
-"""Page pool, page tables, re-tiering and the numba paged decode (DESIGN §4, §6)."""
+"""Page pool, page tables, re-tiering and the numba paged decode (docs/design.md §4, §6)."""
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st

@@ -1,4 +1,4 @@
-"""RDR (DESIGN §5, §7): surrogate, exact and fast solvers, certificate, statistics, masks."""
+"""RDR (docs/design.md §5, §7): surrogate, exact and fast solvers, certificate, statistics, masks."""
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -282,7 +282,7 @@ def test_surrogate_formula_and_first_order_logit_effect():
     want = p[:, None]**2 * (s2 * q2 * r[:, None]**2 * ek / dim * res[:, None]**2
                             + vn[:, None]**2 * ev)
     assert np.allclose(d[:, 1:], want)
-    # softmax_scale = 1 is DESIGN §5's formula verbatim
+    # softmax_scale = 1 is docs/design.md §5's formula verbatim
     d1 = rdr.distortion(p, q2, r, vn, res, ek, ev, dim, softmax_scale=1.0)
     assert np.allclose(d1[:, 1:] - p[:, None]**2 * vn[:, None]**2 * ev,
                        p[:, None]**2 * q2 * r[:, None]**2 * ek / dim * res[:, None]**2)
