@@ -237,10 +237,10 @@ def test_bad_input_errors():
 def test_the_page_search_runs_within_its_work_limit():
     """max_search_work = 0 skips the page-aware search (step 6), inf runs it at any size;
     on an instance it improves, the default (it fits the limit) gives the searched answer."""
-    from spherical_kv_ref.rdr import fast
+    from spherical_kv_ref.rdr import greedy
     p = rdr.synthetic_problem(2000, 16, page_bytes=4096, seed=0)
     searched, skipped = rdr.solve(p), rdr.solve(p, "fast", max_search_work=0)
-    assert fast.search_fits(int((~p.protected).sum()))
+    assert greedy.search_fits(int((~p.protected).sum()))
     assert searched.objective < 0.5 * skipped.objective
     assert rdr.solve(p, "fast", max_search_work=np.inf).objective == searched.objective
     for a in (searched, skipped):

@@ -27,7 +27,7 @@ Two solvers, one answer type (:class:`Allocation`):
   both lower bounds of the paged optimum.
 
 The package, by concern: ``surrogate`` (the distortion model), ``problem`` (Problem,
-Allocation), ``milp`` (the exact solver), ``fast`` (hull, greedy, certificate), ``pages``
+Allocation), ``milp`` (the exact solver), ``greedy`` (the fast solver: hull, greedy, certificate), ``pages``
 (the page-aware search of the fast solver), ``statistics`` (the per-state statistics the
 surrogate reads, and protection masks), ``synthetic`` (the case tests and benchmarks share).
 """
@@ -36,7 +36,7 @@ from __future__ import annotations
 from .problem import Allocation, Problem
 from .surrogate import distortion, tier_error_constants
 from .synthetic import EXAMPLE_ERROR, EXAMPLE_LADDER, synthetic_problem
-from .fast import _solve_fast
+from .greedy import _solve_fast
 from .milp import _solve_milp
 
 __all__ = ["Problem", "Allocation", "solve", "distortion", "tier_error_constants",

@@ -6,7 +6,7 @@ import warnings
 
 import numpy as np
 
-from .fast import _solve_fast
+from .greedy import _solve_fast
 from .problem import Problem, _allocation, _trivial
 
 def _solve_milp(problem: Problem, time_limit=None, mip_rel_gap=0.0):
