@@ -27,7 +27,7 @@ Two solvers, one answer type (:class:`Allocation`):
   both lower bounds of the paged optimum.
 
 The package, by concern: ``surrogate`` (the distortion model), ``problem`` (Problem,
-Allocation), ``milp`` (the exact solver), ``greedy`` (the fast solver: hull, greedy, certificate), ``pages``
+Allocation), ``milp`` (the exact solver), ``greedy`` (the fast solver: hull, greedy, certificate), ``page_search``
 (the page-aware search of the fast solver), ``statistics`` (the per-state statistics the
 surrogate reads, and protection masks), ``synthetic`` (the case tests and benchmarks share).
 """

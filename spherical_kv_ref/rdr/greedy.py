@@ -1,5 +1,5 @@
 """RDR's fast solver: lower convex hulls, the greedy (the LP optimum and the certificate), page
-repair and fill (docs/rdr.md §4, steps 1–5); the page-count search of step 6 is in pages.py."""
+repair and fill (docs/rdr.md §4, steps 1–5); the page-count search of step 6 is in page_search.py."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,7 +7,7 @@ from typing import Optional
 import numba
 import numpy as np
 
-from .pages import _group_order, search_pages
+from .page_search import _group_order, search_pages
 from .problem import Problem, _allocation, _trivial
 
 @numba.njit(cache=True)
