@@ -18,7 +18,7 @@ from spherical_kv_ref.codec import whole
 
 from . import _pdl
 from ._module import DIMS, constants, cupy, kernel
-from .pages import KernelTables, as_device, device_tables
+from .kernel_tables import KernelTables, as_device, device_tables
 
 _C = constants()
 THREADS = 32 * _C["DEC_WARPS"]       # threads per decode CTA

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .pages import KernelTables, PackedPages, kernel_tables, pack_pages, rotation_signs
+from .kernel_tables import KernelTables, PackedPages, kernel_tables, pack_pages, rotation_signs
 
 
 @dataclass

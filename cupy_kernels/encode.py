@@ -27,7 +27,7 @@ import functools
 import numpy as np
 
 from ._module import constants, cupy, kernel
-from .pages import KernelTables, as_device, device_tables, pool_views
+from .kernel_tables import KernelTables, as_device, device_tables, pool_views
 
 _C = constants()
 THREADS = _C["ENC_THREADS"]          # threads per encode block (and per re-tier block)
@@ -229,7 +229,7 @@ def cell_tables(tables: KernelTables) -> np.ndarray:
     hit = _CELL_CACHE.get(key)
     if hit is not None and hit[0] is tables:
         return hit[1]
-    from .pages import LEVEL_BITS
+    from .kernel_tables import LEVEL_BITS
     blob = np.zeros(CELL_WORDS, np.float32)
     ints = blob.view(np.int32)
     off = CELL_BM

@@ -25,7 +25,7 @@ from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT
 from ._module import cupy
 from .ada_decode import ada_decode
 from .encode import encode_kv_into_pages
-from .pages import as_device, kernel_tables, rotation_signs
+from .kernel_tables import as_device, kernel_tables, rotation_signs
 
 __all__ = ["CudaPagedAttention", "DevicePlan", "upload"]
 

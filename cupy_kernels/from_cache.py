@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .pages import KernelTables, kernel_tables, rotation_signs
+from .kernel_tables import KernelTables, kernel_tables, rotation_signs
 
 
 @functools.lru_cache(maxsize=32)

@@ -16,7 +16,7 @@ import numpy as np
 
 from ._module import constants, cupy, kernel
 from .encode import _index, check_inputs, raise_status, slot_checks
-from .pages import KernelTables, as_device, device_tables, pool_views
+from .kernel_tables import KernelTables, as_device, device_tables, pool_views
 
 THREADS = constants()["RETIER_THREADS"]
 

@@ -256,7 +256,7 @@ def test_uniform_and_table_paths_agree_on_uniform_codes():
 
 def test_affine_path_rejects_non_affine_levels():
     import dataclasses
-    from cupy_kernels.pages import kernel_tables, uniform_half_steps
+    from cupy_kernels.kernel_tables import kernel_tables, uniform_half_steps
     lm = kernel_tables(LADDER, 128)
     with pytest.raises(ValueError):
         uniform_half_steps(dataclasses.replace(lm, codebook="uniform"))

@@ -34,7 +34,7 @@ def test_synthetic_layout_orders_place_every_page_once(order):
     a seeded permutation (shuffled: the same for a seed, not a run)."""
     import numpy as np
     from cupy_kernels.cases import synthetic_layout
-    from cupy_kernels.pages import kernel_tables
+    from cupy_kernels.kernel_tables import kernel_tables
     from validation.decode_bench import LADDER
     tables = kernel_tables(LADDER, 128, codebook="uniform")
     counts = {3: 100, 1: 70}   # 4/4 and 2/2 states per row: full and partial pages of both
@@ -68,7 +68,7 @@ def test_synthetic_layout_moves_the_last_page():
     pool and its counts are the same as without it."""
     import numpy as np
     from cupy_kernels.cases import synthetic_layout
-    from cupy_kernels.pages import kernel_tables
+    from cupy_kernels.kernel_tables import kernel_tables
     from validation.decode_bench import LADDER
     tables = kernel_tables(LADDER, 128, codebook="uniform")
     per = tables.states_per_page(3)

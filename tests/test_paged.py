@@ -282,7 +282,7 @@ def test_free_row_returns_every_page():
 @pytest.mark.parametrize("dim, page_bytes", [(64, 4096), (128, 4096), (64, 1024)])
 def test_layout_agrees_with_the_kernel_geometry(tiers, dim, page_bytes):
     """The reference pages and the CUDA launchers' geometry table describe the same bytes."""
-    pages = pytest.importorskip("cupy_kernels.pages")
+    pages = pytest.importorskip("cupy_kernels.kernel_tables")
     ladder = TierLadder(tiers)
     geom = pages.kernel_tables(ladder, dim, page_bytes).geom
     for t, lay in enumerate(page_layout(ladder, dim, page_bytes)[1:], start=1):
