@@ -201,7 +201,7 @@ def E(name, make, call, vals=None, raises=ValueError, state=None, marks=(), alia
 
 
 def _gpu_case():
-    from cupy_kernels.cases import build_case, to_device
+    from validation.decode_cases import build_case, to_device
     import cupy as cp
     case = build_case(1, 2, 4, 64, [20, 30], LADDER, [2, 3], seed=3, codebook="uniform")
     dev = to_device(case)
