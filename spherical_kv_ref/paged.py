@@ -31,9 +31,9 @@ import numpy as np
 
 from . import codebooks
 from .codec import FP16_MAX, Encoded, SphericalCodec, _pack_fp16, pack_codes, vector_bytes, whole
-from .tiers import TierLadder
+from .tiers import TierLadder, states_per_page
 
-__all__ = ["TierLayout", "page_layout", "PoolExhaustedError", "PagePool", "PagedKV",
+__all__ = ["TierLayout", "tier_layout", "page_layout", "PoolExhaustedError", "PagePool", "PagedKV",
            "PageTable", "RowStates", "encode_rotated", "scatter_states", "stored_rotated",
            "mixed_tier_attention"]
 
@@ -71,19 +71,27 @@ def _code_bytes(bits: int, dim: int) -> int:
     return vector_bytes(bits, dim) - (0 if bits == 16 else 2)
 
 
+def tier_layout(tier: int, key_bits: int, value_bits: int, dim: int, page_bytes: int) -> TierLayout:
+    """The byte layout of the pages of one tier (docs/format.md "Pages"; docs/design.md §4).
+
+    The one definition of the page geometry: ``page_layout``, the numba decode's tables
+    (``paged_decode.PagedDecodeTables``), the kernels' geometry rows
+    (``cupy_kernels.kernel_tables``) and the engine's ``BlockFormat`` are built from it.
+    States per page as ``tiers.states_per_page``; ValueError if not one state fits."""
+    kb, vb = _code_bytes(key_bits, dim), _code_bytes(value_bits, dim)
+    p = states_per_page(vector_bytes(key_bits, dim) + vector_bytes(value_bits, dim),
+                        page_bytes, tier)
+    ks_off = p * (kb + vb) if key_bits != 16 else -1
+    vs_off = -1
+    if value_bits != 16:
+        vs_off = p * (kb + vb) + (2 * p if key_bits != 16 else 0)
+    return TierLayout(tier, key_bits, value_bits, p, kb, vb, p * kb, ks_off, vs_off)
+
+
 def page_layout(ladder: TierLadder, dim: int, page_bytes: int) -> tuple:
     """Layouts of tiers 1..T as a tuple indexed by tier (entry 0 is None)."""
-    out: List[Optional[TierLayout]] = [None]
-    for t in range(1, len(ladder) + 1):
-        kb_bits, vb_bits = ladder.bits(t)
-        p = ladder.states_per_page(t, dim, page_bytes)
-        kb, vb = _code_bytes(kb_bits, dim), _code_bytes(vb_bits, dim)
-        ks_off = p * (kb + vb) if kb_bits != 16 else -1
-        vs_off = -1
-        if vb_bits != 16:
-            vs_off = p * (kb + vb) + (2 * p if kb_bits != 16 else 0)
-        out.append(TierLayout(t, kb_bits, vb_bits, p, kb, vb, p * kb, ks_off, vs_off))
-    return tuple(out)
+    return (None,) + tuple(tier_layout(t, *ladder.bits(t), dim, page_bytes)
+                           for t in range(1, len(ladder) + 1))
 
 
 # ------------------------------------------------------------------------------ re-encoding

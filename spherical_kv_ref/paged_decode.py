@@ -32,8 +32,9 @@ _HALF = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).a
 
 
 class PagedDecodeTables:
-    """Per-pool constants the kernel receives: per-tier layout arrays (indexed by tier
-    0..T) and codebook levels C_b/√d per bit width (rows indexed by bits, 256 columns)."""
+    """Per-pool constants the kernel receives: the pool's ``paged.page_layout`` as arrays
+    indexed by tier 0..T (offsets in words and halves), and codebook levels C_b/√d per bit
+    width (rows indexed by bits, 256 columns)."""
 
     def __init__(self, paged: PagedKV, codebook: str = "lloyd-max"):
         self._build(paged.pool.layout, paged.dim, codebook)
