@@ -30,6 +30,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence
 import numpy as np
 
 from . import codebooks
+from .ada import mixed_tier_attention   # the decode specification; re-exported here
 from .codec import FP16_MAX, Encoded, SphericalCodec, _pack_fp16, pack_codes, vector_bytes, whole
 from .tiers import TierLadder, states_per_page
 
@@ -572,44 +573,3 @@ class PagedKV:
         assert not (free & set(seen)), "a page is both free and in a row"
         assert len(free) + len(seen) == self.pool.num_pages, "page leak"
         assert np.all(self.pool.page_tier[list(free)] == 0) if free else True
-
-
-# ------------------------------------------------------------------------------ reference
-
-def mixed_tier_attention(q, parts, key_mean=None, value_mean=None, softmax_scale=None,
-                         value_rotation=None, return_lse=False):
-    """Flat reference decode over kept states of several tiers, (m, d) float64.
-
-    parts: list of (keys Encoded, values Encoded, key_codec, value_codec), one per tier; all
-    codecs of one row share the key rotation and the value rotation. Logits per tier from
-    codes (codec.logits, with q·μ_K when key_mean is given), one softmax over all states,
-    Σ p_i·s_i·ĉ_i in rotated coordinates per tier, Π_Vᵀ once, + μ_V. With one part this
-    is ``ada.attention``."""
-    from .ada import rotated_value_sum
-    q = np.asarray(q, np.float64)
-    d = q.shape[1]
-    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    z = []
-    for k_enc, _, kc, _ in parts:
-        k_enc = Encoded(k_enc.scale, k_enc.codes, k_enc.bits, k_enc.dim,
-                        None if key_mean is None else np.asarray(key_mean, np.float32))
-        z.append(scale * kc.logits(q, k_enc))
-    z = np.concatenate(z, axis=1)
-    if z.shape[1] == 0:
-        raise ValueError("attention over zero kept states is undefined")
-    zmax = z.max(axis=1, keepdims=True)
-    e = np.exp(z - zmax)
-    denom = e.sum(axis=1, keepdims=True)
-    p = e / denom
-    acc = np.zeros((q.shape[0], d))
-    a = 0
-    for k_enc, v_enc, _, vc in parts:
-        acc += rotated_value_sum(p[:, a:a + len(k_enc)], v_enc, vc)
-        a += len(k_enc)
-    rot = parts[0][3].rotation if value_rotation is None else value_rotation
-    out = rot.inverse(acc)
-    if value_mean is not None:
-        out = out + np.asarray(value_mean, np.float32).astype(np.float64)[None, :]
-    if return_lse:
-        return out, (zmax + np.log(denom))[:, 0]
-    return out
