@@ -133,7 +133,9 @@ def _dest_ranges(dests, pt, sigmas, mi, means, tables: KernelTables):
     return out
 
 
-def _index(a, name, n, per: str = "vector"):
+def index_array(a, name, n, per: str = "vector"):
+    """a as a C-contiguous int32 device array of n entries (one per ``per``); ValueError
+    naming ``name`` otherwise (no copy unless it is strided)."""
     arr, _ = as_device(a, name, np.int32, 1)
     if arr.shape[0] != n:
         raise ValueError(f"{name} must have {n} entries (one per {per}), got {arr.shape[0]}")
@@ -289,7 +291,7 @@ def _rows_of(a, d: int, name: str):
 
 def _dests(head, dst_page, dst_slot, n: int):
     """The int32 (n,) head, page and slot of every vector."""
-    return tuple(_index(a, nm, n) for a, nm in ((head, "head"), (dst_page, "dst_page"),
+    return tuple(index_array(a, nm, n) for a, nm in ((head, "head"), (dst_page, "dst_page"),
                                                  (dst_slot, "dst_slot")))
 
 
@@ -342,7 +344,7 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
     if mean is not None:
         if mean_index is None:
             raise ValueError("mean needs mean_index (which mean row each vector uses)")
-        mn, mi = _rows_of(mean, d, "mean"), _index(mean_index, "mean_index", n)
+        mn, mi = _rows_of(mean, d, "mean"), index_array(mean_index, "mean_index", n)
     else:
         mn = mi = np.uint64(0)
     if check:
@@ -377,7 +379,7 @@ def encode_kv_into_pages(k, v, pages, page_tier, tables: KernelTables, sigma_k, 
     dests = _dests(head, dst_page, dst_slot, n)
     mk = _rows_of(mean_k, d, "mean_k") if mean_k is not None else np.uint64(0)
     mv = _rows_of(mean_v, d, "mean_v") if mean_v is not None else np.uint64(0)
-    mi = _index(mean_index, "mean_index", n) if mean_index is not None else np.uint64(0)
+    mi = index_array(mean_index, "mean_index", n) if mean_index is not None else np.uint64(0)
     if check:
         check_inputs(*_dest_ranges(dests, pt, (sk, sv), mi, (mk, mv), tables),
                      finite=((ka, "k"), (va, "v"), (sk, "sigma_k"), (sv, "sigma_v"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codec import Encoded, SphericalCodec, _as_float_matrix, as_real_array
+from .codec import Encoded, SphericalCodec, as_float_matrix, as_real_array
 
 
 def softmax_scale_of(softmax_scale, dim: int) -> float:
@@ -66,7 +66,7 @@ def attention(q, keys: Encoded, values: Encoded, key_codec: SphericalCodec,
         raise ValueError(f"{len(keys)} keys but {len(values)} values")
     if key_codec.dim != value_codec.dim:
         raise ValueError("key and value codecs must share the head dimension")
-    q = _as_float_matrix(q, "q", key_codec.dim)
+    q = as_float_matrix(q, "q", key_codec.dim)
     if len(keys) == 0:
         raise ValueError("attention over zero kept states is undefined")
     return mixed_tier_attention(q, [(keys, values, key_codec, value_codec)], keys.mean,
@@ -128,11 +128,11 @@ def dense_attention(q, k, v, softmax_scale: float | None = None) -> np.ndarray:
     q = as_real_array(q, "q")
     if q.ndim != 2:
         raise ValueError(f"q must have shape (m, d), got {q.shape}")
-    q = _as_float_matrix(q, "q", q.shape[1])
-    k = _as_float_matrix(k, "k", q.shape[1])
+    q = as_float_matrix(q, "q", q.shape[1])
+    k = as_float_matrix(k, "k", q.shape[1])
     v = as_real_array(v, "v")
     if v.ndim != 2 or v.shape[0] != k.shape[0]:
         raise ValueError(f"v must have shape (n, d_v) with n = {k.shape[0]} (one per key), got {v.shape}")
-    v = _as_float_matrix(v, "v", v.shape[1])
+    v = as_float_matrix(v, "v", v.shape[1])
     scale = softmax_scale_of(softmax_scale, q.shape[1])
     return softmax(scale * q @ k.T) @ v

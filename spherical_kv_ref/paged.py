@@ -31,7 +31,7 @@ import numpy as np
 
 from . import codebooks
 from .ada import mixed_tier_attention   # the decode specification; re-exported here
-from .codec import FP16_MAX, Encoded, SphericalCodec, _pack_fp16, pack_codes, vector_bytes, whole
+from .codec import FP16_MAX, Encoded, SphericalCodec, pack_fp16, pack_codes, vector_bytes, whole
 from .tiers import TierLadder, states_per_page
 
 __all__ = ["TierLayout", "tier_layout", "page_layout", "PoolExhaustedError", "PagePool", "PagedKV",
@@ -114,7 +114,7 @@ def encode_rotated(codec: SphericalCodec, y: np.ndarray, mean=None) -> Encoded:
     if codec.bits == 16:
         if np.any(np.abs(y) > FP16_MAX):
             raise ValueError("a rotated coordinate exceeds the fp16 range (65504)")
-        return Encoded(np.ones(n, np.float16), _pack_fp16(y.astype(np.float16)), 16, d, mean32)
+        return Encoded(np.ones(n, np.float16), pack_fp16(y.astype(np.float16)), 16, d, mean32)
     r = np.sqrt(np.sum(y * y, axis=1))
     zero = r == 0.0
     u = y / np.where(zero, 1.0, r)[:, None]

@@ -7,7 +7,7 @@ from scipy.optimize import linprog
 from spherical_kv_ref import rdr
 from spherical_kv_ref.rdr import statistics as rs
 from spherical_kv_ref.rdr.page_search import (_group_transport, _least_bounded, _prices,
-                                        _refine_total)
+                                              _refine_total)
 from strategies_rdr import coarse_paged_problems, tiny_problems
 
 REL = 1e-9
