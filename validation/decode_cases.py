@@ -1,5 +1,5 @@
 """Random paged decode cases, declared once for the GPU tests, the benchmarks and the
-validation scripts (STYLE: "declare a case once").
+validation scripts, so they cannot drift apart.
 
 A case is one layer's cache: rows (sequence b, kv-head h) with ragged lengths, each row's
 states split into chunks of random tiers (mixed across pages), encoded by the reference
