@@ -24,9 +24,9 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .ada import softmax_scale_of
+from .ada import mixed_tier_attention, softmax_scale_of
 from .codec import SphericalCodec, as_real_array, check_finite, whole as _whole
-from .paged import PagedKV, PageTable, mixed_tier_attention, stored_rotated
+from .paged import PagedKV, PageTable, stored_rotated
 from .paged_decode import PagedDecodeTables, paged_decode
 from .rotation import KEY_SALT, VALUE_SALT
 from .tiers import TierLadder
@@ -412,7 +412,7 @@ class SphericalKVCache:
         return out.reshape(self.num_q_heads, d)
 
     def reference_decode(self, seq, layer, q) -> np.ndarray:
-        """The flat reference decode (paged.mixed_tier_attention) over the same kept states,
+        """The decode specification (ada.mixed_tier_attention) over the same kept states,
         (num_q_heads, head_dim) float64; for tests and analysis. Records nothing."""
         s = self._seq(seq)
         layer = self._layer(layer)

@@ -15,7 +15,7 @@ CPU fast path of ``SphericalKVCache.decode``. Work decomposition, mirroring the 
 Π_K q (once per query head) and Π_Vᵀ acc + μ_V (once per query head) are applied outside,
 in float64 NumPy, as the kernel does in its prologue/epilogue. No dense key or value
 matrix is formed. All arithmetic is float64, so the result equals the flat reference
-(``paged.mixed_tier_attention``, ``ada.attention``) to rounding.
+(``ada.mixed_tier_attention``, ``ada.attention``) to rounding.
 """
 from __future__ import annotations
 

@@ -216,7 +216,7 @@ def quality_table(n: int = 2048, m: int = 32, seed: int = 0):
     * spiky: heavy-tailed keys and values (Student t, 3 degrees of freedom) with 4 outlier
       channels x8, and queries equal to noisy copies of 8 keys, so that attention is peaked."""
     from spherical_kv_ref import SphericalCodec
-    from spherical_kv_ref.paged import mixed_tier_attention
+    from spherical_kv_ref.ada import mixed_tier_attention
     rng = np.random.default_rng(seed)
     d = D
     data = {}

@@ -4,7 +4,7 @@ validation scripts, so they cannot drift apart.
 A case is one layer's cache: rows (sequence b, kv-head h) with ragged lengths, each row's
 states split into chunks of random tiers (mixed across pages), encoded by the reference
 codec and laid into pages by ``pack_pages``; plus queries and the float64 reference output
-from ``spherical_kv_ref.paged.mixed_tier_attention``. The benchmark pools (the shapes of one
+from ``spherical_kv_ref.ada.mixed_tier_attention``. The benchmark pools (the shapes of one
 Llama-3.1-8B layer, ``bench_layout``, ``encoded_pool``, a captured decode step ``ada_step``)
 serve validation/decode_bench.py and the asv benchmarks alike.
 """
@@ -33,7 +33,7 @@ class DecodeCase:
 
     def reference(self, softmax_scale=None) -> np.ndarray:
         """float64 (batch, Hq, d) from the NumPy reference."""
-        from spherical_kv_ref.paged import mixed_tier_attention
+        from spherical_kv_ref.ada import mixed_tier_attention
         b, hq, d = self.q.shape
         g = hq // self.num_kv_heads
         out = np.zeros((b, hq, d))
