@@ -1,4 +1,4 @@
-"""ADA paged decode launcher (DESIGN §6; kernel in csrc/ada_decode.cuh).
+"""ADA paged decode launcher (docs/design.md §6; kernel in csrc/ada_decode.cuh).
 
 ``ada_decode`` runs one decode step of one layer: q (batch, num_q_heads, d) against the
 paged cache of rows (sequence b, kv-head h) -> row b*num_kv_heads + h. It allocates only
@@ -18,7 +18,7 @@ from spherical_kv_ref.codec import whole
 
 from . import _pdl
 from ._module import DIMS, constants, cupy, kernel
-from .pages import KernelTables, as_device, device_tables
+from .kernel_tables import KernelTables, as_device, device_tables
 
 _C = constants()
 THREADS = 32 * _C["DEC_WARPS"]       # threads per decode CTA

@@ -1,4 +1,4 @@
-"""Encode/append launcher (DESIGN §3 steps 0-5, §6; kernel in csrc/encode.cuh).
+"""Encode/append launcher (docs/design.md §3 steps 0-5, §6; kernel in csrc/encode.cuh).
 
 ``encode_into_pages`` encodes n key (part="key") or value (part="value") vectors and writes
 each straight into (dst_page, dst_slot) of the pool, at the bit width of that page's tier;
@@ -27,7 +27,7 @@ import functools
 import numpy as np
 
 from ._module import constants, cupy, kernel
-from .pages import KernelTables, as_device, device_tables, pool_views
+from .kernel_tables import KernelTables, as_device, device_tables, pool_views
 
 _C = constants()
 THREADS = _C["ENC_THREADS"]          # threads per encode block (and per re-tier block)
@@ -133,7 +133,9 @@ def _dest_ranges(dests, pt, sigmas, mi, means, tables: KernelTables):
     return out
 
 
-def _index(a, name, n, per: str = "vector"):
+def index_array(a, name, n, per: str = "vector"):
+    """a as a C-contiguous int32 device array of n entries (one per ``per``); ValueError
+    naming ``name`` otherwise (no copy unless it is strided)."""
     arr, _ = as_device(a, name, np.int32, 1)
     if arr.shape[0] != n:
         raise ValueError(f"{name} must have {n} entries (one per {per}), got {arr.shape[0]}")
@@ -229,7 +231,7 @@ def cell_tables(tables: KernelTables) -> np.ndarray:
     hit = _CELL_CACHE.get(key)
     if hit is not None and hit[0] is tables:
         return hit[1]
-    from .pages import LEVEL_BITS
+    from .kernel_tables import LEVEL_BITS
     blob = np.zeros(CELL_WORDS, np.float32)
     ints = blob.view(np.int32)
     off = CELL_BM
@@ -289,7 +291,7 @@ def _rows_of(a, d: int, name: str):
 
 def _dests(head, dst_page, dst_slot, n: int):
     """The int32 (n,) head, page and slot of every vector."""
-    return tuple(_index(a, nm, n) for a, nm in ((head, "head"), (dst_page, "dst_page"),
+    return tuple(index_array(a, nm, n) for a, nm in ((head, "head"), (dst_page, "dst_page"),
                                                  (dst_slot, "dst_slot")))
 
 
@@ -342,7 +344,7 @@ def encode_into_pages(x, pages, page_tier, tables: KernelTables, sigma, head, ds
     if mean is not None:
         if mean_index is None:
             raise ValueError("mean needs mean_index (which mean row each vector uses)")
-        mn, mi = _rows_of(mean, d, "mean"), _index(mean_index, "mean_index", n)
+        mn, mi = _rows_of(mean, d, "mean"), index_array(mean_index, "mean_index", n)
     else:
         mn = mi = np.uint64(0)
     if check:
@@ -377,7 +379,7 @@ def encode_kv_into_pages(k, v, pages, page_tier, tables: KernelTables, sigma_k, 
     dests = _dests(head, dst_page, dst_slot, n)
     mk = _rows_of(mean_k, d, "mean_k") if mean_k is not None else np.uint64(0)
     mv = _rows_of(mean_v, d, "mean_v") if mean_v is not None else np.uint64(0)
-    mi = _index(mean_index, "mean_index", n) if mean_index is not None else np.uint64(0)
+    mi = index_array(mean_index, "mean_index", n) if mean_index is not None else np.uint64(0)
     if check:
         check_inputs(*_dest_ranges(dests, pt, (sk, sv), mi, (mk, mv), tables),
                      finite=((ka, "k"), (va, "v"), (sk, "sigma_k"), (sv, "sigma_v"),

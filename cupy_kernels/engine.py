@@ -1,4 +1,4 @@
-"""The engine adapter's operations on the GPU (DESIGN §8; spherical_kv_ref.engine).
+"""The engine adapter's operations on the GPU (docs/design.md §8; spherical_kv_ref.engine).
 
 ``CudaPagedAttention`` has the interface of ``spherical_kv_ref.engine.CpuPagedAttention``:
 ``write`` stores a step's keys and values in their engine slots with ``encode_kv_into_pages``
@@ -25,7 +25,7 @@ from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT
 from ._module import cupy
 from .ada_decode import ada_decode
 from .encode import encode_kv_into_pages
-from .pages import as_device, kernel_tables, rotation_signs
+from .kernel_tables import as_device, kernel_tables, rotation_signs
 
 __all__ = ["CudaPagedAttention", "DevicePlan", "upload"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .pages import KernelTables, kernel_tables, rotation_signs
+from .kernel_tables import KernelTables, kernel_tables, rotation_signs
 
 
 @functools.lru_cache(maxsize=32)
@@ -95,7 +95,8 @@ def decode_cache(cache, seqs, layer: int, q, *, pool: DevicePool | None = None, 
     ``cache.decode(seq, layer, q[i], record=False)`` for each i, within the kernel's fp16
     error budget (docs/PERF_NOTES.md). q: (len(seqs), num_q_heads, d) on the GPU (CuPy or
     torch). pool: ``upload_pool(cache)`` of the cache as it is now (uploaded here if None).
-    Further keywords go to ``ada_decode`` (num_splits, out, workspace, validate, lse)."""
+    Further keywords go to ``ada_decode`` (num_splits, out, workspace, validate, lse);
+    num_splits defaults to the cache's own (None there: the kernel's choice)."""
     from .ada_decode import ada_decode
     from ._module import cupy
     inp = kernel_inputs(cache, seqs, layer)
@@ -106,6 +107,8 @@ def decode_cache(cache, seqs, layer: int, q, *, pool: DevicePool | None = None, 
     sk, sv, indptr, indices, mk, mv = (None if a is None else cp.asarray(a) for a in
                                        (inp.sigma_k, inp.sigma_v, inp.indptr, inp.indices,
                                         inp.mean_k, inp.mean_v))
+    if cache.num_splits is not None and kw.get("workspace") is None:
+        kw.setdefault("num_splits", cache.num_splits)
     return ada_decode(q, pool.pages, pool.page_tier, pool.page_count, indptr, indices,
                       inp.tables, sk, sv, num_kv_heads=inp.num_kv_heads, mean_k=mk, mean_v=mv,
                       softmax_scale=inp.softmax_scale, **kw)

@@ -1,4 +1,4 @@
-"""Re-tier / compaction launcher (DESIGN §4, §6; kernel in csrc/retier.cuh).
+"""Re-tier / compaction launcher (docs/design.md §4, §6; kernel in csrc/retier.cuh).
 
 Applies moves (src_page, src_slot) -> (dst_page, dst_slot) after an RDR decision: equal
 bits at both ends copy the stored codes and scales (compaction), fewer bits re-encode the
@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._module import constants, cupy, kernel
-from .encode import _index, check_inputs, raise_status, slot_checks
-from .pages import KernelTables, as_device, device_tables, pool_views
+from .encode import check_inputs, index_array, raise_status, slot_checks
+from .kernel_tables import KernelTables, as_device, device_tables, pool_views
 
 THREADS = constants()["RETIER_THREADS"]
 
@@ -27,10 +27,10 @@ def retier(pages, page_tier, tables: KernelTables, src_page, src_slot, dst_page,
     pg, pt = pool_views(pages, page_tier, tables)
     sp, _ = as_device(src_page, "src_page", np.int32, 1)
     n = sp.shape[0]
-    sp = _index(sp, "src_page", n)
-    ss = _index(src_slot, "src_slot", n, "src_page entry")
-    dp = _index(dst_page, "dst_page", n, "src_page entry")
-    ds = _index(dst_slot, "dst_slot", n, "src_page entry")
+    sp = index_array(sp, "src_page", n)
+    ss = index_array(src_slot, "src_slot", n, "src_page entry")
+    dp = index_array(dst_page, "dst_page", n, "src_page entry")
+    ds = index_array(dst_slot, "dst_slot", n, "src_page entry")
     if check and n:
         num = pt.shape[0]
         geom = device_tables(tables)["geom"]

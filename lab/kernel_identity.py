@@ -185,7 +185,7 @@ def launch_settings(rev: str, workdir: Path) -> int:
     sys.path.insert(0, str(workdir / "py"))
     try:
         old = importlib.import_module("cupy_kernels.ada_decode")
-        old_pages = importlib.import_module("cupy_kernels.pages")
+        old_pages = importlib.import_module("cupy_kernels.pages")      # the tag predates kernel_tables.py
         old_enc = importlib.import_module("cupy_kernels.encode")
     finally:
         sys.path.pop(0)
@@ -194,7 +194,7 @@ def launch_settings(rev: str, workdir: Path) -> int:
         sys.modules.update(ours)
     new = importlib.import_module("cupy_kernels.ada_decode")
     new_enc = importlib.import_module("cupy_kernels.encode")
-    from cupy_kernels.pages import kernel_tables
+    from cupy_kernels.kernel_tables import kernel_tables
     old._sm_count = new._sm_count = lambda: 132
     ladder = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
     names = {"ada_decode_v4_kernel": "ada_decode_table_kernel",

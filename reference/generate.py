@@ -1,6 +1,6 @@
 """Write the conformance vectors: reference/vectors/<case>.npz and reference/manifest.json.
 
-Every case comes from spherical_kv_ref.cases (seeds and shapes are in the manifest with a
+Every case comes from spherical_kv_ref.conformance (seeds and shapes are in the manifest with a
 sha256 of the arrays' contents). Run `python -m reference.generate` after a deliberate
 format change; tests/test_conformance.py regenerates in memory and compares."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spherical_kv_ref import cases
+from spherical_kv_ref import conformance
 
 ROOT = Path(__file__).resolve().parent
 VECTORS = ROOT / "vectors"
@@ -30,9 +30,9 @@ def content_sha256(arrays: dict) -> str:
     return h.hexdigest()
 
 
-def manifest_entry(case: cases.Case, arrays: dict) -> dict:
+def manifest_entry(case: conformance.Case, arrays: dict) -> dict:
     return {"name": case.name, "file": f"vectors/{case.name}.npz", "params": case.params(),
-            "tolerance": cases.TOLERANCE[case.op],
+            "tolerance": conformance.TOLERANCE[case.op],
             "arrays": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in arrays.items()},
             "sha256": content_sha256(arrays)}
 
@@ -40,8 +40,8 @@ def manifest_entry(case: cases.Case, arrays: dict) -> dict:
 def main() -> int:
     VECTORS.mkdir(parents=True, exist_ok=True)
     entries = []
-    for case in cases.CASES:
-        arrays = cases.build(case)
+    for case in conformance.CASES:
+        arrays = conformance.build(case)
         np.savez_compressed(VECTORS / f"{case.name}.npz", **arrays)
         entries.append(manifest_entry(case, arrays))
     (ROOT / "manifest.json").write_text(json.dumps(

@@ -41,7 +41,8 @@ from spherical_kv_eval.data import cache_dir
 
 __all__ = [
     "DEFAULT_MODEL", "EXPECTED_CONFIG", "MODELS", "ModelSpec", "ModelUnavailable", "QKV",
-    "capture_qkv", "check_config", "describe_model", "gguf_path", "load_model", "perplexity",
+    "capture_qkv", "check_config", "describe_model", "gguf_path", "load_model", "model_folder",
+    "perplexity",
 ]
 
 
@@ -207,6 +208,20 @@ def load_model(name: str = DEFAULT_MODEL, *, use_cache_dir: bool = True):
     model.to(dtype=torch.float32, device="cpu")
     model.eval()
     return model, tokenizer
+
+
+def model_folder(name: str = DEFAULT_MODEL) -> pathlib.Path:
+    """The named model as a float32 safetensors folder (model and tokenizer), the converted
+    copy :func:`load_model` keeps under ``<cache>/models/``: made on first use (about half a
+    minute), then returned at once. What an engine that loads folders (vLLM) is given.
+    Imports neither numba nor the reference (vLLM's CPU worker fails next to numba)."""
+    converted = _converted_dir(gguf_path(name))
+    if not (converted / "done.json").is_file():
+        load_model.__wrapped__(name)          # converts and saves; not kept in this process
+    if not (converted / "done.json").is_file():
+        raise OSError(f"could not write the converted model to {converted} (set "
+                      f"SPHERICAL_KV_CACHE to a writable folder)")
+    return converted
 
 
 def _save_converted(model, tokenizer, target: pathlib.Path, gguf: pathlib.Path) -> None:

@@ -3,7 +3,8 @@
 A compressed key/value cache for LLM decoding: ``SphericalCodec`` (encode, logits from
 codes and their error bounds, decode), ``attention``, the ``TierLadder``, the paged
 ``SphericalKVCache`` with RDR (``rdr``) to compress a sequence to a byte budget. The
-documents are in the project's docs/ folder: docs/format.md (the storage format), docs/ada.md
+documents are in the project's docs/ folder: docs/design.md (how the parts fit, the decode
+specification, the serving path), docs/format.md (the storage format), docs/ada.md
 (logits from codes and their errors), docs/paged.md (pages and the cache), docs/rdr.md
 (retention under a byte budget), docs/kernels.md (the GPU kernels); the README's "Public
 API" section lists the calls."""

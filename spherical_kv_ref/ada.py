@@ -1,15 +1,20 @@
-"""Angle-Domain Attention: decode attention straight from stored codes (docs/ada.md).
+"""Angle-Domain Attention: the decode specification, attention straight from stored codes
+(docs/design.md §6; docs/ada.md).
 
-The reference decode for one kv-head and the query heads of its GQA group:
+The reference decode for one kv-head and the query heads of its GQA group, over kept
+states of one tier (``attention``) or several (``mixed_tier_attention``):
     ℓ̂[m, i] = logits from key codes (codec.logits), p = softmax(softmax_scale·ℓ̂),
     o[m]    = Π_Vᵀ( Σ_i p[m, i]·s^V_i·ĉ^V_i ) + μ_V.
 Values are accumulated in rotated coordinates and rotated back once per query head.
+Attention over disjoint sets of states merges exactly by the log-sum-exps
+(``merge_attention``). Every faster path (the numba paged decode, the CUDA kernel, the
+adapters) is tested against these functions and does not restate them.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .codec import Encoded, SphericalCodec, _as_float_matrix, as_real_array
+from .codec import Encoded, SphericalCodec, as_float_matrix, as_real_array
 
 
 def softmax_scale_of(softmax_scale, dim: int) -> float:
@@ -61,21 +66,61 @@ def attention(q, keys: Encoded, values: Encoded, key_codec: SphericalCodec,
         raise ValueError(f"{len(keys)} keys but {len(values)} values")
     if key_codec.dim != value_codec.dim:
         raise ValueError("key and value codecs must share the head dimension")
-    q = _as_float_matrix(q, "q", key_codec.dim)
+    q = as_float_matrix(q, "q", key_codec.dim)
     if len(keys) == 0:
         raise ValueError("attention over zero kept states is undefined")
-    scale = softmax_scale_of(softmax_scale, key_codec.dim)
-    z = scale * key_codec.logits(q, keys)
+    return mixed_tier_attention(q, [(keys, values, key_codec, value_codec)], keys.mean,
+                                values.mean, softmax_scale, return_lse=return_lse)
+
+
+def mixed_tier_attention(q, parts, key_mean=None, value_mean=None, softmax_scale=None,
+                         value_rotation=None, return_lse=False):
+    """Flat reference decode over kept states of several tiers, (m, d) float64.
+
+    parts: list of (keys Encoded, values Encoded, key_codec, value_codec), one per tier; all
+    codecs of one row share the key rotation and the value rotation. Logits per tier from
+    codes (codec.logits, with q·μ_K when key_mean is given), one softmax over all states,
+    Σ p_i·s_i·ĉ_i in rotated coordinates per tier, Π_Vᵀ once, + μ_V. With one part this
+    is ``attention``. softmax_scale defaults to 1/√d. With return_lse, also the log-sum-exp
+    of the scaled logits per query (m,)."""
+    q = np.asarray(q, np.float64)
+    d = q.shape[1]
+    scale = softmax_scale_of(softmax_scale, d)
+    z = []
+    for k_enc, _, kc, _ in parts:
+        k_enc = Encoded(k_enc.scale, k_enc.codes, k_enc.bits, k_enc.dim,
+                        None if key_mean is None else np.asarray(key_mean, np.float32))
+        z.append(scale * kc.logits(q, k_enc))
+    z = np.concatenate(z, axis=1)
+    if z.shape[1] == 0:
+        raise ValueError("attention over zero kept states is undefined")
     zmax = z.max(axis=1, keepdims=True)
     e = np.exp(z - zmax)
     denom = e.sum(axis=1, keepdims=True)
-    acc = rotated_value_sum(e / denom, values, value_codec)
-    out = value_codec.rotation.inverse(acc)
-    if values.mean is not None:
-        out = out + values.mean.astype(np.float64)[None, :]
+    p = e / denom
+    acc = np.zeros((q.shape[0], d))
+    a = 0
+    for k_enc, v_enc, _, vc in parts:
+        acc += rotated_value_sum(p[:, a:a + len(k_enc)], v_enc, vc)
+        a += len(k_enc)
+    rot = parts[0][3].rotation if value_rotation is None else value_rotation
+    out = rot.inverse(acc)
+    if value_mean is not None:
+        out = out + np.asarray(value_mean, np.float32).astype(np.float64)[None, :]
     if return_lse:
         return out, (zmax + np.log(denom))[:, 0]
     return out
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b, xp=np):
+    """Attention over the union of two disjoint sets of states, from the attention over each:
+    lse = log(e^{lse_a} + e^{lse_b}), out = e^{lse_a − lse}·out_a + e^{lse_b − lse}·out_b,
+    exact (docs/design.md §6). out_* (..., d), lse_* (...) natural-log log-sum-exps of the
+    scaled logits; a part with lse −inf holds no state and adds nothing. Returns (out, lse).
+    xp: numpy or cupy. The split-K merge, a stored context with a new chunk, an engine
+    step's context blocks with its own block."""
+    lse = xp.logaddexp(lse_a, lse_b)
+    return xp.exp(lse_a - lse)[..., None] * out_a + xp.exp(lse_b - lse)[..., None] * out_b, lse
 
 
 def dense_attention(q, k, v, softmax_scale: float | None = None) -> np.ndarray:
@@ -83,11 +128,11 @@ def dense_attention(q, k, v, softmax_scale: float | None = None) -> np.ndarray:
     q = as_real_array(q, "q")
     if q.ndim != 2:
         raise ValueError(f"q must have shape (m, d), got {q.shape}")
-    q = _as_float_matrix(q, "q", q.shape[1])
-    k = _as_float_matrix(k, "k", q.shape[1])
+    q = as_float_matrix(q, "q", q.shape[1])
+    k = as_float_matrix(k, "k", q.shape[1])
     v = as_real_array(v, "v")
     if v.ndim != 2 or v.shape[0] != k.shape[0]:
         raise ValueError(f"v must have shape (n, d_v) with n = {k.shape[0]} (one per key), got {v.shape}")
-    v = _as_float_matrix(v, "v", v.shape[1])
+    v = as_float_matrix(v, "v", v.shape[1])
     scale = softmax_scale_of(softmax_scale, q.shape[1])
     return softmax(scale * q @ k.T) @ v

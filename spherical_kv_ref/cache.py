@@ -24,9 +24,9 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .ada import softmax_scale_of
+from .ada import mixed_tier_attention, softmax_scale_of
 from .codec import SphericalCodec, as_real_array, check_finite, whole as _whole
-from .paged import PagedKV, PageTable, mixed_tier_attention, stored_rotated
+from .paged import PagedKV, PageTable, stored_rotated
 from .paged_decode import PagedDecodeTables, paged_decode
 from .rotation import KEY_SALT, VALUE_SALT
 from .tiers import TierLadder
@@ -268,14 +268,17 @@ class SphericalKVCache:
     path, ~1.8x the Lloyd–Max look-up path at 4/4 bits) for 0–7 % more attention error
     (docs/PERF_NOTES.md, "Codebook quality": the default is the better codebook at the
     kernel's speed).
-    num_splits: page splits per row in the paged decode (split-K)."""
+    num_splits: page splits per row in the paged decode (split-K). None (default): each
+    decode picks its own, the CPU paged decode ``paged_decode.NUM_SPLITS`` and the GPU
+    kernel by occupancy (``cupy_kernels.ada_decode.splits_for``); a number reaches both
+    (``cupy_kernels.decode_cache``). It moves the result by rounding only."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  ladder: Optional[TierLadder] = None, page_bytes: int = 4096,
                  pool_bytes: Optional[int] = None, seed: int = 0, *,
                  num_q_heads: Optional[int] = None, centre: bool = True,
                  policy: Optional[CompressPolicy] = None, softmax_scale: Optional[float] = None,
-                 codebook: str = "uniform", num_splits: int = 4,
+                 codebook: str = "uniform", num_splits: Optional[int] = None,
                  rope_inv_freq: Optional[np.ndarray] = None):
         self.num_layers = _whole("num_layers", num_layers, 1)
         self.num_kv_heads = _whole("num_kv_heads", num_kv_heads, 1)
@@ -297,7 +300,7 @@ class SphericalKVCache:
             raise ValueError(f"policy must be a CompressPolicy, got {type(self.policy).__name__}")
         self.softmax_scale = softmax_scale_of(softmax_scale, self.head_dim)
         self.codebook = codebook
-        self.num_splits = _whole("num_splits", num_splits, 1)
+        self.num_splits = None if num_splits is None else _whole("num_splits", num_splits, 1)
         self.rope_inv_freq = None
         if rope_inv_freq is not None:
             f = np.asarray(rope_inv_freq, dtype=np.float64)
@@ -517,7 +520,7 @@ class SphericalKVCache:
         return out.reshape(self.num_q_heads, d)
 
     def reference_decode(self, seq, layer, q) -> np.ndarray:
-        """The flat reference decode (paged.mixed_tier_attention) over the same kept states,
+        """The decode specification (ada.mixed_tier_attention) over the same kept states,
         (num_q_heads, head_dim) float64; for tests and analysis. Records nothing."""
         s = self._seq(seq)
         layer = self._layer(layer)

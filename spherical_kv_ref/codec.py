@@ -101,7 +101,7 @@ def unpack_codes(words: np.ndarray, bits: int, dim: int) -> np.ndarray:
     return _unpack_fields(words, bits, dim)
 
 
-def _pack_fp16(y16: np.ndarray) -> np.ndarray:
+def pack_fp16(y16: np.ndarray) -> np.ndarray:
     n, d = y16.shape
     if d % 2:
         y16 = np.concatenate([y16, np.zeros((n, 1), np.float16)], axis=1)
@@ -172,7 +172,7 @@ def check_finite(a: np.ndarray, name: str) -> None:
         raise ValueError(f"{name} contains NaN or Inf in {bad} row(s)")
 
 
-def _as_float_matrix(x, name: str, dim: int) -> np.ndarray:
+def as_float_matrix(x, name: str, dim: int) -> np.ndarray:
     a = as_real_array(x, name)
     if a.ndim != 2 or a.shape[1] != dim:
         raise ValueError(f"{name} must have shape (n, {dim}), got {a.shape}")
@@ -219,13 +219,13 @@ class SphericalCodec:
     def _mean32(self, mean) -> Optional[np.ndarray]:
         if mean is None:
             return None
-        m = _as_float_matrix(np.asarray(mean).reshape(1, -1), "mean", self.dim)[0]
+        m = as_float_matrix(np.asarray(mean).reshape(1, -1), "mean", self.dim)[0]
         return m.astype(np.float32)
 
     def encode(self, x, mean=None) -> Encoded:
         """x (n, d) float → Encoded. ``mean`` (d,) is rounded to float32, subtracted and
         recorded. NaN/Inf, a wrong shape or dtype, or a norm beyond fp16 → ValueError."""
-        x = _as_float_matrix(x, "x", self.dim)
+        x = as_float_matrix(x, "x", self.dim)
         mean32 = self._mean32(mean)
         if mean32 is not None:
             x = x - mean32.astype(np.float64)
@@ -235,7 +235,7 @@ class SphericalCodec:
             if np.any(np.abs(y) > FP16_MAX):
                 raise ValueError("a rotated coordinate exceeds the fp16 range (65504); "
                                  "scale the input or use a quantised tier")
-            return Encoded(np.ones(n, np.float16), _pack_fp16(y.astype(np.float16)),
+            return Encoded(np.ones(n, np.float16), pack_fp16(y.astype(np.float16)),
                            16, self.dim, mean32)
         r = np.sqrt(np.sum(y * y, axis=1))
         zero = r == 0.0
@@ -283,7 +283,7 @@ class SphericalCodec:
     # ------------------------------------------------------------------ logits
     def rotate_query(self, q) -> np.ndarray:
         """Π q for rows of q (m, d), float64 — once per query per decode step."""
-        return self.rotation.apply(_as_float_matrix(q, "q", self.dim))
+        return self.rotation.apply(as_float_matrix(q, "q", self.dim))
 
     def logits(self, q, enc: Encoded) -> np.ndarray:
         """ℓ̂[m, n] = s[n]·⟨Πq[m], ĉ[n]⟩ (+ q·μ when centred) — logits straight from codes.
@@ -292,7 +292,7 @@ class SphericalCodec:
         a per-coordinate look-up in the table T[m, j, c] = (Πq)[m, j]·C[c]/√d; no key
         matrix is decoded (docs/ada.md)."""
         self._check_encoded(enc)
-        q = _as_float_matrix(q, "q", self.dim)
+        q = as_float_matrix(q, "q", self.dim)
         qr = self.rotation.apply(q)
         out = np.empty((q.shape[0], len(enc)))
         if self.bits == 16:
@@ -370,7 +370,7 @@ class SphericalCodec:
         with r̃ = s·‖ĉ‖ and Δr the fp16 rounding of s. fp16 tier: Σ_j |(Πq)_j|·δ_j with δ_j
         the fp16 rounding of the stored coordinate."""
         self._check_encoded(enc)
-        q = _as_float_matrix(q, "q", self.dim)
+        q = as_float_matrix(q, "q", self.dim)
         qn = np.linalg.norm(q, axis=1)
         if self.bits == 16:
             yhat = np.abs(self.rotated_points(enc))
@@ -384,7 +384,7 @@ class SphericalCodec:
 
     def angle_error(self, x, enc: Encoded) -> np.ndarray:
         """Exact ε_θ = ‖u − ĉ/‖ĉ‖‖ per vector, given the originals x (n, d) (0 for x = μ)."""
-        x = _as_float_matrix(x, "x", self.dim)
+        x = as_float_matrix(x, "x", self.dim)
         self._check_encoded(enc)
         if len(enc) != x.shape[0]:
             raise ValueError(f"x has {x.shape[0]} rows, enc has {len(enc)} vectors")
@@ -402,8 +402,8 @@ class SphericalCodec:
 
         = ‖k‖²·[ ‖q⊥‖²·(E[ε²] − E[ε⁴]/4)/(d − 1) + (q·k̂)²·E[ε⁴]/4 ] with k̂ = k/‖k‖ and
         q⊥ the part of q orthogonal to k (docs/ada.md). ≈ ‖q‖²‖k‖²·E[ε²]/d for large d."""
-        q = _as_float_matrix(q, "q", self.dim)
-        k = _as_float_matrix(k, "k", self.dim)
+        q = as_float_matrix(q, "q", self.dim)
+        k = as_float_matrix(k, "k", self.dim)
         e2 = codebooks.expected_sq_angle_error(self.bits, self.dim, self.codebook_kind)
         e4 = codebooks.expected_fourth_angle_error(self.bits, self.dim, self.codebook_kind)
         kn = np.linalg.norm(k, axis=1)

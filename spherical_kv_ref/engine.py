@@ -1,5 +1,5 @@
 """The engine adapter: a serving engine's paged-attention metadata on the project's pages
-(DESIGN §8, "adapter"; docs/serving.md).
+(docs/design.md §8, "adapter"; docs/serving.md).
 
 A paged serving engine (vLLM) owns a pool of blocks, each ``block_size`` tokens of every
 kv-head of one layer, and describes a step by four arrays: ``query_start_loc`` (R + 1,)
@@ -21,7 +21,7 @@ the request's states 0..p (causal inside the new tokens, all of them already wri
   serves every such page for every query token;
 * its *own block*: slots 0 .. p % B of block p // B. Tokens are grouped by o = p % B, so that
   within one decode call every page has a single valid count, o + 1;
-the parts are merged by their log-sum-exps, exactly (DESIGN §6, split-K merge).
+the parts are merged by their log-sum-exps, exactly (docs/design.md §6, split-K merge).
 
 ``CpuPagedAttention`` runs the two operations (write, attend) with the reference codecs and the numba paged decode (``paged_decode.decode_pool``);
 ``cupy_kernels.engine.CudaPagedAttention`` runs the same interface with
@@ -36,6 +36,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from .ada import merge_attention
 from .codec import SphericalCodec
 from .paged import TierLayout, page_layout, scatter_states
 from .paged_decode import PagedDecodeTables, decode_pool
@@ -238,17 +239,10 @@ def own_block_groups(plan: StepPlan, num_kv_heads: int) -> List[Tuple[int, np.nd
 
 
 def merge_into(xp, out, lse, tokens, part_out, part_lse) -> None:
-    """Merge one part's attention into the running (out, lse), in place, exactly:
-    out ← (e^{lse}·out + e^{l}·o) / (e^{lse} + e^{l}), lse ← log(e^{lse} + e^{l}).
-    out (N, Hq, d), lse (N, Hq) (−inf where nothing merged yet); tokens (n,) distinct;
-    part_out (n, Hq, d), part_lse (n, Hq). xp: numpy or cupy."""
-    old_o, old_l = out[tokens], lse[tokens]
-    m = xp.maximum(old_l, part_lse)
-    w_old = xp.where(xp.isneginf(old_l), 0.0, xp.exp(old_l - m))
-    w_new = xp.where(xp.isneginf(part_lse), 0.0, xp.exp(part_lse - m))
-    tot = w_old + w_new
-    out[tokens] = (w_old[..., None] * old_o + w_new[..., None] * part_out) / tot[..., None]
-    lse[tokens] = m + xp.log(tot)
+    """Merge one part's attention into the running (out, lse) of ``tokens``, in place, exactly
+    (``ada.merge_attention``). out (N, Hq, d), lse (N, Hq) (−inf where nothing merged yet);
+    tokens (n,) distinct; part_out (n, Hq, d), part_lse (n, Hq). xp: numpy or cupy."""
+    out[tokens], lse[tokens] = merge_attention(out[tokens], lse[tokens], part_out, part_lse, xp)
 
 
 class CpuPagedAttention:

@@ -45,6 +45,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from .ada import merge_attention
 from .cache import CompressPolicy, SphericalKVCache
 from .codec import as_real_array, check_finite, whole
 from .rotation import KEY_SALT, VALUE_SALT
@@ -54,12 +55,6 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 # ------------------------------------------------------------------------- context stores
-
-def _merge(out_a, lse_a, out_b, lse_b):
-    """Combine two attention partials over disjoint state sets by their log-sum-exps."""
-    lse = np.logaddexp(lse_a, lse_b)
-    return (np.exp(lse_a - lse)[..., None] * out_a + np.exp(lse_b - lse)[..., None] * out_b), lse
-
 
 def _softmax_part(q, k, v, scale, causal_offset=None):
     """Attention of q (G, T, d) over k, v (n, d) with lse; causal_offset: query t sees keys
@@ -694,7 +689,7 @@ def spherical_attention(module, query, key, value, attention_mask, scaling=None,
         out_c[sl], lse_c[sl] = (_softmax_part(q[sl], k_new[h], v_new[h], scale, causal_offset=0)
                                 if exact else
                                 _chunk_part(q[sl], k_new[h], v_new[h], k_held[h], v_held[h], scale))
-    out, _ = _merge(out_s, lse_s, out_c, lse_c)
+    out, _ = merge_attention(out_s, lse_s, out_c, lse_c)
     res = torch.from_numpy(out).to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous()
     return res, None
 

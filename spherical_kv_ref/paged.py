@@ -30,10 +30,11 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence
 import numpy as np
 
 from . import codebooks
-from .codec import FP16_MAX, Encoded, SphericalCodec, _pack_fp16, pack_codes, vector_bytes, whole
-from .tiers import TierLadder
+from .ada import mixed_tier_attention   # the decode specification; re-exported here
+from .codec import FP16_MAX, Encoded, SphericalCodec, pack_fp16, pack_codes, vector_bytes, whole
+from .tiers import TierLadder, states_per_page
 
-__all__ = ["TierLayout", "page_layout", "PoolExhaustedError", "PagePool", "PagedKV",
+__all__ = ["TierLayout", "tier_layout", "page_layout", "PoolExhaustedError", "PagePool", "PagedKV",
            "PageTable", "RowStates", "encode_rotated", "scatter_states", "stored_rotated",
            "mixed_tier_attention"]
 
@@ -71,19 +72,27 @@ def _code_bytes(bits: int, dim: int) -> int:
     return vector_bytes(bits, dim) - (0 if bits == 16 else 2)
 
 
+def tier_layout(tier: int, key_bits: int, value_bits: int, dim: int, page_bytes: int) -> TierLayout:
+    """The byte layout of the pages of one tier (docs/format.md "Pages"; docs/design.md §4).
+
+    The one definition of the page geometry: ``page_layout``, the numba decode's tables
+    (``paged_decode.PagedDecodeTables``), the kernels' geometry rows
+    (``cupy_kernels.kernel_tables``) and the engine's ``BlockFormat`` are built from it.
+    States per page as ``tiers.states_per_page``; ValueError if not one state fits."""
+    kb, vb = _code_bytes(key_bits, dim), _code_bytes(value_bits, dim)
+    p = states_per_page(vector_bytes(key_bits, dim) + vector_bytes(value_bits, dim),
+                        page_bytes, tier)
+    ks_off = p * (kb + vb) if key_bits != 16 else -1
+    vs_off = -1
+    if value_bits != 16:
+        vs_off = p * (kb + vb) + (2 * p if key_bits != 16 else 0)
+    return TierLayout(tier, key_bits, value_bits, p, kb, vb, p * kb, ks_off, vs_off)
+
+
 def page_layout(ladder: TierLadder, dim: int, page_bytes: int) -> tuple:
     """Layouts of tiers 1..T as a tuple indexed by tier (entry 0 is None)."""
-    out: List[Optional[TierLayout]] = [None]
-    for t in range(1, len(ladder) + 1):
-        kb_bits, vb_bits = ladder.bits(t)
-        p = ladder.states_per_page(t, dim, page_bytes)
-        kb, vb = _code_bytes(kb_bits, dim), _code_bytes(vb_bits, dim)
-        ks_off = p * (kb + vb) if kb_bits != 16 else -1
-        vs_off = -1
-        if vb_bits != 16:
-            vs_off = p * (kb + vb) + (2 * p if kb_bits != 16 else 0)
-        out.append(TierLayout(t, kb_bits, vb_bits, p, kb, vb, p * kb, ks_off, vs_off))
-    return tuple(out)
+    return (None,) + tuple(tier_layout(t, *ladder.bits(t), dim, page_bytes)
+                           for t in range(1, len(ladder) + 1))
 
 
 # ------------------------------------------------------------------------------ re-encoding
@@ -105,7 +114,7 @@ def encode_rotated(codec: SphericalCodec, y: np.ndarray, mean=None) -> Encoded:
     if codec.bits == 16:
         if np.any(np.abs(y) > FP16_MAX):
             raise ValueError("a rotated coordinate exceeds the fp16 range (65504)")
-        return Encoded(np.ones(n, np.float16), _pack_fp16(y.astype(np.float16)), 16, d, mean32)
+        return Encoded(np.ones(n, np.float16), pack_fp16(y.astype(np.float16)), 16, d, mean32)
     r = np.sqrt(np.sum(y * y, axis=1))
     zero = r == 0.0
     u = y / np.where(zero, 1.0, r)[:, None]
@@ -564,44 +573,3 @@ class PagedKV:
         assert not (free & set(seen)), "a page is both free and in a row"
         assert len(free) + len(seen) == self.pool.num_pages, "page leak"
         assert np.all(self.pool.page_tier[list(free)] == 0) if free else True
-
-
-# ------------------------------------------------------------------------------ reference
-
-def mixed_tier_attention(q, parts, key_mean=None, value_mean=None, softmax_scale=None,
-                         value_rotation=None, return_lse=False):
-    """Flat reference decode over kept states of several tiers, (m, d) float64.
-
-    parts: list of (keys Encoded, values Encoded, key_codec, value_codec), one per tier; all
-    codecs of one row share the key rotation and the value rotation. Logits per tier from
-    codes (codec.logits, with q·μ_K when key_mean is given), one softmax over all states,
-    Σ p_i·s_i·ĉ_i in rotated coordinates per tier, Π_Vᵀ once, + μ_V. With one part this
-    is ``ada.attention``."""
-    from .ada import rotated_value_sum
-    q = np.asarray(q, np.float64)
-    d = q.shape[1]
-    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    z = []
-    for k_enc, _, kc, _ in parts:
-        k_enc = Encoded(k_enc.scale, k_enc.codes, k_enc.bits, k_enc.dim,
-                        None if key_mean is None else np.asarray(key_mean, np.float32))
-        z.append(scale * kc.logits(q, k_enc))
-    z = np.concatenate(z, axis=1)
-    if z.shape[1] == 0:
-        raise ValueError("attention over zero kept states is undefined")
-    zmax = z.max(axis=1, keepdims=True)
-    e = np.exp(z - zmax)
-    denom = e.sum(axis=1, keepdims=True)
-    p = e / denom
-    acc = np.zeros((q.shape[0], d))
-    a = 0
-    for k_enc, v_enc, _, vc in parts:
-        acc += rotated_value_sum(p[:, a:a + len(k_enc)], v_enc, vc)
-        a += len(k_enc)
-    rot = parts[0][3].rotation if value_rotation is None else value_rotation
-    out = rot.inverse(acc)
-    if value_mean is not None:
-        out = out + np.asarray(value_mean, np.float32).astype(np.float64)[None, :]
-    if return_lse:
-        return out, (zmax + np.log(denom))[:, 0]
-    return out

@@ -15,7 +15,7 @@ CPU fast path of ``SphericalKVCache.decode``. Work decomposition, mirroring the 
 Π_K q (once per query head) and Π_Vᵀ acc + μ_V (once per query head) are applied outside,
 in float64 NumPy, as the kernel does in its prologue/epilogue. No dense key or value
 matrix is formed. All arithmetic is float64, so the result equals the flat reference
-(``paged.mixed_tier_attention``, ``ada.attention``) to rounding.
+(``ada.mixed_tier_attention``, ``ada.attention``) to rounding.
 """
 from __future__ import annotations
 
@@ -25,15 +25,19 @@ import numpy as np
 from . import codebooks
 from .paged import PagedKV, PageTable
 
-__all__ = ["PagedDecodeTables", "decode_pool", "paged_decode"]
+__all__ = ["PagedDecodeTables", "decode_pool", "paged_decode", "NUM_SPLITS"]
+
+#: page splits per row when the caller names none (split-K; the result moves only by rounding)
+NUM_SPLITS = 4
 
 #: fp16 bit pattern → float64, the kernel's half-to-float conversion as a table.
 _HALF = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float64)
 
 
 class PagedDecodeTables:
-    """Per-pool constants the kernel receives: per-tier layout arrays (indexed by tier
-    0..T) and codebook levels C_b/√d per bit width (rows indexed by bits, 256 columns)."""
+    """Per-pool constants the kernel receives: the pool's ``paged.page_layout`` as arrays
+    indexed by tier 0..T (offsets in words and halves), and codebook levels C_b/√d per bit
+    width (rows indexed by bits, 256 columns)."""
 
     def __init__(self, paged: PagedKV, codebook: str = "lloyd-max"):
         self._build(paged.pool.layout, paged.dim, codebook)
@@ -190,7 +194,7 @@ def _decode_rows(qr, qmu, scale, indptr, indices, pool32, pool16, page_tier, pag
 
 
 def paged_decode(paged: PagedKV, table: PageTable, q_rot, q_mu, tables: PagedDecodeTables,
-                 softmax_scale: float, num_splits: int = 4):
+                 softmax_scale: float, num_splits: int | None = None):
     """Attention accumulators for rows of a CSR page table.
 
     q_rot: (rows, G, d) float64, Π_K q of the G query heads of each row (each row's own key
@@ -204,7 +208,7 @@ def paged_decode(paged: PagedKV, table: PageTable, q_rot, q_mu, tables: PagedDec
 
 
 def decode_pool(data, page_tier, page_count, indptr, indices, q_rot, q_mu,
-                tables: PagedDecodeTables, softmax_scale: float, num_splits: int = 4):
+                tables: PagedDecodeTables, softmax_scale: float, num_splits: int | None = None):
     """``paged_decode`` over a pool given as arrays: data uint8 (num_pages, page_bytes)
     C-contiguous, page_tier and page_count int32 (num_pages,), indptr and indices the CSR
     page table (docs/format.md). The same result and errors; the pool is only read."""
@@ -225,6 +229,7 @@ def decode_pool(data, page_tier, page_count, indptr, indices, q_rot, q_mu,
         raise ValueError(f"q_rot must be (rows={rows}, G, d={tables.dim}), got {q_rot.shape}")
     if q_mu.shape != q_rot.shape[:2]:
         raise ValueError(f"q_mu must be {q_rot.shape[:2]}, got {q_mu.shape}")
+    num_splits = NUM_SPLITS if num_splits is None else num_splits
     if int(num_splits) != num_splits or num_splits < 1:
         raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
     idx = np.asarray(indices)

@@ -57,7 +57,15 @@ class TierLadder:
         per = self.bytes_per_state(tier, dim)
         if per == 0:
             raise ValueError("evicted states occupy no page")
-        n = whole("page_bytes", page_bytes, 1) // per
-        if n < 1:
-            raise ValueError(f"page_bytes={page_bytes} cannot hold one state of tier {tier} ({per} bytes)")
-        return n
+        return states_per_page(per, page_bytes, tier)
+
+
+def states_per_page(state_bytes: int, page_bytes: int, tier: int) -> int:
+    """⌊page_bytes / state_bytes⌋, the states one page of a tier holds (docs/format.md
+    "Pages"); ValueError if not one fits. The rule every page geometry follows
+    (``paged.tier_layout``)."""
+    n = whole("page_bytes", page_bytes, 1) // state_bytes
+    if n < 1:
+        raise ValueError(f"page_bytes={page_bytes} cannot hold one state of tier {tier} "
+                         f"({state_bytes} bytes)")
+    return n

@@ -3,7 +3,7 @@ valid page pools and CSR page tables, and the ways one goes bad."""
 import numpy as np
 from hypothesis import strategies as st
 
-from cupy_kernels.pages import kernel_tables
+from cupy_kernels.kernel_tables import kernel_tables
 
 TABLES = kernel_tables([(2, 2), (4, 4), (16, 16)], 64, page_bytes=1024, codebook="uniform")
 

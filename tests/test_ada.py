@@ -1,4 +1,4 @@
-"""Reference decode attention from codes (DESIGN §3): equal to attention over the decoded
+"""Reference decode attention from codes (docs/design.md §6): equal to attention over the decoded
 states, centring exact, and close to dense attention at high precision."""
 import numpy as np
 import pytest
@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import spherical_kv_ref as skv
+from spherical_kv_ref.ada import merge_attention
 from spherical_kv_ref.rotation import VALUE_SALT
 
 
@@ -72,9 +73,13 @@ def test_lse_lets_two_halves_merge_into_the_whole():
     whole = skv.attention(q, ke, ve, kc, vc)
     a, la = skv.attention(q, ke.take(slice(0, 20)), ve.take(slice(0, 20)), kc, vc, return_lse=True)
     b, lb = skv.attention(q, ke.take(slice(20, 50)), ve.take(slice(20, 50)), kc, vc, return_lse=True)
-    lse = np.logaddexp(la, lb)
-    merged = np.exp(la - lse)[:, None] * a + np.exp(lb - lse)[:, None] * b
+    merged, lse = merge_attention(a, la, b, lb)
     assert np.allclose(merged, whole, rtol=1e-12, atol=1e-12)
+    assert np.allclose(lse, skv.attention(q, ke, ve, kc, vc, return_lse=True)[1], rtol=1e-12)
+    # a part over no state (lse −inf) adds nothing, on either side
+    for got, l in (merge_attention(a, la, np.zeros_like(a), np.full(3, -np.inf)),
+                   merge_attention(np.zeros_like(a), np.full(3, -np.inf), a, la)):
+        assert np.array_equal(got, a) and np.array_equal(l, la)
 
 
 def test_attention_rejects_mismatched_inputs():

@@ -1,4 +1,4 @@
-"""GPU tests of the ADA paged decode kernel against the NumPy reference (DESIGN §6).
+"""GPU tests of the ADA paged decode kernel against the NumPy reference (docs/design.md §6).
 
 Tolerance (docs/PERF_NOTES.md "Error budget"): the kernel rounds the rotated query, the
 codebook levels and the softmax weights times value scales to fp16 (relative error 2^-11
@@ -41,7 +41,7 @@ def _check_against_table_path(case, splits, softmax_scale):
     """One affine-path decode of a uniform-codebook case against the table path's decode of
     the same pool (same codes, other fp16 roundings: within the error budget) and against
     the reference."""
-    from cupy_kernels.cases import run_case
+    from validation.decode_cases import run_case
     a = run_case(case, num_splits=splits, softmax_scale=softmax_scale)
     b = run_case(_as_table_path(case), num_splits=splits, softmax_scale=softmax_scale).get()
     diff = np.linalg.norm(a.get().astype(np.float64) - b, axis=-1)
@@ -67,14 +67,14 @@ def decode_shapes(draw):
 @settings(max_examples=40, deadline=None)
 @given(shape=decode_shapes(), splits=st.sampled_from([None, 1, 2, 5]))
 def test_matches_reference(shape, splits):
-    from cupy_kernels.cases import build_case, run_case
+    from validation.decode_cases import build_case, run_case
     case = build_case(**shape)
     _check(case, run_case(case, num_splits=splits))
 
 
 @pytest.mark.parametrize("codebook", ["lloyd-max", "uniform"])
 def test_long_rows_split_k_and_softmax_scale(codebook):
-    from cupy_kernels.cases import build_case, run_case
+    from validation.decode_cases import build_case, run_case
     case = build_case(1, 2, 4, 128, [3000, 1700], LADDER, [1, 5, 7], seed=3, centred=True,
                       codebook=codebook)
     _check(case, run_case(case, num_splits=16, softmax_scale=0.3), softmax_scale=0.3)
@@ -85,7 +85,7 @@ def test_long_rows_split_k_and_softmax_scale(codebook):
 def test_uniform_every_bit_width(dim):
     """The affine path at every bit width (1, 2, 3, 4, 8 and the fp16 top tier), one tier per
     case, with partial pages (read in place) and full pages (staged)."""
-    from cupy_kernels.cases import build_case, run_case
+    from validation.decode_cases import build_case, run_case
     for tier in range(1, len(WIDE_LADDER) + 1):
         case = build_case(2, 2, 8, dim, [700, 129, 33, 410], WIDE_LADDER, [tier], seed=tier,
                           centred=tier % 2 == 0, codebook="uniform")
@@ -98,7 +98,7 @@ def test_affine_and_table_paths_agree_on_every_width(dim):
     """The affine path (u = c - 2^(B-1) plus the per-head corrections, lazy running maximum,
     q . mu_K left out) and the table path decode the same uniform pool to the kernels'
     rounding scale, on tiers of every width, with partial pages, one split and several."""
-    from cupy_kernels.cases import build_case
+    from validation.decode_cases import build_case
     case = build_case(2, 2, 4, dim, [1000, 37, 515, 300], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
                       seed=31, centred=True, codebook="uniform")
     for splits in (1, 4):
@@ -110,7 +110,7 @@ def test_peaked_softmax_lazy_maximum(codebook):
     """A softmax scale 45x the usual one spreads the logits over hundreds of log2 units, so
     the running maximum keeps moving by more than the affine path's lazy slack deep into each row (every
     such step rescales the accumulators) and p = 2^(z - m) spans the whole fp32 range."""
-    from cupy_kernels.cases import build_case, run_case
+    from validation.decode_cases import build_case, run_case
     case = build_case(1, 2, 8, 128, [2500, 900], WIDE_LADDER, [2, 3, 4, 5, 6], seed=41,
                       centred=True, codebook=codebook)
     for splits in (1, 3):
@@ -125,7 +125,7 @@ def test_affine_fast_44_pages_and_domain_changes(softmax_scale):
     in each row (many chunks, shuffled page order), so the accumulators change domain many
     times, next to long pure-4/4 rows (one split and several). Against the reference and
     against the table path (same codes, other fp16 roundings)."""
-    from cupy_kernels.cases import build_case
+    from validation.decode_cases import build_case
     case = build_case(2, 2, 8, 128, [1300, 640, 31, 2000], WIDE_LADDER, [2, 3, 4, 5, 6],
                       seed=57, centred=True, codebook="uniform", chunks_per_row=12)
     pure = build_case(1, 2, 4, 128, [3100, 62], WIDE_LADDER, [4], seed=58, codebook="uniform")
@@ -144,7 +144,7 @@ def test_affine_fast_33_and_22_pages(softmax_scale):
     partial page, at 1, 2, 7 and 40 splits. Against the reference and against the table path
     (same codes, other fp16 roundings). Page padding is random, so a read of a non-state slot that were not
     masked would show."""
-    from cupy_kernels.cases import build_case
+    from validation.decode_cases import build_case
     mixed = build_case(2, 2, 8, 128, [1500, 700, 41, 2400], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
                        seed=61, centred=True, codebook="uniform", chunks_per_row=16)
     pure3 = build_case(1, 2, 4, 128, [4000, 39], WIDE_LADDER, [3], seed=62, centred=True,
@@ -166,7 +166,7 @@ def test_affine_fast_88_and_1616_pages(softmax_scale):
     page, and a row in chunk order (pages ordered as the cache lays them), at 1, 2, 3, 7 and 40
     splits. Against the reference and against the table path (same codes, other fp16 roundings). Page
     padding is random: a read of a non-state slot that were not masked would show."""
-    from cupy_kernels.cases import build_case
+    from validation.decode_cases import build_case
     mixed = build_case(2, 2, 8, 128, [1500, 900, 37, 2600], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
                        seed=71, centred=True, codebook="uniform", chunks_per_row=16)
     wide = build_case(1, 2, 8, 128, [2200, 1700], WIDE_LADDER, [4, 5, 6], seed=72,
@@ -186,7 +186,7 @@ def test_affine_ladder_longer_than_the_geometry_lanes():
     a page of a higher tier from the table: the longest ladder (18 tiers, one per state size)
     with pages of tiers 1, 4, 7 (4/4, fast path), 12 (8/8), 15, 16, 17 and 18 (16/16, fast path)
     interleaved, at 1, 3 and 40 splits, against the reference and the table path."""
-    from cupy_kernels.cases import build_case
+    from validation.decode_cases import build_case
     ladder = [(1, 1), (1, 2), (1, 3), (1, 4), (2, 4), (3, 4), (4, 4), (1, 8), (2, 8), (3, 8),
               (4, 8), (8, 8), (1, 16), (2, 16), (3, 16), (4, 16), (8, 16), (16, 16)]
     case = build_case(2, 2, 8, 128, [1300, 2100, 57, 900], ladder, [1, 4, 7, 12, 15, 16, 17, 18],
@@ -204,7 +204,7 @@ def test_affine_split_partition_covers_every_page_once():
     softmax weight times its values (rows of 100 to 3000 states, a page is 0.3-30 % of a row:
     >= 1e-2 of the output; no centring, so the output is not dominated by mu_V). Rows shorter
     than 4S pages leave splits and warps empty."""
-    from cupy_kernels.cases import build_case, run_case
+    from validation.decode_cases import build_case, run_case
     cases = [build_case(2, 2, 8, 128, [3000, 100, 777, 1900], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
                         seed=81, codebook="uniform", chunks_per_row=9),
              build_case(1, 2, 4, 128, [2500, 400], WIDE_LADDER, [3, 4, 5], seed=82,
@@ -238,7 +238,7 @@ def test_merge_many_splits(codebook):
     """The merges (the affine path's one CTA per head and row, splits in four groups; the
     table path's one CTA per row) with more splits than pages (empty splits: lse = -inf),
     and beyond the per-head merge's 256-split limit (then the per-row merge)."""
-    from cupy_kernels.cases import build_case, run_case
+    from validation.decode_cases import build_case, run_case
     case = build_case(1, 2, 8, 128, [3100, 300], WIDE_LADDER, [2, 4], seed=59, centred=True,
                       codebook=codebook)
     for splits in (5, 64, 256, 300):
@@ -248,7 +248,7 @@ def test_merge_many_splits(codebook):
 def test_uniform_and_table_paths_agree_on_uniform_codes():
     """The table path decodes any codebook: on a uniform pool it must agree with the affine
     path to the kernels' rounding scale (different fp16 roundings, same attention)."""
-    from cupy_kernels.cases import build_case
+    from validation.decode_cases import build_case
     case = build_case(1, 2, 4, 128, [900, 300], LADDER, [1, 2, 3, 5, 7], seed=21,
                       codebook="uniform")
     _check_against_table_path(case, 2, None)
@@ -256,7 +256,7 @@ def test_uniform_and_table_paths_agree_on_uniform_codes():
 
 def test_affine_path_rejects_non_affine_levels():
     import dataclasses
-    from cupy_kernels.pages import kernel_tables, uniform_half_steps
+    from cupy_kernels.kernel_tables import kernel_tables, uniform_half_steps
     lm = kernel_tables(LADDER, 128)
     with pytest.raises(ValueError):
         uniform_half_steps(dataclasses.replace(lm, codebook="uniform"))
@@ -270,7 +270,7 @@ def test_paged_vs_flat():
     import copy
     import cupy as cp
     from cupy_kernels import pack_pages
-    from cupy_kernels.cases import build_case, run_case
+    from validation.decode_cases import build_case, run_case
     scattered = build_case(2, 2, 4, 128, [250, 31, 93, 400], LADDER, [1, 5, 7], seed=11,
                            shuffle=True, fill_random=True)
     tier_of = {bits: t for t, bits in enumerate(LADDER, start=1)}
@@ -304,7 +304,7 @@ def test_paged_vs_flat():
 def test_noncontiguous_and_torch_inputs():
     torch = pytest.importorskip("torch")
     import cupy as cp
-    from cupy_kernels.cases import build_case, run_case, to_device
+    from validation.decode_cases import build_case, run_case, to_device
     case = build_case(2, 2, 4, 64, [40, 77, 5, 130], LADDER, [2, 5, 6], seed=5)
     dev = to_device(case)
     ref = run_case(case, dev, num_splits=1).get()
@@ -327,7 +327,7 @@ def test_noncontiguous_and_torch_inputs():
                                       "indptr_decreasing", "indptr_end", "dtype", "group"])
 def test_bad_page_tables_rejected(breakage):
     import cupy as cp
-    from cupy_kernels.cases import build_case, run_case, to_device
+    from validation.decode_cases import build_case, run_case, to_device
     case = build_case(1, 2, 4, 128, [50, 70], LADDER, [5], seed=2, shuffle=False)
     dev = to_device(case)
     kw = {}
@@ -359,7 +359,7 @@ def test_nonfinite_queries_and_means_rejected_before_launch(where):
     undefined (measured: finite numbers for a NaN query on the table path), which is why the
     check exists."""
     import cupy as cp
-    from cupy_kernels.cases import build_case, run_case, to_device
+    from validation.decode_cases import build_case, run_case, to_device
     case = build_case(1, 2, 4, 128, [50, 70], LADDER, [5, 7], seed=4, centred=True)
     dev = to_device(case)
     part, what = where.split("_")[:-1], where.split("_")[-1]
@@ -378,7 +378,7 @@ def test_nonfinite_queries_and_means_rejected_before_launch(where):
 def _reference_lse(case, softmax_scale=None):
     """(batch, Hq) float64 natural-log log-sum-exp of the scaled logits (with q . mu_K), and
     per head the logit error scale 1 + softmax_scale |q| max r_K."""
-    from cupy_kernels.cases import stored_radii
+    from validation.decode_cases import stored_radii
     from spherical_kv_ref.paged import mixed_tier_attention
     b, hq, d = case.q.shape
     g = hq // case.num_kv_heads
@@ -405,7 +405,7 @@ def test_lse_matches_reference(codebook, dim, group, centred):
     and at 2 and 5 splits; the outputs are those of a call without lse."""
     import cupy as cp
     from cupy_kernels.ada_decode import splits_for
-    from cupy_kernels.cases import build_case, run_case, to_device
+    from validation.decode_cases import build_case, run_case, to_device
     case = build_case(2, 2, group, dim, [300, 45, 700, 12], LADDER, [1, 5, 7], seed=11,
                       centred=centred, codebook=codebook)
     dev = to_device(case)
@@ -427,7 +427,7 @@ def test_lse_matches_reference(codebook, dim, group, centred):
 def test_no_dense_allocation_during_decode():
     """Hooks CuPy's allocator: no allocation of >= tokens * d * 2 bytes during a decode."""
     import cupy as cp
-    from cupy_kernels.cases import build_case, run_case, to_device
+    from validation.decode_cases import build_case, run_case, to_device
     case = build_case(1, 8, 4, 128, [2048] * 8, LADDER, [5], seed=4, reference_parts=False)
     dev = to_device(case)
     run_case(case, dev)   # compile and warm the table caches outside the hook
@@ -454,7 +454,7 @@ def test_no_dense_allocation_during_decode():
 def test_cuda_graph_capture_replays():
     import cupy as cp
     from cupy_kernels.ada_decode import make_workspace
-    from cupy_kernels.cases import build_case, run_case, to_device
+    from validation.decode_cases import build_case, run_case, to_device
     case = build_case(2, 2, 8, 128, [300, 45, 700, 12], LADDER, [1, 5, 7], seed=9)
     dev = to_device(case)
     ws = make_workspace(4, 8, 128, 4)
@@ -481,7 +481,7 @@ def test_per_head_merge_as_programmatic_launch(splits, monkeypatch):
     import cupy as cp
     from cupy_kernels import _pdl
     from cupy_kernels.ada_decode import make_workspace
-    from cupy_kernels.cases import build_case, run_case, to_device
+    from validation.decode_cases import build_case, run_case, to_device
     assert _pdl._launch_ex() is not None, "the driver has no cuLaunchKernelEx"
     case = build_case(2, 2, 4, 128, [3000, 45, 2500, 700], WIDE_LADDER, [3, 4], seed=17,
                       codebook="uniform")

@@ -201,7 +201,7 @@ def E(name, make, call, vals=None, raises=ValueError, state=None, marks=(), alia
 
 
 def _gpu_case():
-    from cupy_kernels.cases import build_case, to_device
+    from validation.decode_cases import build_case, to_device
     import cupy as cp
     case = build_case(1, 2, 4, 64, [20, 30], LADDER, [2, 3], seed=3, codebook="uniform")
     dev = to_device(case)
@@ -309,7 +309,7 @@ def _decode_cache_state(o):
 
 
 ENTRIES = [
-    # the codec (DESIGN §7)
+    # the codec (docs/design.md §7)
     E("SphericalCodec", None, lambda _, dim=D, bits=4, seed=0: SphericalCodec(dim, bits, seed),
       dim=INT, bits=INT, seed=INT, vals={("bits", INDEX): (5, 0), ("dim", INDEX): (3, -1), ("seed", INDEX): (-1,)}),
     E("codec.encode", lambda: CODEC, lambda c, x=X, mean=X[0]: c.encode(x, mean=mean),
@@ -350,7 +350,7 @@ ENTRIES = [
       tier=INT, dim=INT, vals={("dim", INDEX): (0, -1)}),
     E("TierLadder.states_per_page", lambda: LADDER, lambda l, tier=2, dim=D, page_bytes=256:
       l.states_per_page(tier, dim, page_bytes), tier=INT, page_bytes=INT, vals={("page_bytes", INDEX): (0, 8)}),
-    # the cache (DESIGN §7)
+    # the cache (docs/design.md §7)
     E("SphericalKVCache", None, lambda _, num_layers=2, head_dim=D, page_bytes=256, pool_bytes=4096,
       softmax_scale=None: SphericalKVCache(num_layers, 2, head_dim, LADDER, page_bytes=page_bytes,
                                            pool_bytes=pool_bytes, softmax_scale=softmax_scale),
@@ -387,12 +387,12 @@ ENTRIES = [
     E("cache.codec", _cache, lambda c, layer=0, head=1, bits=4, salt=0: c.codec(layer, head, bits, salt),
       layer=INT, head=INT, bits=INT, vals={("bits", INDEX): (5,)}),
     E("cache.free", _cache, lambda c, seq=LIVE: c.free(seq), seq=SEQ),
-    # RDR (DESIGN §5)
+    # RDR (docs/design.md §5)
     E("rdr.Problem", None, lambda _, distortion=np.ones((3, 3)), cost=np.array([0, 4, 8]):
       rdr.Problem(distortion, cost, np.zeros(3, np.int64), np.zeros(3, bool), 24, None),
       distortion=(NAN, INF, DTYPE, SHAPE, NONCONTIG), cost=(NAN, SHAPE),
       vals={("distortion", SHAPE): (np.ones(3), np.ones((3, 1)))}),
-    # kernel launchers (DESIGN §6): host-side set-up here, the launches in the GPU suite
+    # kernel launchers (docs/design.md §6): host-side set-up here, the launches in the GPU suite
     E("kernel_tables", None, lambda _, dim=64, page_bytes=1024: ck.kernel_tables(LADDER, dim, page_bytes),
       dim=INT, page_bytes=INT, vals={("dim", INDEX): (96, 0), ("page_bytes", INDEX): (8, 1000)}),
     E("ada_decode", _gpu_case, lambda dev, q=GPU_Q: _run_gpu_case(dev, q=q), state=_gpu_out, marks=GPU,

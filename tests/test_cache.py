@@ -1,4 +1,4 @@
-"""SphericalKVCache: append, protect, compress (RDR), GQA decode, errors (DESIGN §4, §5, §7)."""
+"""SphericalKVCache: append, protect, compress (RDR), GQA decode, errors (docs/design.md §4, §5, §7)."""
 import numpy as np
 import pytest
 from hypothesis import event, settings, strategies as st
@@ -367,7 +367,7 @@ S_LADDER = TierLadder([(2, 2), (4, 4), (16, 16)])
 
 class CacheMachine(RuleBasedStateMachine):
     """Random interleavings of new_sequence / append / protect / observe / compress /
-    decode / free over several sequences, checking DESIGN §4's invariants after each step:
+    decode / free over several sequences, checking docs/design.md §4's invariants after each step:
     bytes in use ≤ budget after compress, one sequence's operations never change another's
     decode, protected states kept where they are (new ones at the top tier), every refused
     call leaves the whole cache as it was, a freed sequence returns exactly its pages."""

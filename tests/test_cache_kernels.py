@@ -50,7 +50,7 @@ def error_scale(cache, seq, layer, q, values=True):
     """Per query head: (1 + 2 softmax_scale |q| max r_K) max |v_hat - mu_V| over the row's
     kept states (the scale of the kernel's fp16 rounding error); without ``values`` the
     first factor alone (the logits' and the log-sum-exp's)."""
-    from cupy_kernels.cases import stored_radii
+    from validation.decode_cases import stored_radii
     G = cache.group_size
     out = np.zeros(cache.num_q_heads)
     for h in range(cache.num_kv_heads):

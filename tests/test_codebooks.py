@@ -1,4 +1,4 @@
-"""Codebooks: Lloyd–Max conditions, the marginal density, error constants (DESIGN §3.3)."""
+"""Codebooks: Lloyd–Max conditions, the marginal density, error constants (docs/design.md §3 step 3)."""
 import numpy as np
 import pytest
 from scipy import integrate

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from reference.generate import content_sha256
-from spherical_kv_ref import cases
+from spherical_kv_ref import conformance
 
 ROOT = Path(__file__).resolve().parents[1] / "reference"
 MANIFEST = json.loads((ROOT / "manifest.json").read_text())
@@ -14,16 +14,16 @@ FLOAT_TOL = 1e-9      # float64 arrays: relative to the array's largest magnitud
 
 
 def test_manifest_lists_every_declared_case():
-    assert [e["name"] for e in MANIFEST["cases"]] == [c.name for c in cases.CASES]
+    assert [e["name"] for e in MANIFEST["cases"]] == [c.name for c in conformance.CASES]
 
 
-@pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", conformance.CASES, ids=lambda c: c.name)
 def test_vectors_regenerate(case):
     entry = next(e for e in MANIFEST["cases"] if e["name"] == case.name)
     with np.load(ROOT / entry["file"]) as f:
         stored = {k: f[k] for k in f.files}
     assert content_sha256(stored) == entry["sha256"], "vector file does not match its manifest hash"
-    fresh = cases.build(case)
+    fresh = conformance.build(case)
     assert set(fresh) == set(stored)
     for name, a in fresh.items():
         b = stored[name]

@@ -1,5 +1,5 @@
 """CPU checks (no GPU needed): every kernel source compiles with nvcc for sm_90, and ptxas
-reports no register spills and no stack frame for any kernel instance (DESIGN §6); and the
+reports no register spills and no stack frame for any kernel instance (docs/design.md §6); and the
 module the library builds at run time (NVRTC, the same source string, options and name
 expressions as cupy_kernels._module) compiled for sm_90 by NVRTC 13.0 where its library is
 installed (the `nvrtc` extra; CI installs it), whose local memory can differ from nvcc's."""

@@ -28,13 +28,13 @@ def test_decode_plot_draws_the_committed_benchmark(tmp_path):
 
 @pytest.mark.parametrize("order", ["shuffled", "contiguous", "strided"])
 def test_synthetic_layout_orders_place_every_page_once(order):
-    """The benchmark pools' page orders (cupy_kernels.cases.synthetic_layout): each one uses
+    """The benchmark pools' page orders (validation.decode_cases.synthetic_layout): each one uses
     every page id once, keeps each row's pages in order with the states that go to them, and
     places a row's pages as named: one run of ids (contiguous), every rows-th id (strided), or
     a seeded permutation (shuffled: the same for a seed, not a run)."""
     import numpy as np
-    from cupy_kernels.cases import synthetic_layout
-    from cupy_kernels.pages import kernel_tables
+    from validation.decode_cases import synthetic_layout
+    from cupy_kernels.kernel_tables import kernel_tables
     from validation.decode_bench import LADDER
     tables = kernel_tables(LADDER, 128, codebook="uniform")
     counts = {3: 100, 1: 70}   # 4/4 and 2/2 states per row: full and partial pages of both
@@ -67,8 +67,8 @@ def test_synthetic_layout_moves_the_last_page():
     place of the row's page list; the states still go to the pages that hold them, and the
     pool and its counts are the same as without it."""
     import numpy as np
-    from cupy_kernels.cases import synthetic_layout
-    from cupy_kernels.pages import kernel_tables
+    from validation.decode_cases import synthetic_layout
+    from cupy_kernels.kernel_tables import kernel_tables
     from validation.decode_bench import LADDER
     tables = kernel_tables(LADDER, 128, codebook="uniform")
     per = tables.states_per_page(3)

@@ -304,7 +304,7 @@ def _cell_edge_rows(codec, tables, bits, n, rng):
     rows whose rotation is one coordinate (|t| = sqrt(d): the ends of the bucket index), a
     row at the lower end of its radius range and one with a scale near the fp16 limit."""
     from cupy_kernels.encode import cell_tables, CELL_PRM
-    from cupy_kernels.pages import LEVEL_BITS
+    from cupy_kernels.kernel_tables import LEVEL_BITS
     d = codec.dim
     prm = cell_tables(tables)[LEVEL_BITS.index(bits) * CELL_PRM:][:CELL_PRM].astype(np.float64)
     if tables.codebook == "uniform":
@@ -508,7 +508,7 @@ def _emulate_float32_path(x, sigma, tables, bits):
     on double-rounding ties). Returns (codes, fp16 scales, deferred): the rows it defers go to
     the float64 pipeline, the others it writes."""
     from cupy_kernels.encode import cell_tables, CELL_PRM, CELL_LEV2, CELL_BM, CELL_NB, BUCKETS
-    from cupy_kernels.pages import LEVEL_BITS
+    from cupy_kernels.kernel_tables import LEVEL_BITS
     f32 = np.float32
     blob = cell_tables(tables)
     r = LEVEL_BITS.index(bits)
@@ -570,7 +570,7 @@ def test_cell_tables_and_float32_decisions(dim, codebook):
     from spherical_kv_ref import SphericalCodec
     from cupy_kernels import kernel_tables
     from cupy_kernels.encode import cell_tables, CELL_PRM, CELL_BM, CELL_NB, BUCKETS
-    from cupy_kernels.pages import LEVEL_BITS
+    from cupy_kernels.kernel_tables import LEVEL_BITS
     tables = kernel_tables([(b, b) for b in LEVEL_BITS], dim, codebook=codebook)
     blob = cell_tables(tables)
     rng = np.random.default_rng(dim)

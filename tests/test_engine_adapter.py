@@ -1,4 +1,4 @@
-"""The engine adapter (spherical_kv_ref.engine, DESIGN §8): vLLM-style metadata (block table,
+"""The engine adapter (spherical_kv_ref.engine, docs/design.md §8): vLLM-style metadata (block table,
 slot mapping, sequence lengths, query start locations) over a block pool in the project's
 page format, against a flat reference that sees no pages: for every query token, ADA
 attention (``ada.attention``) over its own request's states 0..p, encoded by the codecs.

@@ -1,4 +1,4 @@
-"""The kernel launchers' input checks on random good and bad inputs (DESIGN §6: launchers
+"""The kernel launchers' input checks on random good and bad inputs (docs/design.md §6: launchers
 validate with ValueError before any launch). On the host the checks run through NumPy
 (``page_table_faults``, ``input_faults``: the same code CuPy runs on the device); on the
 GPU the launchers must refuse the same inputs and leave ``out`` and the pool untouched."""

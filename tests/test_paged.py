@@ -1,4 +1,4 @@
-"""Page pool, page tables, re-tiering and the numba paged decode (DESIGN §4, §6)."""
+"""Page pool, page tables, re-tiering and the numba paged decode (docs/design.md §4, §6)."""
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -282,10 +282,35 @@ def test_free_row_returns_every_page():
 @pytest.mark.parametrize("dim, page_bytes", [(64, 4096), (128, 4096), (64, 1024)])
 def test_layout_agrees_with_the_kernel_geometry(tiers, dim, page_bytes):
     """The reference pages and the CUDA launchers' geometry table describe the same bytes."""
-    pages = pytest.importorskip("cupy_kernels.pages")
+    pages = pytest.importorskip("cupy_kernels.kernel_tables")
     ladder = TierLadder(tiers)
     geom = pages.kernel_tables(ladder, dim, page_bytes).geom
     for t, lay in enumerate(page_layout(ladder, dim, page_bytes)[1:], start=1):
         assert list(geom[t]) == [lay.key_bits, lay.value_bits, lay.states_per_page, lay.key_words,
                                  lay.value_words, lay.value_codes_offset // 4,
                                  lay.key_scales_offset, lay.value_scales_offset]
+
+
+@pytest.mark.parametrize("tiers", LADDERS + (TierLadder.DEFAULT,))
+@pytest.mark.parametrize("dim, page_bytes", [(64, 4096), (32, 1024)])
+def test_decode_tables_and_engine_blocks_read_the_one_geometry(tiers, dim, page_bytes):
+    """The numba decode's tables and the engine's block format carry page_layout's numbers
+    (in words and halves where the decode reads them so), nothing of their own."""
+    from spherical_kv_ref.engine import BlockFormat
+    from spherical_kv_ref.paged import tier_layout
+    ladder = TierLadder(tiers)
+    lay = page_layout(ladder, dim, page_bytes)
+    tab = PagedDecodeTables.for_layout(lay, dim)
+    for t in range(1, len(ladder) + 1):
+        x = lay[t]
+        assert x == tier_layout(t, *ladder.bits(t), dim, page_bytes)
+        assert (tab.key_bits[t], tab.value_bits[t], tab.per_page[t]) == \
+            (x.key_bits, x.value_bits, x.states_per_page)
+        assert (tab.key_words[t], tab.value_words[t], tab.value_codes_off[t]) == \
+            (x.key_words, x.value_words, x.value_codes_offset // 4)
+        for off, half in ((x.key_scales_offset, tab.key_scales_off[t]),
+                          (x.value_scales_offset, tab.value_scales_off[t])):
+            assert half == (off // 2 if off >= 0 else -1)
+        fmt = BlockFormat(*ladder.bits(t), dim, 2, block_size=16)
+        assert fmt.layout == tier_layout(1, *ladder.bits(t), dim, fmt.page_bytes)
+        assert fmt.layout.states_per_page == 16

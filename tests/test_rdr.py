@@ -1,4 +1,4 @@
-"""RDR (DESIGN §5, §7): surrogate, exact and fast solvers, certificate, statistics, masks."""
+"""RDR (docs/design.md §5, §7): surrogate, exact and fast solvers, certificate, statistics, masks."""
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -6,8 +6,8 @@ from scipy.optimize import linprog
 
 from spherical_kv_ref import rdr
 from spherical_kv_ref.rdr import statistics as rs
-from spherical_kv_ref.rdr.pages import (_group_transport, _least_bounded, _prices,
-                                        _refine_total)
+from spherical_kv_ref.rdr.page_search import (_group_transport, _least_bounded, _prices,
+                                              _refine_total)
 from strategies_rdr import coarse_paged_problems, tiny_problems
 
 REL = 1e-9
@@ -237,10 +237,10 @@ def test_bad_input_errors():
 def test_the_page_search_runs_within_its_work_limit():
     """max_search_work = 0 skips the page-aware search (step 6), inf runs it at any size;
     on an instance it improves, the default (it fits the limit) gives the searched answer."""
-    from spherical_kv_ref.rdr import fast
+    from spherical_kv_ref.rdr import greedy
     p = rdr.synthetic_problem(2000, 16, page_bytes=4096, seed=0)
     searched, skipped = rdr.solve(p), rdr.solve(p, "fast", max_search_work=0)
-    assert fast.search_fits(int((~p.protected).sum()))
+    assert greedy.search_fits(int((~p.protected).sum()))
     assert searched.objective < 0.5 * skipped.objective
     assert rdr.solve(p, "fast", max_search_work=np.inf).objective == searched.objective
     for a in (searched, skipped):
@@ -282,7 +282,7 @@ def test_surrogate_formula_and_first_order_logit_effect():
     want = p[:, None]**2 * (s2 * q2 * r[:, None]**2 * ek / dim * res[:, None]**2
                             + vn[:, None]**2 * ev)
     assert np.allclose(d[:, 1:], want)
-    # softmax_scale = 1 is DESIGN §5's formula verbatim
+    # softmax_scale = 1 is docs/design.md §5's formula verbatim
     d1 = rdr.distortion(p, q2, r, vn, res, ek, ev, dim, softmax_scale=1.0)
     assert np.allclose(d1[:, 1:] - p[:, None]**2 * vn[:, None]**2 * ev,
                        p[:, None]**2 * q2 * r[:, None]**2 * ek / dim * res[:, None]**2)

@@ -28,10 +28,10 @@ def main(config_path, result_path):
     else:
         os.environ.pop("SPHERICAL_KV_TIER", None)
     from vllm import LLM, SamplingParams
-    from spherical_kv_vllm.models import smollm2_folder
+    from spherical_kv_eval.model import model_folder
 
     t0 = time.time()
-    llm = LLM(model=str(smollm2_folder()), dtype="float32", seed=0, enforce_eager=True,
+    llm = LLM(model=str(model_folder()), dtype="float32", seed=0, enforce_eager=True,
               distributed_executor_backend="uni", disable_log_stats=False, **cfg["engine"])
     started = time.time() - t0
     steps = []

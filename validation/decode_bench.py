@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cupy_kernels.cases import (BENCH_GEOMETRIES, BENCH_LADDER as LADDER, BENCH_TIERS as TIERS, ada_step,
+from validation.decode_cases import (BENCH_GEOMETRIES, BENCH_LADDER as LADDER, BENCH_TIERS as TIERS, ada_step,
                                 encode_inputs, encode_keys_values, encoded_pool, rdr_mix)
 
 SHAPES = [(32, 8192), (8, 32768), (2, 131072), (1, 131072)]
@@ -216,7 +216,7 @@ def quality_table(n: int = 2048, m: int = 32, seed: int = 0):
     * spiky: heavy-tailed keys and values (Student t, 3 degrees of freedom) with 4 outlier
       channels x8, and queries equal to noisy copies of 8 keys, so that attention is peaked."""
     from spherical_kv_ref import SphericalCodec
-    from spherical_kv_ref.paged import mixed_tier_attention
+    from spherical_kv_ref.ada import mixed_tier_attention
     rng = np.random.default_rng(seed)
     d = D
     data = {}
@@ -256,7 +256,7 @@ def main(argv=None):
                     help="time only the encode kernel; no decode")
     ap.add_argument("--run-note", default=None, help="a label stored in every encode row")
     ap.add_argument("--geometry", default="llama8b", choices=sorted(BENCH_GEOMETRIES),
-                    help="the layer's heads and head dim (cupy_kernels.cases.BENCH_GEOMETRIES)")
+                    help="the layer's heads and head dim (validation.decode_cases.BENCH_GEOMETRIES)")
     ap.add_argument("--quality", action="store_true",
                     help="CPU only: attention error of the codebooks (no GPU, no timing)")
     args = ap.parse_args(argv)

@@ -2,7 +2,7 @@
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
 #   validation/gpu_suite.sh build tests device-cache e2e sanitize ncu profile bench-quick bench-encode bench flashinfer
 # (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines;
-#  BENCH_GEOMETRY=d256 times the head_dim-256 layer of cupy_kernels.cases.BENCH_GEOMETRIES)
+#  BENCH_GEOMETRY=d256 times the head_dim-256 layer of validation.decode_cases.BENCH_GEOMETRIES)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
 set -u
 OUT=${OUT:-/tmp/skv_gpu_suite}

@@ -67,7 +67,7 @@ def encode_part(dim, tables_by_codebook, ladder):
 def main(argv=None):
     import cupy as cp
     from cupy_kernels import kernel_tables
-    from cupy_kernels.cases import build_case, run_case, to_device
+    from validation.decode_cases import build_case, run_case, to_device
     encode_only = "--encode-only" in (sys.argv[1:] if argv is None else argv)
     ladder = [(2, 2), (3, 2), (4, 3), (4, 4), (8, 8), (16, 16)]
     for dim, group in ((128, 4), (64, 8)):

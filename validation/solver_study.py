@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from spherical_kv_ref import rdr
-from spherical_kv_ref.rdr import fast as rdr_fast
+from spherical_kv_ref.rdr import greedy as rdr_fast
 from spherical_kv_ref.rdr.synthetic import EXAMPLE_ERROR, EXAMPLE_LADDER, _example_bytes
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rdr")

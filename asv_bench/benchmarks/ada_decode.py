@@ -1,6 +1,6 @@
 """ADA paged decode kernels on the GPU (cupy_kernels/ada_decode.py; skipped without a device).
 
-Shapes of one Llama-3.1-8B layer (cupy_kernels.cases BENCH_*). GPU time comes from CUDA events
+Shapes of one Llama-3.1-8B layer (validation.decode_cases BENCH_*). GPU time comes from CUDA events
 around a captured decode graph; ``track_gbps`` is the bytes the decode must read (valid codes
 + scales + queries + page tables) over that time.
 """
@@ -15,7 +15,7 @@ class AdaDecode:
     def setup(self, batch_context, tiers, codebook):
         cp = gpu()
         from cupy_kernels import kernel_tables
-        from cupy_kernels.cases import BENCH_D, BENCH_HQ, BENCH_LADDER, ada_step, encoded_pool
+        from validation.decode_cases import BENCH_D, BENCH_HQ, BENCH_LADDER, ada_step, encoded_pool
         self.cp = cp
         batch, context = batch_context
         self.tables = kernel_tables(BENCH_LADDER, BENCH_D, codebook=codebook)

@@ -2,7 +2,7 @@
 import numpy as np
 
 import spherical_kv_ref as skv
-from spherical_kv_ref import fast
+from spherical_kv_ref import codec_numba
 
 
 class Encode:
@@ -12,7 +12,7 @@ class Encode:
     def setup(self, dim, bits, path):
         self.codec = skv.SphericalCodec(dim, bits, seed=0)
         self.x = np.random.default_rng(0).standard_normal((4096, dim))
-        self.encode = self.codec.encode if path == "reference" else (lambda x: fast.encode(self.codec, x))
+        self.encode = self.codec.encode if path == "reference" else (lambda x: codec_numba.encode(self.codec, x))
         self.encode(self.x[:8])                     # compile / warm caches outside the timing
 
     def time_encode(self, dim, bits, path):
@@ -35,7 +35,7 @@ class Logits:
         self.codec = skv.SphericalCodec(dim, bits, seed=0)
         self.enc = self.codec.encode(rng.standard_normal((8192, dim)))
         self.q = rng.standard_normal((4, dim))       # one GQA group of query heads
-        self.logits = self.codec.logits if path == "reference" else (lambda q, e: fast.logits(self.codec, q, e))
+        self.logits = self.codec.logits if path == "reference" else (lambda q, e: codec_numba.logits(self.codec, q, e))
         self.logits(self.q, self.enc.take(slice(0, 8)))
 
     def time_logits(self, dim, bits, path):

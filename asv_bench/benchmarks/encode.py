@@ -12,7 +12,7 @@ class Encode:
         self.parts = parts
         cp = gpu()
         from cupy_kernels import kernel_tables
-        from cupy_kernels.cases import BENCH_D, BENCH_HKV, BENCH_LADDER, bench_layout
+        from validation.decode_cases import BENCH_D, BENCH_HKV, BENCH_LADDER, bench_layout
         self.cp = cp
         self.tables = kernel_tables(BENCH_LADDER, BENCH_D)
         lay = bench_layout(1, states // BENCH_HKV, tiers, self.tables)

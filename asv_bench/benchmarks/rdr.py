@@ -1,4 +1,4 @@
-"""RDR solvers (DESIGN §5): "fast" at up to 10^6 states, "milp" at up to 10^4, and the
+"""RDR solvers (docs/design.md §5): "fast" at up to 10^6 states, "milp" at up to 10^4, and the
 argsort the fast path is held against (its budget: 3× one argsort of n·(T+1) float64).
 
 Instances come from rdr.synthetic_problem (the example ladder: 5 tiers + evict, 4 KiB pages,

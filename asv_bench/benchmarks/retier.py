@@ -12,7 +12,7 @@ class Retier:
         cp = gpu()
         import numpy as np
         from cupy_kernels import kernel_tables
-        from cupy_kernels.cases import (BENCH_D, BENCH_HKV, BENCH_LADDER, BENCH_TIERS,
+        from validation.decode_cases import (BENCH_D, BENCH_HKV, BENCH_LADDER, BENCH_TIERS,
                                         encode_inputs, encode_keys_values)
         from cupy_kernels.encode import raise_status
         self.cp = cp

@@ -1,4 +1,4 @@
-// ADA paged decode: attention logits and values straight from spherical codes (DESIGN §6).
+// ADA paged decode: attention logits and values straight from spherical codes (docs/design.md §6).
 //
 // Thread -> data map
 //   grid (num_splits, rows): one CTA per (sequence, kv-head) row and split of its page list;

@@ -1,5 +1,5 @@
 // Encode/append: rotate, radius, quantise, pack and write states straight into their pages
-// (DESIGN §3 steps 0-5, §6; bit layout in docs/format.md).
+// (docs/design.md §3 steps 0-5, §6; bit layout in docs/format.md).
 //
 // Thread -> data map (encode_table_kernel, encode_affine_kernel)
 //   256 threads, eight lanes per input vector, four vectors per warp (grid-stride over groups

@@ -1,4 +1,4 @@
-// Re-tier / compaction: move states between pages after an applied RDR decision (DESIGN §4, §6).
+// Re-tier / compaction: move states between pages after an applied RDR decision (docs/design.md §4, §6).
 //
 // Thread -> data map
 //   one warp per move (grid-stride); the warp handles the key, then the value, of the state

@@ -136,7 +136,8 @@ class KVMethod(ABC):
         return f"<{type(self).__name__} {self.name}>"
 
 
-def _check_budget(budget: float) -> float:
+def check_budget(budget: float) -> float:
+    """budget as a float fraction of the dense bf16 bytes in (0, 1]; ValueError otherwise."""
     budget = float(budget)
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"budget must be a fraction of the dense bf16 bytes in (0, 1], "

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import (BF16_BYTES, INDEX_BYTES, CompressedLayer, KVMethod, _check_budget,
-                   bf16_round)
+from .base import (BF16_BYTES, INDEX_BYTES, CompressedLayer, KVMethod, bf16_round,
+                   check_budget)
 
 __all__ = ["StreamingLLM", "H2O", "SnapKV", "kept_layer", "max_pool_1d"]
 
 
-def _pct(budget: float) -> str:
+def budget_label(budget: float) -> str:
+    """A budget as the methods' names show it: 0.25 -> '25%'."""
     return f"{100 * budget:g}%"
 
 
-class _Evictor(KVMethod):
+class Evictor(KVMethod):
     """Shared budget arithmetic and output assembly."""
 
     per_state_meta = INDEX_BYTES  # bytes of metadata per kept state
@@ -82,7 +83,7 @@ def _recent_and_top(scores: np.ndarray, n: int, n_recent: int) -> np.ndarray:
     return keep
 
 
-class StreamingLLM(_Evictor):
+class StreamingLLM(Evictor):
     """StreamingLLM (Xiao et al., 2024): the first ``sinks`` tokens (attention sinks)
     plus the most recent tokens that fit the budget."""
 
@@ -90,11 +91,11 @@ class StreamingLLM(_Evictor):
     per_layer_meta = 2 * INDEX_BYTES  # number of sinks and window start
 
     def __init__(self, budget: float, *, sinks: int = 4):
-        self.budget = _check_budget(budget)
+        self.budget = check_budget(budget)
         if sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {sinks}")
         self.sinks = sinks
-        self.name = f"streamingllm@{_pct(self.budget)}"
+        self.name = f"streamingllm@{budget_label(self.budget)}"
 
     def _select(self, layer, H, T, n, stats):
         keep = np.zeros((H, T), dtype=bool)
@@ -105,7 +106,7 @@ class StreamingLLM(_Evictor):
         return keep
 
 
-class H2O(_Evictor):
+class H2O(Evictor):
     """H2O (Zhang et al., 2023): heavy hitters by accumulated attention plus a recent
     window; ``recent_ratio`` of the kept tokens is the recent window (half, as in the
     paper). Selection is one-shot after prefill, on the prefill's accumulated
@@ -115,11 +116,11 @@ class H2O(_Evictor):
     needs_stats = True
 
     def __init__(self, budget: float, *, recent_ratio: float = 0.5):
-        self.budget = _check_budget(budget)
+        self.budget = check_budget(budget)
         if not 0.0 <= recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio must be in [0, 1], got {recent_ratio}")
         self.recent_ratio = recent_ratio
-        self.name = f"h2o@{_pct(self.budget)}"
+        self.name = f"h2o@{budget_label(self.budget)}"
 
     def _select(self, layer, H, T, n, stats):
         n_recent = int(round(n * self.recent_ratio))
@@ -140,7 +141,7 @@ def max_pool_1d(x: np.ndarray, kernel: int) -> np.ndarray:
     return out
 
 
-class SnapKV(_Evictor):
+class SnapKV(Evictor):
     """SnapKV (Li et al., 2024): the observation window (the last ``stats.window``
     tokens, whose queries vote) is kept; older tokens are ranked by the window's
     attention to them, max-pooled over ``kernel`` neighbouring positions so that
@@ -149,10 +150,10 @@ class SnapKV(_Evictor):
     needs_stats = True
 
     def __init__(self, budget: float, *, kernel: int = 7):
-        self.budget = _check_budget(budget)
+        self.budget = check_budget(budget)
         max_pool_1d(np.zeros((1, 1)), kernel)  # validates the kernel
         self.kernel = kernel
-        self.name = f"snapkv@{_pct(self.budget)}"
+        self.name = f"snapkv@{budget_label(self.budget)}"
 
     def _select(self, layer, H, T, n, stats):
         w = min(stats.window, T)

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .base import BF16_BYTES, INDEX_BYTES, CompressedLayer, KVMethod, _check_budget
-from .eviction import _Evictor, _pct, kept_layer
+from .base import BF16_BYTES, INDEX_BYTES, CompressedLayer, KVMethod, check_budget
+from .eviction import Evictor, budget_label, kept_layer
 
 __all__ = ["PEER_LINEUP", "PRESSES", "KVPressMethod", "PeersUnavailable", "PressSelection",
            "QUANTIZED_CACHE_BITS", "QuantizedCacheMethod", "kvpress_available", "peer_methods",
@@ -166,7 +166,7 @@ def _kept_positions(dense_k, dense_v, kept_k, kept_v) -> np.ndarray:
     return keep
 
 
-class KVPressMethod(_Evictor):
+class KVPressMethod(Evictor):
     """A kvpress press at a byte budget (a fraction of the dense bf16 cache).
 
     ``select(model, input_ids)`` runs the press on the model's prefill and returns a
@@ -181,14 +181,14 @@ class KVPressMethod(_Evictor):
     def __init__(self, press: str, budget: float, press_kwargs=None, inner_kwargs=None):
         if press not in PRESSES:
             raise ValueError(f"press must be one of {sorted(PRESSES)}, got {press!r}")
-        self.budget = _check_budget(budget)
+        self.budget = check_budget(budget)
         self.press, self.spec = press, PRESSES[press]
         self.press_kwargs = {**self.spec.kwargs, **(press_kwargs or {})}
         self.inner_kwargs = ({**PRESSES[self.spec.inner].kwargs, **(inner_kwargs or {})}
                              if self.spec.inner else None)
         self.per_state_meta = 0 if self.spec.layout == "pattern" else INDEX_BYTES
         self.per_layer_meta = 2 * INDEX_BYTES if self.spec.layout == "pattern" else 0
-        self.name = f"kvpress-{press}@{_pct(self.budget)}"
+        self.name = f"kvpress-{press}@{budget_label(self.budget)}"
         self.family = f"kvpress-{press}"
 
     def _layer_meta(self, H: int) -> int:

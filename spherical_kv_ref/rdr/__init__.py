@@ -27,7 +27,7 @@ Two solvers, one answer type (:class:`Allocation`):
   both lower bounds of the paged optimum.
 
 The package, by concern: ``surrogate`` (the distortion model), ``problem`` (Problem,
-Allocation), ``milp`` (the exact solver), ``fast`` (hull, greedy, certificate), ``pages``
+Allocation), ``milp`` (the exact solver), ``greedy`` (the fast solver: hull, greedy, certificate), ``page_search``
 (the page-aware search of the fast solver), ``statistics`` (the per-state statistics the
 surrogate reads, and protection masks), ``synthetic`` (the case tests and benchmarks share).
 """
@@ -36,8 +36,8 @@ from __future__ import annotations
 from .problem import Allocation, Problem
 from .surrogate import distortion, tier_error_constants
 from .synthetic import EXAMPLE_ERROR, EXAMPLE_LADDER, synthetic_problem
-from .fast import _solve_fast
-from .milp import _solve_milp
+from .greedy import solve_fast
+from .milp import solve_milp
 
 __all__ = ["Problem", "Allocation", "solve", "distortion", "tier_error_constants",
            "synthetic_problem", "EXAMPLE_LADDER", "EXAMPLE_ERROR"]
@@ -57,10 +57,10 @@ def solve(problem: Problem, method: str = "fast", **options) -> Allocation:
         unknown = set(options) - {"max_search_work"}
         if unknown:
             raise ValueError(f"unknown fast options {sorted(unknown)}")
-        return _solve_fast(problem, **options)
+        return solve_fast(problem, **options)
     if method == "milp":
         unknown = set(options) - {"time_limit", "mip_rel_gap"}
         if unknown:
             raise ValueError(f"unknown milp options {sorted(unknown)}")
-        return _solve_milp(problem, **options)
+        return solve_milp(problem, **options)
     raise ValueError(f"method must be 'fast' or 'milp', got {method!r}")

@@ -6,10 +6,10 @@ import warnings
 
 import numpy as np
 
-from .fast import _solve_fast
-from .problem import Problem, _allocation, _trivial
+from .greedy import solve_fast
+from .problem import Problem, make_allocation, trivial_tiers
 
-def _solve_milp(problem: Problem, time_limit=None, mip_rel_gap=0.0):
+def solve_milp(problem: Problem, time_limit=None, mip_rel_gap=0.0):
     from scipy import sparse
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -18,14 +18,14 @@ def _solve_milp(problem: Problem, time_limit=None, mip_rel_gap=0.0):
     free = np.flatnonzero(~problem.protected)
     nf = free.size
     if nf == 0:
-        tier = _trivial(problem)
-        return _allocation(problem, tier, problem.objective_of(tier), "milp", True)
+        tier = trivial_tiers(problem)
+        return make_allocation(problem, tier, problem.objective_of(tier), "milp", True)
     d_free = problem.distortion[free]
     const = float(problem.distortion[problem.protected, top].sum())
     # HiGHS's tolerances are absolute (1e-7 on costs): scale so that the optimum is about
     # one unit per state, from the LP bound of the fast path; surrogate distortions span
     # many decades, and a scale set by the largest would flatten the small ones to zero
-    fast = _solve_fast(problem)
+    fast = solve_fast(problem)
     lp = fast.lower_bound - const
     scale = lp / nf if lp > 0 else (float(d_free.max()) or 1.0)
 
@@ -99,10 +99,10 @@ def _solve_milp(problem: Problem, time_limit=None, mip_rel_gap=0.0):
     if res.x is None:
         if res.status == 2:     # no allocation beats the cutoff: fast's is within the gap
             bound = const + scale * min(cutoff, fast_s)
-            return _allocation(problem, fast.tier, bound, "milp", True)
+            return make_allocation(problem, fast.tier, bound, "milp", True)
         bound = getattr(res, "mip_dual_bound", None)
         bound = const + scale * bound if bound is not None and np.isfinite(bound) else 0.0
-        return _allocation(problem, fast.tier, max(bound, fast.lower_bound), "milp", False)
+        return make_allocation(problem, fast.tier, max(bound, fast.lower_bound), "milp", False)
     x = np.rint(res.x[:num_x]).reshape(nf, k)
     tier = np.full(n, top, dtype=np.int64)
     tier[free] = np.argmax(x, axis=1)
@@ -110,7 +110,7 @@ def _solve_milp(problem: Problem, time_limit=None, mip_rel_gap=0.0):
     bound = const + scale * bound if bound is not None and np.isfinite(bound) else 0.0
     if problem.objective_of(tier) > fast.objective:     # HiGHS's tolerances, at worst
         tier = fast.tier
-    return _allocation(problem, tier, max(bound, fast.lower_bound), "milp", res.status == 0)
+    return make_allocation(problem, tier, max(bound, fast.lower_bound), "milp", res.status == 0)
 
 
 def _run_highs(milp, c, num_x, num_y, bounds, constraints, opts):

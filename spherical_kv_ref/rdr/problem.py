@@ -170,7 +170,9 @@ class Allocation:
     optimal: bool
 
 
-def _allocation(problem, tier, lower_bound, method, optimal):
+def make_allocation(problem, tier, lower_bound, method, optimal):
+    """The Allocation of ``tier`` with its certificate; RuntimeError if it is infeasible (a
+    solver's bug, never the caller's)."""
     obj = problem.objective_of(tier)
     lb = min(float(lower_bound), obj)   # guard rounding noise of the bound's last bits
     gap = (obj - lb) / obj if obj > 0 else 0.0
@@ -184,7 +186,7 @@ def _allocation(problem, tier, lower_bound, method, optimal):
                       method=method, optimal=optimal)
 
 
-def _trivial(problem):
+def trivial_tiers(problem):
     """Allocation when no free state can be upgraded (empty problem, or all protected)."""
     tier = np.zeros(problem.n, dtype=np.int64)
     tier[problem.protected] = problem.num_options - 1

@@ -1,5 +1,5 @@
 """Named cases declared once: the conformance vectors, the unit tests and the benchmarks
-all build their inputs from here, so they cannot drift apart (STYLE "declare a case once").
+all build their inputs from here, so they cannot drift apart.
 
 A case is (op, shape parameters, seed). ``build(case)`` returns the inputs and the
 reference outputs as a dict of NumPy arrays; ``TOLERANCE[op]`` says how a port must match

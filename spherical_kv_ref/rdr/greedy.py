@@ -1,5 +1,5 @@
 """RDR's fast solver: lower convex hulls, the greedy (the LP optimum and the certificate), page
-repair and fill (docs/rdr.md §4, steps 1–5); the page-count search of step 6 is in pages.py."""
+repair and fill (docs/rdr.md §4, steps 1–5); the page-count search of step 6 is in page_search.py."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,8 +7,8 @@ from typing import Optional
 import numba
 import numpy as np
 
-from .pages import _group_order, search_pages
-from .problem import Problem, _allocation, _trivial
+from .page_search import group_order, search_pages
+from .problem import Problem, make_allocation, trivial_tiers
 
 @numba.njit(cache=True)
 def _hulls(d, free, order, ce):
@@ -131,7 +131,7 @@ def _fill(start, sorted_state, v, vert, nv, fgroup, counts, cost, per, page_byte
     return used
 
 
-def _solve_fast(problem: Problem, max_search_work: Optional[float] = None) -> Allocation:
+def solve_fast(problem: Problem, max_search_work: Optional[float] = None) -> Allocation:
     """Hull → greedy (LP optimum, the certificate) → page repair → fill (docs/rdr.md §4);
     the page-aware search while its work stays within ``max_search_work``."""
     max_search_work = _search_limit(max_search_work)   # a bad limit fails before any work
@@ -139,8 +139,8 @@ def _solve_fast(problem: Problem, max_search_work: Optional[float] = None) -> Al
     top = k - 1
     free = np.flatnonzero(~problem.protected).astype(np.int64)
     if free.size == 0:
-        tier = _trivial(problem)
-        return _allocation(problem, tier, problem.objective_of(tier), "fast", True)
+        tier = trivial_tiers(problem)
+        return make_allocation(problem, tier, problem.objective_of(tier), "fast", True)
     ce = problem.effective_cost
     order = np.argsort(ce, kind="stable").astype(np.int64)
     vert, nv, gain = _hulls(problem.distortion, free, order, ce)
@@ -192,7 +192,7 @@ def _solve_fast(problem: Problem, max_search_work: Optional[float] = None) -> Al
           used, budget)
     ftier = vert[rows, v]
     if page_bytes:
-        gorder, gstart = _group_order(fgroup, problem.num_groups)
+        gorder, gstart = group_order(fgroup, problem.num_groups)
         _fill_free_slots(problem.distortion, free, gorder, gstart, ftier, counts, per)
     tier[free] = ftier
     if page_bytes:
@@ -204,7 +204,7 @@ def _solve_fast(problem: Problem, max_search_work: Optional[float] = None) -> Al
                                          sorted_cost, seg_gain[srt], seed_y)
             if better is not None and problem.objective_of(better) < obj:
                 tier = better
-    return _allocation(problem, tier, lower, "fast", None)
+    return make_allocation(problem, tier, lower, "fast", None)
 
 
 #: fast runs the page-count search (step 6) only when its certificate leaves more than this

@@ -34,22 +34,15 @@ def uniform_half_steps(tables: "KernelTables") -> np.ndarray:
     return out.astype(np.float32)
 
 
-def _vector_code_words(bits: int, dim: int) -> int:
-    if bits == 16:
-        return dim // 2
-    if bits == 3:
-        return -(-2 * dim // 32) + -(-dim // 32)
-    return -(-bits * dim // 32)
-
-
 @dataclass(frozen=True)
 class KernelTables:
     """What the kernels need to know about a ladder at one head dim and page size.
 
     geom: int32 (T+1, 8) rows [kbits, vbits, P, kwords, vwords, voff_words, ksoff_bytes,
-    vsoff_bytes] (row 0 unused). levels32: float32 (5, 256) codebook levels for 1, 2, 3, 4, 8
-    bits (zero padded); levels64 / mids64: the same in float64 and their midpoints (cell
-    boundaries, computed as in the reference quantiser)."""
+    vsoff_bytes] (row 0 unused), each tier's ``spherical_kv_ref.paged.tier_layout``.
+    levels32: float32 (5, 256) codebook levels for 1, 2, 3, 4, 8 bits (zero padded);
+    levels64 / mids64: the same in float64 and their midpoints (cell boundaries, computed as
+    in the reference quantiser)."""
     ladder: Tuple[Tuple[int, int], ...]
     dim: int
     page_bytes: int
@@ -71,8 +64,9 @@ class KernelTables:
         return int(self.geom[tier, 2])
 
     def bytes_per_state(self, tier: int) -> int:
+        from spherical_kv_ref.codec import vector_bytes
         kb, vb = self.ladder[tier - 1]
-        return sum(4 * _vector_code_words(b, self.dim) + (0 if b == 16 else 2) for b in (kb, vb))
+        return vector_bytes(kb, self.dim) + vector_bytes(vb, self.dim)
 
 
 def kernel_tables(ladder, dim: int, page_bytes: int = 4096,
@@ -88,20 +82,15 @@ def kernel_tables(ladder, dim: int, page_bytes: int = 4096,
         raise ValueError(f"dim must be one of the head dims the kernels are built for, {DIMS}; got {dim}")
     if whole("page_bytes", page_bytes, 16) % 16:
         raise ValueError(f"page_bytes must be a positive multiple of 16, got {page_bytes}")
+    from spherical_kv_ref.paged import tier_layout
     geom = np.zeros((len(tiers) + 1, GEOM_STRIDE), np.int32)
     for t, (kb, vb) in enumerate(tiers, start=1):
         for b in (kb, vb):
             if b not in (1, 2, 3, 4, 8, 16):
                 raise ValueError(f"bits must be one of 1, 2, 3, 4, 8, 16; got {b} in tier {t}")
-        kw, vw = _vector_code_words(kb, dim), _vector_code_words(vb, dim)
-        ks, vs = (0 if kb == 16 else 2), (0 if vb == 16 else 2)
-        per_state = 4 * (kw + vw) + ks + vs
-        p = page_bytes // per_state
-        if p < 1:
-            raise ValueError(f"page_bytes={page_bytes} cannot hold one state of tier {t}")
-        ksoff = p * 4 * (kw + vw) if ks else -1
-        vsoff = (p * 4 * (kw + vw) + p * ks) if vs else -1
-        geom[t] = (kb, vb, p, kw, vw, p * kw, ksoff, vsoff)
+        lay = tier_layout(t, kb, vb, dim, page_bytes)     # the page geometry, docs/design.md §4
+        geom[t] = (kb, vb, lay.states_per_page, lay.key_words, lay.value_words,
+                   lay.value_codes_offset // 4, lay.key_scales_offset, lay.value_scales_offset)
     levels64 = np.zeros((len(LEVEL_BITS), 256))
     mids64 = np.zeros((len(LEVEL_BITS), 256))
     for r, b in enumerate(LEVEL_BITS):

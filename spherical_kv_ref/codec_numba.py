@@ -8,7 +8,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .codec import FP16_MAX, Encoded, SphericalCodec, _as_float_matrix
+from .codec import FP16_MAX, Encoded, SphericalCodec, as_float_matrix
 
 
 @numba.njit(cache=True, inline="always")
@@ -84,7 +84,7 @@ def encode(codec: SphericalCodec, x, mean=None) -> Encoded:
     """``codec.encode(x, mean)`` compiled: same codes and scales (quantised tiers only)."""
     if codec.bits == 16:
         return codec.encode(x, mean)
-    x = _as_float_matrix(x, "x", codec.dim)
+    x = as_float_matrix(x, "x", codec.dim)
     mean32 = codec._mean32(mean)
     mu = np.zeros(codec.dim) if mean32 is None else mean32.astype(np.float64)
     rot = codec.rotation
@@ -105,7 +105,7 @@ def logits(codec: SphericalCodec, q, enc: Encoded) -> np.ndarray:
     if codec.bits == 16:
         return codec.logits(q, enc)
     codec._check_encoded(enc)
-    q = _as_float_matrix(q, "q", codec.dim)
+    q = as_float_matrix(q, "q", codec.dim)
     qr = codec.rotation.apply(q)
     table = qr[:, :, None] * (codec.levels / np.sqrt(codec.dim))[None, None, :]
     out = _logits_kernel(np.ascontiguousarray(table), np.ascontiguousarray(enc.codes),

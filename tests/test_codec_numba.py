@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import spherical_kv_ref as skv
-from spherical_kv_ref import fast
+from spherical_kv_ref import codec_numba
 
 from strategies import CODE_BITS, DIMS, vectors
 
@@ -16,8 +16,8 @@ def test_fast_encode_and_logits_equal_the_reference(dim, bits, data, centred, se
     q = data.draw(vectors(dim=dim, max_rows=5))
     codec = skv.SphericalCodec(dim, bits, seed)
     mean = x.mean(0) if centred else None
-    ref, got = codec.encode(x, mean=mean), fast.encode(codec, x, mean=mean)
+    ref, got = codec.encode(x, mean=mean), codec_numba.encode(codec, x, mean=mean)
     assert ref.codes.tobytes() == got.codes.tobytes()
     assert ref.scale.tobytes() == got.scale.tobytes()
-    lr, lf = codec.logits(q, ref), fast.logits(codec, q, got)
+    lr, lf = codec.logits(q, ref), codec_numba.logits(codec, q, got)
     assert np.allclose(lf, lr, rtol=1e-12, atol=1e-12 * max(1.0, np.abs(lr).max()))

@@ -1,10 +1,10 @@
 """Random paged decode cases, declared once for the GPU tests, the benchmarks and the
-validation scripts (STYLE: "declare a case once").
+validation scripts, so they cannot drift apart.
 
 A case is one layer's cache: rows (sequence b, kv-head h) with ragged lengths, each row's
 states split into chunks of random tiers (mixed across pages), encoded by the reference
 codec and laid into pages by ``pack_pages``; plus queries and the float64 reference output
-from ``spherical_kv_ref.paged.mixed_tier_attention``. The benchmark pools (the shapes of one
+from ``spherical_kv_ref.ada.mixed_tier_attention``. The benchmark pools (the shapes of one
 Llama-3.1-8B layer, ``bench_layout``, ``encoded_pool``, a captured decode step ``ada_step``)
 serve validation/decode_bench.py and the asv benchmarks alike.
 """
@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .pages import KernelTables, PackedPages, kernel_tables, pack_pages, rotation_signs
+from cupy_kernels.kernel_tables import KernelTables, PackedPages, kernel_tables, pack_pages, rotation_signs
 
 
 @dataclass
@@ -33,7 +33,7 @@ class DecodeCase:
 
     def reference(self, softmax_scale=None) -> np.ndarray:
         """float64 (batch, Hq, d) from the NumPy reference."""
-        from spherical_kv_ref.paged import mixed_tier_attention
+        from spherical_kv_ref.ada import mixed_tier_attention
         b, hq, d = self.q.shape
         g = hq // self.num_kv_heads
         out = np.zeros((b, hq, d))
@@ -134,7 +134,7 @@ def build_case(batch: int, num_kv_heads: int, group: int, dim: int, lengths: Seq
 
 def to_device(case: DecodeCase) -> dict:
     """CuPy arrays of a case, keyed like ``ada_decode``'s arguments."""
-    from ._module import cupy
+    from cupy_kernels._module import cupy
     cp = cupy()
     p = case.packed
     return dict(q=cp.asarray(case.q), pages=cp.asarray(p.pages), page_tier=cp.asarray(p.page_tier),
@@ -146,7 +146,7 @@ def to_device(case: DecodeCase) -> dict:
 
 
 def run_case(case: DecodeCase, dev: Optional[dict] = None, **kw):
-    from .ada_decode import ada_decode
+    from cupy_kernels.ada_decode import ada_decode
     dev = to_device(case) if dev is None else dev
     return ada_decode(dev["q"], dev["pages"], dev["page_tier"], dev["page_count"], dev["indptr"],
                       dev["indices"], case.tables, dev["sigma_k"], dev["sigma_v"],
@@ -266,7 +266,7 @@ def encode_inputs(batch, context, tiers_name, tables, seed=0, order="shuffled", 
     """(layout, inputs) of an encode of every state of (batch, context, tiers) into a pool
     (``order``: synthetic_layout's, shuffled by default): the page tiers, key and value
     rotation signs (seeded), heads, destinations and random rows, on the GPU."""
-    from ._module import cupy
+    from cupy_kernels._module import cupy
     cp = cupy()
     lay = bench_layout(batch, context, tiers_name, tables, seed, order, last_page_at, num_kv_heads)
     rng = np.random.default_rng(seed)
@@ -281,7 +281,7 @@ def encode_inputs(batch, context, tiers_name, tables, seed=0, order="shuffled", 
 def encode_keys_values(inp, tables, pages, status):
     """Keys and values of ``encode_inputs``' rows (the same rows, each part its own signs) into
     ``pages`` by ``encode_kv_into_pages`` (one launch; no sync, status not read)."""
-    from .encode import encode_kv_into_pages
+    from cupy_kernels.encode import encode_kv_into_pages
     sk, sv = inp["sig"]
     encode_kv_into_pages(inp["x"], inp["x"], pages, inp["page_tier"], tables, sk, sv, inp["head"],
                          inp["dst_page"], inp["dst_slot"], check=False, status=status)
@@ -293,8 +293,8 @@ def encoded_pool(batch, context, tiers_name, tables, seed=0, order="shuffled", l
     by the encode kernel (checked: ValueError on a bad status). Returns (state, encode,
     status): the state dict ``ada_step`` takes (with the layout), the encode call that wrote
     the pool (rerunnable: the same bytes, no sync, status not read) and its status word."""
-    from ._module import cupy
-    from .encode import raise_status
+    from cupy_kernels._module import cupy
+    from cupy_kernels.encode import raise_status
     cp = cupy()
     lay, inp = encode_inputs(batch, context, tiers_name, tables, seed, order, last_page_at,
                              num_kv_heads)
@@ -316,8 +316,8 @@ def encoded_pool(batch, context, tiers_name, tables, seed=0, order="shuffled", l
 def ada_step(state, tables, q, batch):
     """A captured CUDA graph of one decode step of q (batch, query heads, d) over ``state``
     (``encoded_pool``'s); returns (replay fn, output, splits)."""
-    from ._module import cupy
-    from .ada_decode import ada_decode, make_workspace, splits_for
+    from cupy_kernels._module import cupy
+    from cupy_kernels.ada_decode import ada_decode, make_workspace, splits_for
     cp = cupy()
     hkv = state["num_kv_heads"]
     _, hq, d = q.shape

@@ -52,7 +52,7 @@ def search_pages(problem, free, fgroup, lower_lp, sorted_state, sorted_cost, sor
     per = problem.states_per_page
     max_pages = problem.budget_bytes // problem.page_bytes
     prot_top = np.bincount(problem.group_index[problem.protected], minlength=G)
-    gorder, gstart = _group_order(fgroup, G)
+    gorder, gstart = group_order(fgroup, G)
     size = np.diff(gstart)
     lo = (prot_top + per[top] - 1) // per[top]
     # tier pages beyond what every free state at that tier would need never help
@@ -351,7 +351,7 @@ def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, rounds
 
 
 @numba.njit(cache=True)
-def _group_order(fgroup, num_groups):
+def group_order(fgroup, num_groups):
     """Counting sort of the free states by group: (order, start offsets (G+1,))."""
     start = np.zeros(num_groups + 1, dtype=np.int64)
     for f in range(fgroup.size):
