@@ -54,7 +54,7 @@ from spherical_kv_ref.tiers import TierLadder
 
 from .ada_decode import DecodeWorkspace, ada_decode, splits_for
 from .encode import encode_kv_into_pages
-from .pages import kernel_tables, rotation_signs
+from .kernel_tables import kernel_tables, rotation_signs
 from .retier import retier
 
 __all__ = ["DeviceKVCache", "DecodeStep", "PoolExhaustedError"]

@@ -22,7 +22,7 @@ import torch
 from ._module import cupy
 from .ada_decode import DecodeWorkspace, ada_decode
 from .encode import encode_kv_into_pages
-from .pages import KernelTables
+from .kernel_tables import KernelTables
 
 __all__ = ["torch_stream", "register_tables", "decode", "append"]
 
