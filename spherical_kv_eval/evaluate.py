@@ -330,7 +330,7 @@ class Runner:
         from spherical_kv_eval.baselines import attention_stats
         from spherical_kv_eval.model import recording_attention
         torch = self.torch
-        cache = SphericalCache(self.cfg, observe=observe)
+        cache = SphericalCache(self.cfg, observe=observe, budget_fraction=None)
         full, slide = cache.store_layers, cache.window_layers
         # the full-attention layers' queries, as their attention receives them (after any
         # QK-norm and the layer's RoPE), recorded during the prefill itself

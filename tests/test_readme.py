@@ -26,7 +26,20 @@ def test_readme_python_block_runs_as_written(block, tmp_path, monkeypatch):
         pytest.skip(f"README line {block.line} needs {', '.join(missing)}")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    exec(compile(block.code, f"README.md:{block.line}", "exec"), {"__name__": "__readme__"})
+    names = {"__name__": "__readme__"}
+    exec(compile(block.code, f"README.md:{block.line}", "exec"), names)
+    if "caches" in names:      # the one-call transformers block: the cache compressed itself
+        (cache,) = names["caches"]
+        report = cache.report
+        assert report is not None and report.bytes_after <= report.budget_bytes
+        # 20 % of the bf16 bytes of the prompt's states (2 bytes a coordinate, keys and values)
+        assert report.budget_bytes == int(0.2 * 2 * 2 * cache.head_dim * report.states_before)
+
+def test_readme_transformers_usage_is_one_call():
+    """The README shows the integration as one call, not a hand-made prefill and byte count."""
+    (block,) = [b for b in PYTHON_BLOCKS if "spherical_kv_ref.hf" in b.code]
+    assert "spherical_kv(model, budget_fraction=" in block.code
+    assert "compress(" not in block.code and "ids[:, :-1]" not in block.code
 
 
 def test_readme_has_the_two_commands_and_the_benchmarks_once_each():
