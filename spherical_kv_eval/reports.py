@@ -196,7 +196,12 @@ def ci95(x) -> Optional[float]:
     return float(t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
 
 
-PARETO_METRICS = [("delta_ppl_pct", "ΔPPL vs dense, % (symmetric log)", "symlog", (1.0, "target: ΔPPL 1 %")),
+#: ΔPPL's y axis: linear within ±PPL_LINEAR % (noise puts dense-quality methods a little
+#: either side of 0), logarithmic beyond, with its ticks written out as percentages
+PPL_LINEAR = 0.1
+PARETO_METRICS = [("delta_ppl_pct", "perplexity increase over dense (ΔPPL), %\n"
+                   f"linear within ±{PPL_LINEAR:g} %, log scale beyond", "symlog",
+                   (1.0, "target: ΔPPL 1 %")),
                   ("kl_nats", "next-token KL(dense ‖ method), nats (log)", "log", None)]
 GREEDY_METRICS = [("greedy_agreement", "greedy agreement: common prefix / generated", "linear",
                    (0.9, "target: agreement 0.9")),
@@ -209,10 +214,14 @@ CI_KEYS = {"delta_ppl_pct": "delta_ppl_ci95", "kl_nats": "kl_nats_ci95",
 MARKERS = {"skv-rdr": "o", "skv-fixed": "s", "fp8e4m3": "D", "kivi": "^", "h2o": "v",
            "snapkv": "P", "streamingllm": "X", "expected": "<", "tova": ">", "knorm": "h",
            "observed": "*", "adakv-expected": "d", "adakv-snapkv": "p", "hf-quantized-hqq": "8"}
-COLORS = {"fp8e4m3": "tab:blue", "h2o": "tab:orange", "kivi": "tab:green", "skv-fixed": "tab:red",
-          "skv-rdr": "tab:purple", "snapkv": "tab:brown", "streamingllm": "tab:pink",
-          "expected": "tab:olive", "tova": "tab:cyan", "knorm": "tab:gray", "observed": "black",
-          "adakv-expected": "darkgoldenrod", "adakv-snapkv": "navy", "hf-quantized-hqq": "teal"}
+# kvpress's eight presses take the eight colours of Okabe and Ito's palette (told apart by
+# eye and under the common colour-vision deficiencies); the project's own baselines and the
+# QuantizedCache muted tones of their own, Spherical KV with RDR a heavy purple line
+COLORS = {"snapkv": "#0072B2", "streamingllm": "#E69F00", "expected": "#009E73",
+          "tova": "#D55E00", "knorm": "#56B4E9", "observed": "#000000",
+          "adakv-expected": "#CC79A7", "adakv-snapkv": "#F0E442",
+          "fp8e4m3": "#7f7f7f", "h2o": "#8c564b", "kivi": "#bcbd22", "skv-fixed": "#17becf",
+          "hf-quantized-hqq": "#393b79", "skv-rdr": "#6a0dad"}
 NUDGE = 0.012     # points of one family shift by up to ±NUDGE·x sideways (log x): ties stay visible
 
 
@@ -226,12 +235,33 @@ def _padded_limits(axis, values, pad=0.06):
     return float(out[0]), float(out[1])
 
 
+def _percent_ticks(ax) -> None:
+    """ΔPPL's ticks within the axis's limits: 0, ±0.1 and 1-3-10 steps, written as signed
+    percentages (+1 %, −0.1 %), so the symmetric log scale reads as numbers."""
+    lo, hi = ax.get_ylim()
+    steps = [0.05, 0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000]
+    ticks = [t for t in sorted({0.0} | {s for s in steps} | {-s for s in steps}) if lo <= t <= hi]
+    ax.set_yticks(ticks, [("0" if t == 0 else f"{t:+g} %".replace("-", "\u2212")) for t in ticks])
+    ax.yaxis.set_minor_locator(__import__("matplotlib").ticker.NullLocator())
+
+
+def _legend_order(label: str) -> tuple:
+    """Spherical KV first, then the project's own baselines, then the peers, the reference
+    lines last."""
+    if label.startswith("target"):
+        return (3, label)
+    if label.startswith("skv-"):
+        return (0, label != "skv-rdr", label)
+    return (2 if label.startswith(("kvpress-", "hf-")) else 1, label)
+
+
 def plot(rows, path: Path, metrics=PARETO_METRICS) -> None:
     """Bytes vs each of ``metrics`` (one plot row each: key, label, y scale, labelled reference
     line or None), one line and marker shape per method family, one column per context
-    length; the families' points are nudged slightly sideways so equal ones do not hide
-    each other, and the axes hold every point and the reference line. Default: ΔPPL (top)
-    and next-token KL (bottom); ``GREEDY_METRICS``: greedy agreement and margin error."""
+    length, one legend for every panel, outside them; the families' points are nudged
+    slightly sideways so equal ones do not hide each other, and the axes hold every point
+    and the reference line. Default: ΔPPL (top) and next-token KL (bottom);
+    ``GREEDY_METRICS``: greedy agreement and margin error."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -239,6 +269,7 @@ def plot(rows, path: Path, metrics=PARETO_METRICS) -> None:
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(len(metrics), len(contexts), figsize=(6 * len(contexts), 4.5 * len(metrics)),
                              squeeze=False)
+    legend = {}
     for row, (key, label, scale, ref) in enumerate(metrics):
         for ax, T in zip(axes[row], contexts):
             fams = {}
@@ -247,7 +278,7 @@ def plot(rows, path: Path, metrics=PARETO_METRICS) -> None:
                     fams.setdefault(r["family"], []).append(r)
             ax.set_xscale("log")
             if scale == "symlog":
-                ax.set_yscale("symlog", linthresh=0.1)    # ΔPPL can be slightly negative (noise)
+                ax.set_yscale("symlog", linthresh=PPL_LINEAR)    # ΔPPL can be slightly negative (noise)
                 ax.axhline(0.0, color="k", lw=0.6)
             else:
                 ax.set_yscale(scale)
@@ -264,6 +295,7 @@ def plot(rows, path: Path, metrics=PARETO_METRICS) -> None:
                                 mfc="none" if fam != "skv-rdr" else None, mew=1.4,
                                 ls="--" if peer else "-",
                                 lw=2.5 if fam == "skv-rdr" else 1.2, label=fam)
+                legend.setdefault(fam, line)
                 half = [r.get(CI_KEYS.get(key, "")) for r in rs]
                 if all(h is not None for h in half):         # the 95 % CIs as error bars
                     lo = [min(h, v - 1e-5) if scale == "log" else h for h, v in zip(half, y)]
@@ -273,23 +305,32 @@ def plot(rows, path: Path, metrics=PARETO_METRICS) -> None:
                 ys += y
             if ref is not None:
                 value, text = ref
-                ax.axhline(value, color="k", ls=":", lw=1.2, label=text)
+                legend.setdefault(text, ax.axhline(value, color="k", ls=":", lw=1.2, label=text))
                 ys.append(value)
             if not xs:
                 continue
             ax.set_xlim(*_padded_limits(ax.xaxis, xs))
             ax.set_ylim(*_padded_limits(ax.yaxis, ys, pad=0.08))
+            if scale == "symlog":
+                _percent_ticks(ax)
             lo, hi = ax.get_xlim()
             ticks = [t for t in (10, 15, 20, 25, 30, 40, 50, 65, 80, 100) if lo <= t <= hi]
-            ax.set_xticks(ticks, [str(t) for t in ticks])
+            if len(ticks) < 2:          # points close together in bytes: ticks between them
+                ticks = sorted({float(f"{t:.4g}") for t in np.geomspace(lo, hi, 5)[1:-1]})
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.set_xlim(lo, hi)
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xlabel("cache bytes, % of bf16 (all overheads counted)")
             ax.set_ylabel(label)
             ax.set_title(f"context {T} tokens")
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    if legend:
+        names = sorted(legend, key=_legend_order)
+        fig.legend([legend[n] for n in names], names, loc="center left", bbox_to_anchor=(1.0, 0.5),
+                   fontsize=9, title="method (dashed: the peers' own code)", title_fontsize=9,
+                   frameon=False)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

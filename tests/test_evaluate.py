@@ -227,6 +227,31 @@ def test_replot_redraws_the_figures_from_the_json_alone(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_the_figures_have_one_legend_outside_the_panels_and_presses_apart(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    rows = json.loads((COMMITTED / "default" / "evaluate.json").read_text())
+    drawn, save = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig) or save(fig, *a, **k))
+    E.plot(rows, tmp_path / "pareto.png")
+    (fig,) = drawn
+    assert len(fig.legends) == 1 and all(ax.get_legend() is None for ax in fig.axes)
+    (legend,) = fig.legends
+    names = [t.get_text() for t in legend.get_texts()]
+    families = {r["family"] for r in rows} - {"dense"}
+    assert set(names) == families | {"target: ΔPPL 1 %"} and names[0] == "skv-rdr"
+    # the legend is right of every panel
+    right = max(ax.get_position().x1 for ax in fig.axes)
+    assert legend.get_window_extent().x0 >= right * fig.bbox.width - 1
+    # every family its own colour (the presses most of all: eight dashed lines together)
+    colours = [E.COLORS[f.removeprefix("kvpress-")] for f in sorted(families)]
+    assert len(set(colours)) == len(colours)
+    # ΔPPL's axis is written in percentages
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert "+1 %" in labels and "0" in labels
+
+
 @pytest.mark.parametrize("scale", ["log", "symlog", "linear"])
 def test_plot_limits_hold_every_point_with_room(scale):
     import matplotlib
