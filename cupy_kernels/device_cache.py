@@ -419,6 +419,10 @@ class DeviceKVCache:
         s.queries[layer] = both[-max(self.policy.window, 1):].clone()
 
     # ------------------------------------------------------------------ bytes
+    # the budget conventions are the reference's: a fraction is of the bf16 bytes
+    bf16_bytes = SphericalKVCache.bf16_bytes
+    _budget = SphericalKVCache._budget
+
     def bytes_in_use(self, seq=None) -> int:
         """Bytes the pool holds for a sequence (all sequences if None): pages × page_bytes."""
         if seq is None:
@@ -552,7 +556,7 @@ class DeviceKVCache:
         s = self._seq(seq)
         self._open(s, "compress")
         sid = int(seq)
-        budget = SphericalKVCache._budget(self, sid, budget_bytes, budget_fraction)
+        budget = self._budget(sid, budget_bytes, budget_fraction)
         if method == "device":
             return self._compress_device(s, sid, budget)
         method = compress_method(self.policy, method)

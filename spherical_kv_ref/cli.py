@@ -8,16 +8,35 @@ import sys
 import numpy as np
 
 
+def _positive(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
+
+
+def demo_parser() -> argparse.ArgumentParser:
+    """The options of ``spherical-kv demo``."""
+    p = argparse.ArgumentParser(prog="spherical-kv demo", description=demo.__doc__)
+    p.add_argument("--dim", type=_positive, default=128,
+                   help="head dimension d of the random keys and values (default 128)")
+    p.add_argument("--tokens", type=_positive, default=2048,
+                   help="how many random keys and values to encode (default 2048)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random data and of the codecs' rotations (default 0)")
+    return p
+
+
 def demo(argv=None) -> int:
     """Encode random keys/values at each bit width; print bytes, logit errors and bounds."""
     from . import SphericalCodec, attention, dense_attention
     from .rotation import VALUE_SALT
 
-    p = argparse.ArgumentParser(prog="spherical-kv demo")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    a = demo_parser().parse_args(argv)
     rng = np.random.default_rng(a.seed)
     k = rng.standard_normal((a.tokens, a.dim)) + rng.standard_normal(a.dim)
     v = rng.standard_normal((a.tokens, a.dim))
@@ -59,15 +78,19 @@ def main(argv=None) -> int:
         print(f"spherical-kv {__version__}")
         return 0
     if not argv or argv[0] in ("-h", "--help"):
+        # asked for, the help goes to stdout and succeeds; with no subcommand it is a usage
+        # error, as argparse treats a missing required argument
+        out = sys.stdout if argv else sys.stderr
         names = ["demo"] + sorted(commands)
         print(f"usage: spherical-kv [--version] {{{','.join(names)}}} [options]\n"
-              "  demo      codec bytes, logit errors and bounds on random data")
+              "  demo      codec bytes, logit errors and bounds on random data", file=out)
         for name, ep in sorted(commands.items()):
-            print(f"  {name:<9} from {ep.value.split(':')[0]} (spherical-kv {name} --help)")
+            print(f"  {name:<9} from {ep.value.split(':')[0]} (spherical-kv {name} --help)",
+                  file=out)
         if "evaluate" not in commands:
             print("  (evaluate: the real-model evaluation comes with the installed package, "
-                  "pip install 'spherical-kv[eval]')")
-        return 0
+                  "pip install 'spherical-kv[eval]')", file=out)
+        return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
         return demo(rest)

@@ -120,12 +120,22 @@ def _unpack_fp16(words: np.ndarray, dim: int) -> np.ndarray:
 @dataclass(frozen=True)
 class Encoded:
     """n vectors in the stored format. ``scale`` fp16 (n,), ``codes`` uint32 (n, words),
-    ``mean`` float32 (d,) or None (the centring mean subtracted before coding)."""
+    ``bits`` per coordinate and ``dim`` of the codec that wrote them, ``mean`` float32 (d,)
+    or None (the centring mean subtracted before coding). ``codec_key``: what else picks
+    that codec, (seed, layer, head, salt, codebook, rotation kind), recorded by
+    ``SphericalCodec.encode``; a codec with another key refuses the codes (ValueError).
+    None (codes put together from pages) is not checked."""
     scale: np.ndarray
     codes: np.ndarray
     bits: int
     dim: int
     mean: Optional[np.ndarray] = None
+    codec_key: Optional[tuple] = None
+
+    @property
+    def seed(self) -> Optional[int]:
+        """The model seed of the codec that wrote the codes (None if not recorded)."""
+        return None if self.codec_key is None else self.codec_key[0]
 
     def __len__(self) -> int:
         return int(self.scale.shape[0])
@@ -137,7 +147,8 @@ class Encoded:
 
     def take(self, index) -> "Encoded":
         """A subset of the vectors (same mean), e.g. the states RDR keeps."""
-        return Encoded(self.scale[index], self.codes[index], self.bits, self.dim, self.mean)
+        return Encoded(self.scale[index], self.codes[index], self.bits, self.dim, self.mean,
+                       self.codec_key)
 
 
 def as_real_array(x, name: str) -> np.ndarray:
@@ -197,6 +208,9 @@ class SphericalCodec:
         dim = whole("dim", dim, 4)
         self.dim, self.bits, self.codebook_kind = dim, bits, codebook
         self.rotation = Rotation(self.dim, seed, layer, head, salt, rotation)
+        # 16 bits store the rotated fp16 values: no codebook is involved
+        self.key = (int(seed), int(layer), int(head), int(salt),
+                    None if bits == 16 else codebook, self.rotation.kind)
         self.levels = None if bits == 16 else codebooks.codebook(bits, self.dim, codebook)
         self.words = code_words(self.bits, self.dim)
 
@@ -236,7 +250,7 @@ class SphericalCodec:
                 raise ValueError("a rotated coordinate exceeds the fp16 range (65504); "
                                  "scale the input or use a quantised tier")
             return Encoded(np.ones(n, np.float16), pack_fp16(y.astype(np.float16)),
-                           16, self.dim, mean32)
+                           16, self.dim, mean32, self.key)
         r = np.sqrt(np.sum(y * y, axis=1))
         zero = r == 0.0
         u = y / np.where(zero, 1.0, r)[:, None]
@@ -248,7 +262,7 @@ class SphericalCodec:
             raise ValueError(f"a vector norm ({r.max():.6g}) is too large for an fp16 scale "
                              f"(max scale 65504); rescale the input")
         return Encoded(scale.astype(np.float16), pack_codes(codes, self.bits),
-                       self.bits, self.dim, mean32)
+                       self.bits, self.dim, mean32, self.key)
 
     def _check_encoded(self, enc: Encoded, name: str = "enc") -> None:
         if not isinstance(enc, Encoded):
@@ -256,6 +270,11 @@ class SphericalCodec:
         if enc.bits != self.bits or enc.dim != self.dim:
             raise ValueError(f"{name} has bits={enc.bits}, dim={enc.dim}; this codec has "
                              f"bits={self.bits}, dim={self.dim}")
+        if enc.codec_key is not None and enc.codec_key != self.key:
+            names = ("seed", "layer", "head", "salt", "codebook", "rotation")
+            diff = ", ".join(f"{n}={a!r} (this codec: {b!r})" for n, a, b in
+                             zip(names, enc.codec_key, self.key) if a != b)
+            raise ValueError(f"{name} was encoded by another codec: {diff}")
         if enc.codes.shape != (len(enc), self.words):
             raise ValueError(f"{name}.codes must have shape ({len(enc)}, {self.words}), got {enc.codes.shape}")
 

@@ -97,7 +97,7 @@ def encode(codec: SphericalCodec, x, mean=None) -> Encoded:
     if np.any(scale > FP16_MAX):
         raise ValueError("a vector norm is too large for an fp16 scale (max scale 65504); "
                          "rescale the input")
-    return Encoded(scale.astype(np.float16), codes, codec.bits, codec.dim, mean32)
+    return Encoded(scale.astype(np.float16), codes, codec.bits, codec.dim, mean32, codec.key)
 
 
 def logits(codec: SphericalCodec, q, enc: Encoded) -> np.ndarray:

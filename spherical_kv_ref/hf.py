@@ -3,18 +3,18 @@
 Usage (batch 1, decoder models of transformers 5.2 and later: Llama-family, and
 sliding-window hybrids such as Gemma-3)::
 
-    from spherical_kv_ref.hf import SphericalCache, use_spherical_attention
-    use_spherical_attention(model)                    # registers and selects the attention
-    cache = SphericalCache(model.config)              # dense until compressed
-    with torch.no_grad():
-        model(ids[:, :-1], past_key_values=cache)     # prefill (dense, records queries)
-        cache.compress(budget_bytes)                  # → SphericalKVCache + RDR
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+    from spherical_kv_ref.hf import spherical_kv
+    with torch.no_grad(), spherical_kv(model, budget_fraction=0.2) as caches:
+        out = model.generate(ids, max_new_tokens=32)   # compressed after the prefill
 
-``generate`` takes the whole sequence (transformers runs only the tokens the cache does not
-hold yet, so the cache must hold fewer tokens than ``ids``: here all but the last).
-``past_key_values=`` is the keyword transformers 5.2 reads; 5.24 also reads ``cache=`` and
-warns that models' ``forward`` drops the old name in 5.40.
+or, the attention switched for good, ``use_spherical_attention(model)`` and
+``model.generate(ids, past_key_values=SphericalCache(model.config, budget_fraction=0.2))``.
+Budgets are fractions of the bf16 bytes of the full-attention layers' states (2 bytes a
+coordinate). By hand (``budget_fraction=None``): prefill ``ids[:, :-1]`` through the cache,
+``cache.compress(...)``, then ``generate(ids, ...)`` with the whole sequence (transformers
+runs only the tokens the cache does not hold yet, so the cache must hold fewer tokens than
+``ids``). ``past_key_values=`` is the keyword transformers 5.2 reads; 5.24 also reads
+``cache=`` and warns that models' ``forward`` drops the old name in 5.40.
 
 Before ``compress`` the cache behaves like a dynamic dense cache and records the last
 ``observe`` queries of each layer (RDR's attention estimates). After it, each layer's new
@@ -35,8 +35,11 @@ torch and transformers are imported here only; the core reference never needs th
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import List, Optional, Sequence
+import functools
+import warnings
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -46,280 +49,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from .ada import merge_attention
-from .cache import CompressPolicy, SphericalKVCache
-from .codec import as_real_array, check_finite, whole
-from .rotation import KEY_SALT, VALUE_SALT
+from .cache import SphericalKVCache
+from .codec import whole
+from .hf_store import (ContextStore, DenseStore, SphericalStore, _check_store,  # noqa: F401
+                       _chunk_part, _softmax_part, fill_cache, observing)
 
 ATTENTION_NAME = "spherical_kv"
 FULL, SLIDING = "full_attention", "sliding_attention"
-
-
-# ------------------------------------------------------------------------- context stores
-
-def _softmax_part(q, k, v, scale, causal_offset=None):
-    """Attention of q (G, T, d) over k, v (n, d) with lse; causal_offset: query t sees keys
-    ≤ t + offset (None: all keys)."""
-    G, T, d = q.shape
-    z = scale * (q.reshape(G * T, d) @ k.T).reshape(G, T, -1)
-    if causal_offset is not None:
-        t = np.arange(T)[:, None]
-        z = np.where(np.arange(k.shape[0])[None, :] <= t + causal_offset, z, -np.inf)
-    zmax = z.max(axis=2, keepdims=True)
-    e = np.exp(z - zmax)
-    den = e.sum(axis=2, keepdims=True)
-    out = ((e / den).reshape(G * T, -1) @ v).reshape(G, T, d)
-    return out, (zmax + np.log(den))[..., 0]
-
-
-def _chunk_part(q, k, v, k_held, v_held, scale):
-    """Causal attention of a chunk's queries q (G, T, d) over the chunk itself: token t reads
-    tokens s < t as held by the store (k_held, v_held (T, d)) and itself exactly (k, v):
-    what a one-token decode step at t sees. Returns out (G, T, d), lse (G, T)."""
-    G, T, d = q.shape
-    z = scale * np.einsum("gtd,sd->gts", q, k_held)
-    diag = np.arange(T)
-    z[:, diag, diag] = scale * np.einsum("gtd,td->gt", q, k)
-    z = np.where(diag[None, :] <= diag[:, None], z, -np.inf)
-    zmax = z.max(axis=2, keepdims=True)
-    e = np.exp(z - zmax)
-    den = e.sum(axis=2, keepdims=True)
-    p = e / den
-    self_w = p[:, diag, diag]
-    p[:, diag, diag] = 0.0
-    out = np.einsum("gts,sd->gtd", p, v_held) + self_w[..., None] * v[None]
-    return out, (zmax + np.log(den))[..., 0]
-
-
-def _real_rows(x, name: str) -> np.ndarray:
-    """x as a finite real (n, d) array; ValueError naming ``name`` otherwise (the codec's
-    checks, ``as_real_array`` and ``check_finite``, plus the shape)."""
-    a = as_real_array(x, name)
-    if a.ndim != 2:
-        raise ValueError(f"{name}: every kv-head must be a real (n, d) array, got {a.dtype} "
-                         f"{a.shape}")
-    check_finite(a, name)
-    return a
-
-
-class _Rows:
-    """A (n, d) float64 array that grows at the end in amortised O(1) per row (decode
-    appends one token per step; re-concatenating a 4K-state row every step costs more
-    than the attention itself)."""
-
-    def __init__(self, a):
-        self._buf = np.array(a, np.float64)        # a copy: the store owns its rows
-        self._n = self._buf.shape[0]
-
-    @property
-    def rows(self) -> np.ndarray:
-        return self._buf[:self._n]
-
-    def extend(self, x) -> None:
-        x = np.asarray(x, np.float64)
-        need = self._n + x.shape[0]
-        if need > self._buf.shape[0]:
-            grown = np.empty((max(need, 2 * self._buf.shape[0], 16), self._buf.shape[1]))
-            grown[:self._n] = self._buf[:self._n]
-            self._buf = grown
-        self._buf[self._n:need] = x
-        self._n = need
-
-
-class ContextStore:
-    """What a layer's new tokens attend to besides themselves. Subclasses implement
-    ``attend`` (q (num_q_heads, T, d) → out, lse over the stored states), ``append``
-    (k, v (num_kv_heads, T, d) → the same as the store now holds them) and ``nbytes``."""
-
-    num_q_heads: int
-    num_kv_heads: int
-
-    def attend(self, layer: int, q: np.ndarray, scale: float):
-        raise NotImplementedError
-
-    def append(self, layer: int, k: np.ndarray, v: np.ndarray):
-        """Store a chunk; return its (k, v) as held (what later tokens will read)."""
-        raise NotImplementedError
-
-    def nbytes(self) -> int:
-        raise NotImplementedError
-
-
-def _check_store(store, num_q_heads: int, num_kv_heads: int, num_layers: int) -> None:
-    """ValueError naming ``store`` unless it is a context store (a ContextStore, or any object
-    with its methods and head counts) of the model's heads (and, if it says, of its store
-    layers)."""
-    if not (all(callable(getattr(store, m, None)) for m in ("attend", "append", "nbytes"))
-            and hasattr(store, "num_q_heads") and hasattr(store, "num_kv_heads")):
-        raise ValueError(f"store must be a ContextStore (attend, append, nbytes and the head "
-                         f"counts), got {type(store).__name__}")
-    if (store.num_q_heads, store.num_kv_heads) != (num_q_heads, num_kv_heads):
-        raise ValueError(f"store holds {store.num_kv_heads} kv-heads for {store.num_q_heads} query "
-                         f"heads; the model has {num_kv_heads} for {num_q_heads}")
-    layers = getattr(store, "num_layers", None)
-    if layers is not None and layers != num_layers:
-        raise ValueError(f"store holds {layers} layers; the model has {num_layers} "
-                         f"full-attention layers")
-
-
-class DenseStore(ContextStore):
-    """Explicit keys/values per layer and kv-head: ``keys[layer]`` is a (num_kv_heads, n, d)
-    array or a list of per-head (n_h, d) arrays (evicting methods keep different tokens per
-    head; evicted states are simply absent — keys are post-RoPE, so order does not
-    matter). ``bytes_per_state`` counts appended tokens (default bf16 keys + values)."""
-
-    def __init__(self, keys, values, num_q_heads: int, nbytes: int,
-                 bytes_per_state: Optional[int] = None):
-        num_q_heads = whole("num_q_heads", num_q_heads, 1)
-        nbytes = whole("nbytes", nbytes, 0)
-        if bytes_per_state is not None:
-            bytes_per_state = whole("bytes_per_state", bytes_per_state, 0)
-        rows = {}
-        for name, per_layer in (("keys", keys), ("values", values)):
-            try:
-                rows[name] = [[_Rows(_real_rows(x, f"{name}[{i}]")) for x in layer]
-                              for i, layer in enumerate(per_layer)]
-            except TypeError:
-                raise ValueError(f"{name} must hold per layer (num_kv_heads, n, d) arrays or lists "
-                                 f"of per-head (n, d) arrays") from None
-        k, v = rows["keys"], rows["values"]
-        if not k or not k[0]:
-            raise ValueError("keys must hold at least one layer of at least one kv-head")
-        shape = [[r.rows.shape for r in layer] for layer in k]
-        d = shape[0][0][1]
-        if [[r.rows.shape for r in layer] for layer in v] != shape:
-            raise ValueError("keys and values must have the same layers, heads and shapes")
-        if any(len(layer) != len(k[0]) or any(sh[1] != d for sh in layer) for layer in shape):
-            raise ValueError("keys must hold the same kv-heads and head dim in every layer")
-        if num_q_heads % len(k[0]):
-            raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of the "
-                             f"{len(k[0])} kv-heads of keys")
-        self.keys, self.values = k, v
-        self.num_kv_heads = len(self.keys[0])
-        self.num_q_heads = num_q_heads
-        self.num_layers = len(self.keys)
-        self._nbytes = nbytes
-        self._per_state = 4 * d if bytes_per_state is None else bytes_per_state
-
-    def attend(self, layer, q, scale):
-        G = self.num_q_heads // self.num_kv_heads
-        out = np.empty(q.shape)
-        lse = np.empty(q.shape[:2])
-        for h in range(self.num_kv_heads):
-            k, v = self.keys[layer][h].rows, self.values[layer][h].rows
-            sl = slice(h * G, (h + 1) * G)
-            if k.shape[0] == 0:
-                out[sl], lse[sl] = 0.0, -np.inf
-                continue
-            out[sl], lse[sl] = _softmax_part(q[sl], k, v, scale)
-        return out, lse
-
-    def append(self, layer, k, v):
-        for h in range(self.num_kv_heads):
-            self.keys[layer][h].extend(k[h])
-            self.values[layer][h].extend(v[h])
-        self._nbytes += k.shape[0] * k.shape[1] * self._per_state
-        return k, v
-
-    def nbytes(self):
-        return self._nbytes
-
-
-class SphericalStore(ContextStore):
-    """The compressed context of one sequence of a ``SphericalKVCache``.
-
-    ``attend`` computes the same function as ``SphericalKVCache.decode`` (logits from
-    codes, value sum in rotated coordinates, Π_Vᵀ once, + μ_V), but for many queries at
-    once: per (layer, kv-head) it keeps the kept states' rotated code points s·ĉ (what the
-    codes name) and forms logits with one matrix product. On a CPU that is the fast way to
-    evaluate the reference function for a 256-token chunk; tests pin it to the paged
-    decode. New tokens go into the pages at the top tier, and into the snapshot."""
-
-    def __init__(self, kv: SphericalKVCache, seq: int):
-        self.kv, self.seq = kv, int(seq)
-        self.num_q_heads, self.num_kv_heads = kv.num_q_heads, kv.num_kv_heads
-        self.num_layers = kv.num_layers
-        self._snap = [None] * kv.num_layers
-
-    def _snapshot(self, layer):
-        if self._snap[layer] is None:
-            rows = []
-            for h in range(self.kv.num_kv_heads):
-                ks, vs = [], []
-                for t, (ke, ve, _) in self.kv.paged.gather((self.seq, layer, h)).items():
-                    kb, vb = self.kv.ladder.bits(t)
-                    kc = self.kv.codec(layer, h, kb, KEY_SALT)
-                    vc = self.kv.codec(layer, h, vb, VALUE_SALT)
-                    ks.append(ke.scale.astype(np.float64)[:, None] * kc.rotated_points(ke))
-                    vs.append(ve.scale.astype(np.float64)[:, None] * vc.rotated_points(ve))
-                d = self.kv.head_dim
-                rows.append((_Rows(np.concatenate(ks) if ks else np.zeros((0, d))),
-                             _Rows(np.concatenate(vs) if vs else np.zeros((0, d)))))
-            self._snap[layer] = rows
-        return self._snap[layer]
-
-    def attend(self, layer, q, scale):
-        kv, s = self.kv, self.kv._seq(self.seq)
-        G = kv.group_size
-        kb, vb = kv.ladder.bits(kv.ladder.top)
-        out = np.empty(q.shape)
-        lse = np.empty(q.shape[:2])
-        for h, (kbuf, vbuf) in enumerate(self._snapshot(layer)):
-            krot, vrot = kbuf.rows, vbuf.rows
-            qh = q[h * G:(h + 1) * G]
-            if krot.shape[0] == 0:
-                out[h * G:(h + 1) * G], lse[h * G:(h + 1) * G] = 0.0, -np.inf
-                continue
-            qr = kv.codec(layer, h, kb, KEY_SALT).rotation.apply(qh)
-            o, l = _softmax_part(qr, krot, vrot, scale)
-            if kv.centre:       # the logit shift q·μ_K keeps lse equal to the reference's
-                l = l + scale * np.einsum("gtd,d->gt", qh, s.mean_k[layer, h].astype(np.float64))
-            o = kv.codec(layer, h, vb, VALUE_SALT).rotation.inverse(o)
-            if kv.centre:
-                o = o + s.mean_v[layer, h].astype(np.float64)
-            out[h * G:(h + 1) * G], lse[h * G:(h + 1) * G] = o, l
-        return out, lse
-
-    def append(self, layer, k, v):
-        kv = self.kv
-        encoded = kv._append(self.seq, layer, k, v)
-        kb, vb = kv.ladder.bits(kv.ladder.top)
-        held_k, held_v = np.empty(k.shape), np.empty(v.shape)
-        for h, (ke, ve) in enumerate(encoded):     # the top-tier codes the pages now hold
-            kc, vc = kv.codec(layer, h, kb, KEY_SALT), kv.codec(layer, h, vb, VALUE_SALT)
-            held_k[h], held_v[h] = kc.decode(ke), vc.decode(ve)
-            if self._snap[layer] is not None:
-                row = self._snap[layer][h]
-                row[0].extend(ke.scale.astype(np.float64)[:, None] * kc.rotated_points(ke))
-                row[1].extend(ve.scale.astype(np.float64)[:, None] * vc.rotated_points(ve))
-        return held_k, held_v
-
-    def nbytes(self):
-        return self.kv.bytes_in_use(self.seq)
-
-
-def observing(policy: Optional[CompressPolicy], observe: int) -> CompressPolicy:
-    """``policy`` (None: the default) with a query window of at least ``observe``, so that
-    RDR's estimate reads every one of the ``observe`` queries ``fill_cache`` records (the
-    window would otherwise keep only its own last few of them)."""
-    policy = policy or CompressPolicy()
-    return dataclasses.replace(policy, window=max(policy.window, int(observe)))
-
-
-def fill_cache(kv: SphericalKVCache, keys, values, queries=None, protect=()) -> int:
-    """Put a dense prefill into a new sequence of ``kv`` and return its id.
-
-    keys, values: per layer (num_kv_heads, n, d); queries: per layer the observation window
-    (num_q_heads, w, d) or None, recorded for RDR's attention estimate; protect: token
-    spans [start, stop) kept at the top tier."""
-    seq = kv.new_sequence()
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        kv.append(seq, layer, k, v)
-        q = None if queries is None else queries[layer]
-        for t in range(0 if q is None else q.shape[1]):
-            kv.observe(seq, layer, q[:, t])
-    for a, b in protect:
-        kv.protect(seq, a, b)
-    return seq
 
 
 # ------------------------------------------------------------------------- the HF cache
@@ -338,12 +74,35 @@ def rope_frequencies(config) -> Optional[np.ndarray]:
     return rope_inv_freq(head_dim, theta)
 
 
+def _text_config(config):
+    """The decoder's config of ``config``; ValueError naming what is missing where it is not
+    a decoder-only model's config with the attention geometry SphericalCache reads."""
+    if config is None:
+        raise ValueError("SphericalCache needs the model's config (model.config), got None")
+    name = type(config).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model's config: SphericalCache serves "
+                         f"decoder-only models (Llama-family, Gemma-3)")
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    missing = [a for a in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+               if not isinstance(getattr(text, a, None), int)]
+    if not missing and not isinstance(getattr(text, "head_dim", None), int) \
+            and not isinstance(getattr(text, "hidden_size", None), int):
+        missing.append("head_dim (or hidden_size)")
+    if missing:
+        raise ValueError(f"{name} has no {', '.join(missing)}: SphericalCache serves decoder-only "
+                         f"models whose config gives the layers, the query and kv-head counts and "
+                         f"the head dim (Llama-family, Gemma-3)")
+    return text
+
+
 def layer_kinds(config):
     """Each layer's attention, ``FULL`` or ``SLIDING``, and the window (tokens; None without
     sliding layers), read from a model config as transformers' own dynamic cache reads it:
     ``layer_types`` if the config has them, else every layer sliding when ``sliding_window``
-    is set. ValueError for any other kind of layer (chunked, linear, shared-KV)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    is set. ValueError for any other kind of layer (chunked, linear, shared-KV), and for a
+    config that is not a decoder-only model's (``_text_config``)."""
+    text = _text_config(config)
     window = getattr(text, "sliding_window", None)
     kinds = getattr(text, "layer_types", None)
     if kinds is None:
@@ -391,6 +150,13 @@ class _Layer(CacheLayerMixin):
             raise ValueError(f"SphericalCache serves batch 1, got batch {key_states.shape[0]}")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.slot == 0 and self.owner.store is None:
+            self.owner._pass_starts(self.length)      # may compress: the prefill is done
+        if self.pending is not None:
+            raise RuntimeError(f"layer {self.index}: the model's attention did not read the "
+                               f"compressed store on the last forward pass (its attention is "
+                               f"not 'spherical_kv'): call use_spherical_attention(model), or "
+                               f"use `with spherical_kv(model, ...)`")
         self.length += key_states.shape[-2]
         if self.owner.store is None:
             self.keys = key_states if self.keys is None else torch.cat([self.keys, key_states], dim=-2)
@@ -462,24 +228,46 @@ class HeldBytes:
         return self.store + self.window
 
 
+#: ``SphericalCache``'s budget when none is given: compress by hand, and warn if the cache
+#: runs on past its prefill still dense (``budget_fraction=None`` says so without the warning)
+_UNSET = object()
+
+
 class SphericalCache(Cache):
     """A transformers ``Cache`` backed by a context store (batch 1).
 
     config: the model config (num_hidden_layers, num_attention_heads, num_key_value_heads,
-    head_dim; layer_types and sliding_window for hybrid models). observe: how many of the
-    latest queries per full-attention layer to record for RDR's attention estimate: the
-    prefill's last ones, rolled on by any tokens run before ``compress`` (so compressing
-    after a few dense decode steps estimates from them). Keyword arguments go to
-    ``SphericalKVCache`` when ``compress`` builds it (its ``softmax_scale`` defaults to the
-    scale the model's attention used in the dense phase).
+    head_dim; layer_types and sliding_window for hybrid models; ValueError naming what is
+    missing for any other config). observe: how many of the latest queries per
+    full-attention layer to record for RDR's attention estimate: the prefill's last ones,
+    rolled on by any tokens run before ``compress`` (so compressing after a few dense decode
+    steps estimates from them).
+
+    budget_fraction: the budget as a fraction in (0, 1] of the bf16 bytes of the
+    full-attention layers' states (2 bytes a coordinate, keys and values: the bytes
+    ``held_bytes().store`` counts while dense). Given, the cache compresses itself once
+    the prefill is done: at the start of the next forward pass (in ``generate``, before the
+    first generated token's), after ``defer`` more tokens if that is set. Left out, the cache
+    waits for ``compress`` and warns if a forward pass runs on it past the prefill while it is
+    still dense; ``budget_fraction=None`` compresses by hand without that warning. The
+    budget holds when ``compress`` runs: tokens generated after it enter at the top tier
+    and add their bytes (docs/paged.md, "Budgets").
+
+    store_class: what holds the compressed context, called as ``store_class(kv, seq)`` with
+    the ``SphericalKVCache`` and sequence id ``compress`` fills (default ``SphericalStore``,
+    the NumPy reference; ``cupy_kernels.hf_store.GpuSphericalStore`` reads it through the GPU
+    decode kernel). Other keyword arguments go to ``SphericalKVCache`` when ``compress``
+    builds it (its ``softmax_scale`` defaults to the scale the model's attention used in the
+    dense phase).
 
     Full-attention layers go to the store; sliding-window layers keep their window dense
     (module docstring). ``store_layers``: the model layers the store's layer indices
     0, 1, … stand for; ``window_layers``: the others."""
 
-    def __init__(self, config, observe: int = 32, **cache_kwargs):
+    def __init__(self, config, observe: int = 32, *, budget_fraction=_UNSET, defer: int = 0,
+                 store_class: Optional[Callable] = None, **cache_kwargs):
         observe = whole("observe", observe, 0)
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text = _text_config(config)
         kinds, self.sliding_window = layer_kinds(config)
         self.num_layers = text.num_hidden_layers
         self.num_q_heads = text.num_attention_heads
@@ -493,12 +281,115 @@ class SphericalCache(Cache):
                                  for i, k in enumerate(kinds)])
         self.model_config = config
         self.observe = int(observe)
+        self._warn_dense = budget_fraction is _UNSET
+        self.budget_fraction = None if budget_fraction is _UNSET else budget_fraction
+        if self.budget_fraction is not None:
+            self.budget_fraction = _fraction("budget_fraction", self.budget_fraction)
+            if not self.store_layers:
+                raise ValueError("budget_fraction: the model has no full-attention layer, its "
+                                 "sliding windows are all the cache holds: nothing to compress")
+        self.defer = whole("defer", defer, 0)
+        if store_class is not None and not callable(store_class):
+            raise ValueError(f"store_class must be a class or callable (kv, seq) -> ContextStore, "
+                             f"got {store_class!r}")
+        self.store_class = store_class or SphericalStore
+        self.cache_kwargs = cache_kwargs
+        self._clear()
+
+    def _clear(self) -> None:
+        """The state a fresh cache starts in (``__init__``, ``reset``)."""
         self.observed: List[Optional[np.ndarray]] = [None] * self.num_layers
         self.scaling: Optional[float] = None
         self.store: Optional[ContextStore] = None
-        self.cache_kwargs = cache_kwargs
         self.kv: Optional[SphericalKVCache] = None
         self.seq: Optional[int] = None
+        self.report = None            # the automatic compress's CompressReport
+        self._prefill: Optional[int] = None    # tokens held when the first pass ended
+
+    def _make_store(self, kv: SphericalKVCache, seq: int) -> ContextStore:
+        """The context store over sequence ``seq`` of ``kv``: the one place a compressed
+        store is made (``store_class``)."""
+        return self.store_class(kv, seq)
+
+    def _pass_starts(self, held: int) -> None:
+        """Called by the first full-attention layer at every forward pass while dense, with
+        the tokens it holds: compress once the prefill (and ``defer``) is done, or warn once
+        that nothing will."""
+        if held == 0:
+            return
+        if self._prefill is None:
+            self._prefill = held
+        if self.budget_fraction is None:
+            if self._warn_dense:
+                self._warn_dense = False
+                warnings.warn("SphericalCache: a forward pass runs past the prefill and nothing "
+                              "has compressed the cache, so it stays dense; pass "
+                              "SphericalCache(config, budget_fraction=...) to compress after "
+                              "the prefill, call compress(), or pass budget_fraction=None to "
+                              "say the cache is compressed by hand", stacklevel=4)
+            return
+        if held - self._prefill >= self.defer:
+            if self.scaling is None:
+                raise ValueError("SphericalCache: the model's attention did not run through the "
+                                 "'spherical_kv' attention during the prefill, so the cache "
+                                 "cannot compress itself: call use_spherical_attention(model), "
+                                 "or use `with spherical_kv(model, ...)`, before the prefill")
+            try:
+                self.report = self.compress(budget_fraction=self.budget_fraction)
+            except ValueError as e:
+                raise ValueError(f"SphericalCache(budget_fraction={self.budget_fraction}) could "
+                                 f"not compress after the prefill of {held} tokens: {e}") from e
+
+    # -- the Cache API transformers calls -----------------------------------------------
+    def reset(self) -> None:
+        """Empty the cache, compressed store included: the next forward pass is a new
+        prefill and a later ``compress`` (or the automatic one) runs again."""
+        super().reset()
+        self._clear()
+
+    def crop(self, max_length: int) -> None:
+        """Drop tokens from the end of a dense cache: ``max_length`` < 0 drops that many,
+        ``max_length`` >= 0 keeps the first ``max_length`` (transformers' two conventions).
+        NotImplementedError once compressed (the store keeps no undo of its appends) or with
+        sliding-window layers (a window cannot take back the states it dropped)."""
+        n = self.get_seq_length(self.store_layers[0]) if self.store_layers else 0
+        max_length = int(max_length)
+        keep = n + max_length if max_length < 0 else min(max_length, n)
+        if keep == n:
+            return
+        if self.store is not None:
+            raise NotImplementedError("SphericalCache.crop: the cache is compressed and its "
+                                      "store cannot drop tokens; reset() and prefill again")
+        if self.window_layers:
+            raise NotImplementedError("SphericalCache.crop: sliding-window layers cannot take "
+                                      "back the states their window dropped")
+        keep = max(keep, 0)
+        for i in self.store_layers:
+            lay = self.layers[i]
+            if lay.keys is not None:
+                lay.keys, lay.values = lay.keys[..., :keep, :], lay.values[..., :keep, :]
+            lay.length = keep
+        gone = n - keep
+        self.observed = [None if o is None or o.shape[1] <= gone else o[:, :o.shape[1] - gone]
+                         for o in self.observed]
+
+    def _batch_one(self, what: str, rows) -> None:
+        if rows != [0]:
+            raise NotImplementedError(f"SphericalCache.{what}: the cache serves batch 1, so "
+                                      f"beam search, num_return_sequences > 1 and batched "
+                                      f"prompts are not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """A no-op for ``repeats`` = 1; NotImplementedError otherwise (batch 1)."""
+        self._batch_one("batch_repeat_interleave", [0] * int(repeats))
+
+    def reorder_cache(self, beam_idx) -> None:
+        """A no-op for the identity order of batch 1; NotImplementedError otherwise."""
+        self._batch_one("reorder_cache", [int(i) for i in torch.as_tensor(beam_idx).reshape(-1)])
+
+    def batch_select_indices(self, indices) -> None:
+        """A no-op for selecting the one row of batch 1; NotImplementedError otherwise."""
+        self._batch_one("batch_select_indices", [int(i) for i in torch.as_tensor(indices).reshape(-1)])
 
     @classmethod
     def from_store(cls, config, store: ContextStore, length: int, windows=None, **kw):
@@ -616,15 +507,25 @@ class SphericalCache(Cache):
         in it) and switch attention to the compressed states. Returns the ``CompressReport``.
 
         The budget is ``budget_bytes`` (an integer number of bytes; a float is refused, so
-        0.25 is never read as 0 bytes) or ``budget_fraction`` in [0, 1] of the store's bytes
-        before compression (every full-attention state at the top tier). On a refused budget
-        the cache stays dense and usable."""
+        0.25 is never read as 0 bytes) or ``budget_fraction`` in [0, 1] of the bf16 bytes of
+        the full-attention layers' states (``held_bytes().store`` before compression). It
+        holds now: tokens appended later add their bytes. On a refused budget the cache stays
+        dense and usable."""
         if self.store is not None:
-            raise ValueError("this cache is already compressed")
+            raise ValueError("this cache is already compressed (reset() empties it)")
         protect = self._spans(protect)
         if not self.store_layers:
             raise ValueError("the model has no full-attention layer: its sliding windows are "
                              "all the cache holds, there is nothing to compress")
+        n = self.layers[self.store_layers[0]].length
+        if n == 0:
+            raise ValueError("the cache holds no tokens yet: run the prefill through it first")
+        if (budget_bytes is None) == (budget_fraction is None):
+            raise ValueError("compress needs exactly one of budget_bytes (bytes) and "
+                             "budget_fraction (a fraction of the bf16 bytes)")
+        if budget_fraction is not None:
+            f = _fraction("budget_fraction", budget_fraction, zero=True)
+            budget_bytes = int(np.floor(f * self.held_bytes().store))
         kw = dict(self.cache_kwargs)
         if ladder is not None:
             kw["ladder"] = ladder
@@ -634,7 +535,6 @@ class SphericalCache(Cache):
         if "rope_inv_freq" not in kw:
             kw["rope_inv_freq"] = rope_frequencies(self.model_config)
         L = len(self.store_layers)
-        n = self.layers[self.store_layers[0]].length
         if "pool_bytes" not in kw:
             kw["pool_bytes"] = max(4 << 20, 2 * L * self.num_kv_heads * n * 4 * self.head_dim)
         kv = SphericalKVCache(L, self.num_kv_heads, self.head_dim,
@@ -642,10 +542,21 @@ class SphericalCache(Cache):
         keys, values = zip(*[self.dense_kv(layer) for layer in self.store_layers])
         seq = fill_cache(kv, keys, values, [self.observed[layer] for layer in self.store_layers],
                          protect)
-        report = kv.compress(seq, budget_bytes, method=method, budget_fraction=budget_fraction)
+        report = kv.compress(seq, budget_bytes, method=method)
         self.kv, self.seq = kv, seq
-        self.set_store(SphericalStore(kv, seq))
+        self.set_store(self._make_store(kv, seq))
         return report
+
+
+def _fraction(name: str, f, zero: bool = False) -> float:
+    """``f`` as a float in (0, 1] (with ``zero``: [0, 1]); ValueError naming ``name``
+    otherwise."""
+    ok = (not isinstance(f, (bool, np.bool_)) and isinstance(f, (int, float, np.integer, np.floating))
+          and (0.0 <= float(f) if zero else 0.0 < float(f)) and float(f) <= 1.0)
+    if not ok:
+        raise ValueError(f"{name} must be a fraction of the bf16 bytes in "
+                         f"{'[0' if zero else '(0'}, 1], got {f!r}")
+    return float(f)
 
 
 # ------------------------------------------------------------------------- attention
@@ -713,3 +624,63 @@ def use_spherical_attention(model) -> None:
     """Register ``spherical_attention`` (with sdpa's mask function) and select it for
     ``model`` (``select_attention``)."""
     select_attention(model, ATTENTION_NAME, spherical_attention)
+
+
+def _attention_configs(model) -> list:
+    """The model's config and every sub-config that names an attention implementation,
+    each once."""
+    found = {id(model.config): model.config}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            found.setdefault(id(cfg), cfg)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def spherical_kv(model, budget_fraction: float = 0.2, **cache_kwargs):
+    """Within the block, ``model.generate`` runs on a compressed cache and the model's
+    attention is ``spherical_kv``; on exit both are as they were::
+
+        with spherical_kv(model, budget_fraction=0.2) as caches:
+            out = model.generate(ids, max_new_tokens=32)
+        caches[-1].held_bytes()
+
+    Each ``generate`` call without ``past_key_values`` gets a fresh
+    ``SphericalCache(model.config, budget_fraction=budget_fraction, **cache_kwargs)``,
+    which compresses itself after the prefill (its budget: a fraction in (0, 1] of the bf16
+    bytes of the full-attention layers' states); the block yields the list of those caches,
+    in call order. A ``past_key_values`` given to ``generate`` is used as it is. The
+    config and the budget are checked on entry (ValueError). Other uses of the model (a
+    plain forward pass) only see the attention switched: it is sdpa's until a
+    ``SphericalCache`` is passed."""
+    budget_fraction = _fraction("budget_fraction", budget_fraction)
+    SphericalCache(model.config, budget_fraction=budget_fraction, **cache_kwargs)  # the checks
+    saved = [(c, c._attn_implementation) for c in _attention_configs(model)]
+    own = model.__dict__.get("generate")
+    inner = model.generate
+    caches: List[SphericalCache] = []
+
+    @functools.wraps(inner)
+    def generate(*args, **kwargs):
+        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+            return inner(*args, **kwargs)
+        cache = SphericalCache(model.config, budget_fraction=budget_fraction, **cache_kwargs)
+        caches.append(cache)
+        with warnings.catch_warnings():
+            # transformers 5.24 and later also read ``cache=`` and warn about the old name;
+            # 5.2 reads only ``past_key_values=``
+            warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
+            return inner(*args, past_key_values=cache, **kwargs)
+
+    use_spherical_attention(model)
+    model.generate = generate
+    try:
+        yield caches
+    finally:
+        for cfg, impl in saved:
+            cfg._attn_implementation = impl
+        if own is None:
+            del model.generate
+        else:
+            model.generate = own

@@ -114,7 +114,8 @@ def encode_rotated(codec: SphericalCodec, y: np.ndarray, mean=None) -> Encoded:
     if codec.bits == 16:
         if np.any(np.abs(y) > FP16_MAX):
             raise ValueError("a rotated coordinate exceeds the fp16 range (65504)")
-        return Encoded(np.ones(n, np.float16), pack_fp16(y.astype(np.float16)), 16, d, mean32)
+        return Encoded(np.ones(n, np.float16), pack_fp16(y.astype(np.float16)), 16, d, mean32,
+                       codec.key)
     r = np.sqrt(np.sum(y * y, axis=1))
     zero = r == 0.0
     u = y / np.where(zero, 1.0, r)[:, None]
@@ -124,7 +125,8 @@ def encode_rotated(codec: SphericalCodec, y: np.ndarray, mean=None) -> Encoded:
     scale = np.where(zero, 0.0, r / chat_norm)
     if np.any(scale > FP16_MAX):
         raise ValueError("a re-encoded scale exceeds the fp16 range (65504)")
-    return Encoded(scale.astype(np.float16), pack_codes(codes, codec.bits), codec.bits, d, mean32)
+    return Encoded(scale.astype(np.float16), pack_codes(codes, codec.bits), codec.bits, d, mean32,
+                   codec.key)
 
 
 def scatter_states(data: np.ndarray, lay: TierLayout, page, slot, keys: Encoded,

@@ -381,6 +381,7 @@ ENTRIES = [
       vals={("budget_fraction", INDEX): (-0.1, 1.5)}),
     E("cache.demote_all", _cache, lambda c, seq=LIVE, tier=2: c.demote_all(seq, tier), seq=SEQ, tier=INT),
     E("cache.bytes_in_use", _cache, lambda c, seq=LIVE: c.bytes_in_use(seq), seq=SEQ),
+    E("cache.bf16_bytes", _cache, lambda c, seq=LIVE: c.bf16_bytes(seq), seq=SEQ),
     E("cache.num_states", _cache, lambda c, seq=LIVE, layer=0: c.num_states(seq, layer), seq=SEQ, layer=INT),
     E("cache.page_table", _cache, lambda c, seqs=LIVE, layer=0: c.page_table(seqs, layer), seqs=(INDEX, FREED),
       layer=INT),

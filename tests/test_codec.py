@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spherical_kv_ref as skv
-from spherical_kv_ref.rotation import Rotation, hadamard_transform
+from spherical_kv_ref.rotation import VALUE_SALT, Rotation, hadamard_transform
 
 from strategies import ALL_BITS, CODE_BITS, DIMS, codec_params, vectors
 
@@ -152,6 +152,24 @@ def test_codec_rejects_foreign_encoded_and_bad_arguments():
     with pytest.raises(ValueError, match="mean"):
         skv.SphericalCodec(64, 4).encode(np.ones((2, 64)), mean=np.ones(63))
 
+
+
+@pytest.mark.parametrize("other", [dict(seed=1), dict(layer=2), dict(head=1), dict(salt=VALUE_SALT),
+                                   dict(codebook="uniform"), dict(rotation="haar")])
+def test_codes_remember_their_codec_and_another_codec_refuses_them(other):
+    """Codes read with another rotation or codebook would give wrong logits, not an error:
+    Encoded records the codec's seed, dim, bits and the rest of its key."""
+    x, q = np.random.default_rng(0).standard_normal((2, 5, 64))
+    enc = skv.SphericalCodec(64, 4, seed=7).encode(x)
+    assert (enc.seed, enc.dim, enc.bits) == (7, 64, 4)
+    assert enc.take([0, 2]).codec_key == enc.codec_key
+    kw = dict(seed=7) | other
+    with pytest.raises(ValueError, match=f"another codec: {next(iter(other))}="):
+        skv.SphericalCodec(64, 4, **kw).logits(q, enc)
+    skv.SphericalCodec(64, 4, seed=7).logits(q, enc)          # its own codec reads it
+    # codes put together from pages carry no key and are not checked
+    bare = skv.Encoded(enc.scale, enc.codes, enc.bits, enc.dim)
+    assert bare.seed is None and skv.SphericalCodec(64, 4, seed=1).logits(q, bare).shape == (5, 5)
 
 def test_mean_is_recorded_as_float32_and_subtracted():
     rng = np.random.default_rng(2)

@@ -289,6 +289,28 @@ def test_model_geometry_and_mode(smollm2):
     assert M.load_model() is smollm2  # cached per process
 
 
+def test_a_hugging_face_model_id_or_folder_is_read_by_transformers(smollm2, monkeypatch):
+    """Outside ``MODELS`` a name is a Hugging Face model id or a local folder; here the
+    converted SmolLM2 folder (offline, nothing downloaded), the same weights."""
+    folder = M._converted_dir(M.gguf_path())
+    if not (folder / "done.json").is_file():
+        pytest.skip("no converted SmolLM2 folder in the cache")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = M.model_spec("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert spec.hub and spec.title == "HuggingFaceTB/SmolLM2-135M-Instruct" and not spec.bos
+    assert M.model_spec("smollm2") is M.MODELS["smollm2"]
+    model, tokenizer = M.load_model(str(folder))
+    assert str(folder) in M.describe_model(str(folder))
+    ids = tokenizer("It is a truth universally acknowledged", return_tensors="pt").input_ids
+    import torch
+    with torch.no_grad():
+        a = model(ids).logits
+        b = smollm2[0](ids).logits
+    assert torch.equal(a, b)
+    from spherical_kv_eval import evaluate as E
+    assert E.parse(["--model", "HuggingFaceTB/SmolLM2-135M-Instruct"]).contexts == [2048, 4096]
+
+
 def test_perplexity_on_austen_is_reasonable(smollm2):
     from spherical_kv_eval.data import DataUnavailable, load_austen
     model, tokenizer = smollm2

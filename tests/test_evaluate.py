@@ -15,6 +15,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from spherical_kv_eval import evaluate as E  # noqa: E402
+# run() looks its helpers up in the units module: the tests patch them there
+from spherical_kv_eval import units as U  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +227,31 @@ def test_replot_redraws_the_figures_from_the_json_alone(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_the_figures_have_one_legend_outside_the_panels_and_presses_apart(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    rows = json.loads((COMMITTED / "default" / "evaluate.json").read_text())
+    drawn, save = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig) or save(fig, *a, **k))
+    E.plot(rows, tmp_path / "pareto.png")
+    (fig,) = drawn
+    assert len(fig.legends) == 1 and all(ax.get_legend() is None for ax in fig.axes)
+    (legend,) = fig.legends
+    names = [t.get_text() for t in legend.get_texts()]
+    families = {r["family"] for r in rows} - {"dense"}
+    assert set(names) == families | {"target: ΔPPL 1 %"} and names[0] == "skv-rdr"
+    # the legend is right of every panel
+    right = max(ax.get_position().x1 for ax in fig.axes)
+    assert legend.get_window_extent().x0 >= right * fig.bbox.width - 1
+    # every family its own colour (the presses most of all: eight dashed lines together)
+    colours = [E.COLORS[f.removeprefix("kvpress-")] for f in sorted(families)]
+    assert len(set(colours)) == len(colours)
+    # ΔPPL's axis is written in percentages
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert "+1 %" in labels and "0" in labels
+
+
 @pytest.mark.parametrize("scale", ["log", "symlog", "linear"])
 def test_plot_limits_hold_every_point_with_room(scale):
     import matplotlib
@@ -301,8 +328,8 @@ def test_a_run_in_parts_resumes_to_the_rows_of_one_run(worker, tmp_path, monkeyp
     refused, and a line cut off by an interruption is run again."""
     from types import SimpleNamespace
     ids = np.random.default_rng(3).integers(0, 101, 4000)
-    monkeypatch.setattr(E, "_main_setup", lambda *a, **k: (worker.model.config, None))
-    monkeypatch.setattr(E, "corpus_tokens", lambda tok, need, special=True: (ids, "test"))
+    monkeypatch.setattr(U, "_main_setup", lambda *a, **k: (worker.model.config, None))
+    monkeypatch.setattr(U, "corpus_tokens", lambda tok, need, special=True: (ids, "test"))
 
     def args(out, **kw):
         base = dict(model="smollm2", contexts=[256], budgets=[0.5], rdr_extra=[], rdr_recent=[32],
@@ -340,8 +367,8 @@ def test_a_grown_line_up_resumes_with_only_the_new_methods(worker, tmp_path, mon
     whose prefill differs from its window's is refused."""
     from types import SimpleNamespace
     ids = np.random.default_rng(5).integers(0, 101, 4000)
-    monkeypatch.setattr(E, "_main_setup", lambda *a, **k: (worker.model.config, None))
-    monkeypatch.setattr(E, "corpus_tokens", lambda tok, need, special=True: (ids, "test"))
+    monkeypatch.setattr(U, "_main_setup", lambda *a, **k: (worker.model.config, None))
+    monkeypatch.setattr(U, "corpus_tokens", lambda tok, need, special=True: (ids, "test"))
 
     def args(out, **kw):
         base = dict(model="smollm2", contexts=[256], budgets=[0.5], rdr_extra=[], rdr_recent=[32],
@@ -352,13 +379,13 @@ def test_a_grown_line_up_resumes_with_only_the_new_methods(worker, tmp_path, mon
 
     whole, _ = E.run(args(tmp_path / "whole"))
     full = E._methods
-    monkeypatch.setattr(E, "_methods", lambda cfg, a: [m for m in full(cfg, a) if m.name != "fp8-e4m3"])
+    monkeypatch.setattr(U, "_methods", lambda cfg, a: [m for m in full(cfg, a) if m.name != "fp8-e4m3"])
     older, _ = E.run(args(tmp_path / "grown"))
     assert "fp8-e4m3" not in {r["method"] for r in older}
-    monkeypatch.setattr(E, "_methods", full)
+    monkeypatch.setattr(U, "_methods", full)
     ran = []
     real = E._unit
-    monkeypatch.setattr(E, "_unit", lambda job: ran.append(job) or real(job))
+    monkeypatch.setattr(U, "_unit", lambda job: ran.append(job) or real(job))
     with pytest.raises(E.Unfinished, match="--resume"):          # one supplement at a time
         E.run(args(tmp_path / "grown", resume=True, max_units=1))
     grown, meta = E.run(args(tmp_path / "grown", resume=True))
@@ -381,11 +408,11 @@ def test_a_context_length_s_windows_do_not_depend_on_the_other_lengths(worker, t
     and reuses its units, and the shorter length's rows are the same either way."""
     from types import SimpleNamespace
     ids = np.random.default_rng(4).integers(0, 101, 6000)
-    monkeypatch.setattr(E, "_main_setup", lambda *a, **k: (worker.model.config, None))
-    monkeypatch.setattr(E, "corpus_tokens", lambda tok, need, special=True: (ids[:need * 2], "test"))
+    monkeypatch.setattr(U, "_main_setup", lambda *a, **k: (worker.model.config, None))
+    monkeypatch.setattr(U, "corpus_tokens", lambda tok, need, special=True: (ids[:need * 2], "test"))
     ran = []
     real = E._unit
-    monkeypatch.setattr(E, "_unit", lambda job: ran.append(job[:2]) or real(job))
+    monkeypatch.setattr(U, "_unit", lambda job: ran.append(job[:2]) or real(job))
 
     def args(contexts, resume):
         return SimpleNamespace(model="smollm2", contexts=contexts, budgets=[0.5], rdr_extra=[],
@@ -397,3 +424,43 @@ def test_a_context_length_s_windows_do_not_depend_on_the_other_lengths(worker, t
     both, _ = E.run(args([192, 256], True))
     assert sorted(set(t for t, _ in ran)) == [256]            # the 192 units were resumed
     assert [r for r in both if r["context"] == 192] == one
+
+
+# ------------------------------------------------------------------ the command line
+
+def test_budgets_are_fractions_in_0_1_checked_by_argparse(capsys):
+    assert E.parse(["--budgets", "0.5", "1", "--rdr-extra", "0.2"]).budgets == [0.5, 1.0]
+    for bad in (["--budgets", "0"], ["--budgets", "1.5"], ["--budgets", "25"],
+                ["--budgets", "x"], ["--rdr-extra", "-0.1"]):
+        with pytest.raises(SystemExit) as e:
+            E.parse(bad)
+        assert e.value.code == 2
+        assert "fraction of the bf16 bytes" in capsys.readouterr().err
+
+
+def test_quick_says_which_of_the_given_flags_it_overrides(capsys):
+    a = E.parse(["--quick", "--windows", "8", "--budgets", "0.5"])
+    assert (a.windows, a.budgets, a.contexts) == (2, [0.25], [512])      # --quick's, as before
+    err = capsys.readouterr().err
+    assert "--windows 2" in err and "--budgets [0.25]" in err and "--generate" not in err
+    E.parse(["--quick", "--contexts", "256"])
+    assert "over the command line" not in capsys.readouterr().err
+
+
+def test_every_option_has_help_text():
+    import argparse
+    from spherical_kv_ref import cli
+    for parser in (E.parser(), cli.demo_parser()):
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, (parser.prog, action.option_strings)
+
+
+def test_methods_that_match_nothing_are_an_error(runner):
+    from types import SimpleNamespace
+    args = SimpleNamespace(budgets=[0.5], rdr_extra=[], rdr_recent=[32], peers=False,
+                           methods=["dense", "skv-rdr@50", "nosuch"])
+    with pytest.raises(E.NoSuchMethod, match="--methods nosuch matches no method"):
+        E._methods(runner.cfg, args)
+    args.methods = ["dense", "skv-rdr@50"]
+    assert [m.name for m in E._methods(runner.cfg, args)] == ["dense-bf16", "skv-rdr@50%"]

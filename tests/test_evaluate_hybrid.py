@@ -79,7 +79,7 @@ def test_recorded_queries_are_the_ones_the_attention_reads(runner):
     the cache records for RDR is their tail."""
     ids = np.random.default_rng(1).integers(0, 101, 30)
     from spherical_kv_ref.hf import SphericalCache
-    cache = SphericalCache(runner.cfg, observe=5)
+    cache = SphericalCache(runner.cfg, observe=5, budget_fraction=None)
     with M.recording_attention(runner.model) as seen, torch.no_grad():
         runner.model(torch.as_tensor(ids)[None], past_key_values=cache)
     assert sorted(seen) == [0, 1, 2, 3]

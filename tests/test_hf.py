@@ -71,7 +71,7 @@ def test_observed_queries_roll_on_through_dense_decode_steps(tiny_model):
     # compressing after a few dense decode steps: the estimate holds their queries, as
     # if the prefill had covered them
     model, ids, _ = tiny_model
-    stepped, whole = SphericalCache(model.config, observe=8), SphericalCache(model.config, observe=8)
+    stepped, whole = SphericalCache(model.config, observe=8, budget_fraction=None), SphericalCache(model.config, observe=8, budget_fraction=None)
     with torch.no_grad():
         model(ids[:, :40], past_key_values=stepped)
         for t in range(40, 43):
@@ -96,7 +96,7 @@ def test_deferred_compression_generates_on_after_the_dense_tokens(tiny_model):
     prompt = ids[:, :40]
     with torch.no_grad():
         dense = model.generate(prompt, max_new_tokens=10, do_sample=False)
-        cache = SphericalCache(model.config, observe=12, page_bytes=512)
+        cache = SphericalCache(model.config, observe=12, page_bytes=512, budget_fraction=None)
         first = model.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False)
         held = cache.layers[0].length
         cache.compress(budget_bytes=10 ** 8)
@@ -113,7 +113,7 @@ def test_compress_refuses_a_float_budget_and_takes_a_fraction(tiny_model):
     dense and usable; budget_fraction=0.25 then keeps at most a quarter of the store."""
     from spherical_kv_ref.cache import CompressPolicy
     model, ids, ref = tiny_model
-    cache = SphericalCache(model.config, page_bytes=256, policy=CompressPolicy(sinks=1, recent=4))
+    cache = SphericalCache(model.config, page_bytes=256, budget_fraction=None, policy=CompressPolicy(sinks=1, recent=4))
     with torch.no_grad():
         model(ids[:, :59], past_key_values=cache)
         with pytest.raises(ValueError, match="budget_fraction"):
@@ -132,7 +132,7 @@ def _feed_and_compare(model, ids, ref, plan):
     model's over the whole sequence, to fp16 rounding of the keys and values (the budget
     keeps every state at the top tier)."""
     chunks, compress_at = plan
-    cache = SphericalCache(model.config, page_bytes=512)
+    cache = SphericalCache(model.config, page_bytes=512, budget_fraction=None)
     at = 0
     with torch.no_grad():
         for i, size in enumerate(chunks):

@@ -97,7 +97,7 @@ def test_dense_continuation_after_a_prefill_equals_the_model(model, chunk):
     # chunk > 1 read its past through a top-left causal mask before the mask function was
     # registered; chunk 1 always matched
     m, ids, ref = model
-    cache = SphericalCache(m.config)
+    cache = SphericalCache(m.config, budget_fraction=None)
     assert _max_err(_run(m, ids[:, :PREFILL], cache), ref[:, :PREFILL]) <= DENSE_TOL
     _continue(m, ids, ref, cache, chunk, DENSE_TOL)
 
@@ -207,7 +207,7 @@ def test_documented_generate_runs_on_compressed_state(model):
 
 def test_a_pass_of_no_new_tokens_names_the_generate_contract(model):
     m, ids, _ = model
-    cache = SphericalCache(m.config)
+    cache = SphericalCache(m.config, budget_fraction=None)
     _run(m, ids[:, :PREFILL], cache)
     with pytest.raises(ValueError, match="whole sequence"):
         _run(m, ids[:, :0], cache)

@@ -26,7 +26,20 @@ def test_readme_python_block_runs_as_written(block, tmp_path, monkeypatch):
         pytest.skip(f"README line {block.line} needs {', '.join(missing)}")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    exec(compile(block.code, f"README.md:{block.line}", "exec"), {"__name__": "__readme__"})
+    names = {"__name__": "__readme__"}
+    exec(compile(block.code, f"README.md:{block.line}", "exec"), names)
+    if "caches" in names:      # the one-call transformers block: the cache compressed itself
+        (cache,) = names["caches"]
+        report = cache.report
+        assert report is not None and report.bytes_after <= report.budget_bytes
+        # 20 % of the bf16 bytes of the prompt's states (2 bytes a coordinate, keys and values)
+        assert report.budget_bytes == int(0.2 * 2 * 2 * cache.head_dim * report.states_before)
+
+def test_readme_transformers_usage_is_one_call():
+    """The README shows the integration as one call, not a hand-made prefill and byte count."""
+    (block,) = [b for b in PYTHON_BLOCKS if "spherical_kv_ref.hf" in b.code]
+    assert "spherical_kv(model, budget_fraction=" in block.code
+    assert "compress(" not in block.code and "ids[:, :-1]" not in block.code
 
 
 def test_readme_has_the_two_commands_and_the_benchmarks_once_each():
@@ -63,8 +76,10 @@ def test_version_and_help_name_the_commands(capsys, monkeypatch):
         def load():
             return lambda argv: 7 if argv == ["--x"] else 1
     monkeypatch.setattr(cli, "_commands", lambda: {"evaluate": EP})
-    assert cli.main([]) == 0
+    assert cli.main(["--help"]) == 0
     assert "evaluate" in capsys.readouterr().out
+    assert cli.main([]) == 2                      # no subcommand: the help, as a usage error
+    assert "usage: spherical-kv" in capsys.readouterr().err
     assert cli.main(["evaluate", "--x"]) == 7
     assert cli.main(["nosuch"]) == 2
     assert "unknown command 'nosuch'" in capsys.readouterr().err
@@ -122,3 +137,19 @@ def test_compress_report_repr_is_a_one_line_summary():
     assert f"{report.bytes_before} -> {report.bytes_after}" in text
     assert f"{report.states_kept} kept" in text and report.allocation.method in text
     assert report.allocation.tier.size == 2 * 2 * 400     # the entries are still there
+
+
+def test_packaging_has_an_hf_extra_one_torch_pin_and_the_cpu_torch_recipe():
+    """``hf`` is torch and transformers alone (the evaluation builds on it); torch is pinned
+    below the next minor version, the same everywhere; the README says how to get a CPU-only
+    torch."""
+    import tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert sorted(r.split(">")[0].split("<")[0] for r in extras["hf"]) == ["torch", "transformers"]
+    assert "spherical-kv[hf]" in extras["eval"]
+    torches = [r for reqs in extras.values() for r in reqs if r.startswith("torch")]
+    assert torches and all(r == "torch>=2.4,<2.14" for r in torches), torches
+    readme = (ROOT / "README.md").read_text()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in readme
+    assert 'pip install -e ".[hf]"' in readme
