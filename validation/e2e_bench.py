@@ -259,7 +259,15 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=30, help="timed graph replays per row")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (a quick check)")
     p.add_argument("--plot", default=None, help="PNG of tokens/s against KV bytes per token")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw --plot from the rows already in --out (no GPU needed)")
     args = p.parse_args(argv)
+    if args.replot:
+        if not args.plot:
+            p.error("--replot needs --plot")
+        with open(args.out) as f:
+            plot(json.load(f)["rows"], args.plot)
+        return 0
     import torch
     torch.set_grad_enabled(False)
     model = build_model(args.layers)
@@ -362,7 +370,7 @@ def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     style = {"dense": ("tab:gray", "o"), "ada44": ("tab:blue", "s"), "rdr": ("tab:red", "^"),
              "rdr-host": ("tab:orange", "v")}
     names = {"dense": "dense bf16 (SDPA)", "ada44": "Spherical KV 4/4", "rdr": "RDR ~20 % (device solver)",
@@ -383,7 +391,7 @@ def plot(rows, path):
     ax.set_xlabel("resident KV bytes per token (KiB, every byte counted)")
     ax.set_ylabel("decode tokens/s (whole model, one CUDA graph)")
     ax.set_title("Llama-3.1-8B shape, one H200: throughput against KV bytes")
-    ax.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
