@@ -1,9 +1,15 @@
 """transformers integration on the GPU: a ``Cache`` whose full-attention layers hold their
 context in a ``DeviceKVCache`` (docs/design.md §8).
 
-Usage (batch >= 1, left-padded prompts of different lengths)::
+Usage (batch >= 1, left-padded prompts of different lengths), in one call as
+``spherical_kv_ref.hf.spherical_kv`` is on the CPU::
 
-    from cupy_kernels.hf_device import DeviceSphericalCache
+    from cupy_kernels.hf_device import device_spherical_kv
+    with device_spherical_kv(model, budget_fraction=0.2) as caches:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=32)
+
+or with a cache of one's own::
+
     cache = DeviceSphericalCache(model.config, budget_fraction=0.2)
     with cache.bound(model):                 # selects the attention; restored on exit
         out = model.generate(ids, attention_mask=mask, past_key_values=cache,
@@ -42,7 +48,7 @@ from .device_cache import DeviceKVCache
 
 ATTENTION_NAME = "spherical_kv_device"
 
-__all__ = ["DeviceSphericalCache", "device_attention", "ATTENTION_NAME"]
+__all__ = ["DeviceSphericalCache", "device_spherical_kv", "device_attention", "ATTENTION_NAME"]
 
 
 class _DeviceLayer(CacheLayerMixin):
@@ -258,6 +264,36 @@ class DeviceSphericalCache(Cache):
         self.decoding = self.in_step = False
         for lay in self.layers:
             lay.reset()
+
+
+@contextlib.contextmanager
+def device_spherical_kv(model, budget_fraction: float = 0.2, **cache_kwargs):
+    """Within the block, each ``model.generate`` call without ``past_key_values`` runs on a
+    fresh ``DeviceSphericalCache(model.config, budget_fraction=..., **cache_kwargs)`` (the
+    block yields them, in call order), with this integration's attention selected; on exit
+    the model's attention and ``generate`` are as they were, also after an error. The
+    config and the budget are checked on entry (ValueError)."""
+    DeviceSphericalCache(model.config, budget_fraction=budget_fraction, **cache_kwargs)  # checks
+    own = model.__dict__.get("generate")
+    inner = model.generate
+    caches: List[DeviceSphericalCache] = []
+
+    def generate(*args, **kwargs):
+        if kwargs.get("past_key_values") is not None:
+            return inner(*args, **kwargs)
+        cache = DeviceSphericalCache(model.config, budget_fraction=budget_fraction, **cache_kwargs)
+        caches.append(cache)
+        with cache.bound(model):
+            return inner(*args, past_key_values=cache, **kwargs)
+
+    model.generate = generate
+    try:
+        yield caches
+    finally:
+        if own is None:
+            del model.generate
+        else:
+            model.generate = own
 
 
 def _real_tokens(mask, B: int, T: int, device):

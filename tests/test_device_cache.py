@@ -390,3 +390,9 @@ def test_generate_at_16_bits_equals_dense_generate():
                                 max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert torch.equal(dense, ours)
     assert gpu.config._attn_implementation != "spherical_kv_device"
+    from cupy_kernels.hf_device import device_spherical_kv
+    with torch.no_grad(), device_spherical_kv(gpu, budget_fraction=None, ladder=TierLadder([(16, 16)])) as caches:
+        again = gpu.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=20,
+                             do_sample=False, pad_token_id=0)
+    assert len(caches) == 1 and torch.equal(dense, again)
+    assert "generate" not in gpu.__dict__
