@@ -396,3 +396,49 @@ def test_generate_at_16_bits_equals_dense_generate():
                              do_sample=False, pad_token_id=0)
     assert len(caches) == 1 and torch.equal(dense, again)
     assert "generate" not in gpu.__dict__
+
+
+@pytest.mark.parametrize("part", ["slots", "decode", "append", "decode_lse"])
+def test_each_op_replays_as_it_runs(part):
+    """One piece of the step at a time under torch.cuda.graph against the same piece run
+    eagerly on a twin cache: the gathers of ``slots``, the decode op (with and without the
+    log-sum-exp merge), the append op (pool bytes and counts)."""
+    caches, steps = [], []
+    for _ in range(2):
+        c = DeviceKVCache(L, H, 128, num_q_heads=H * G, policy=POLICY, pool_bytes=4 << 20)
+        _fill(SphericalKVCache(L, H, 128, num_q_heads=H * G, policy=POLICY, pool_bytes=4 << 20), c,
+              [300, 77], 128, np.random.default_rng(3))
+        caches.append(c)
+        steps.append(c.decode_step([0, 1], 4))
+    rng = np.random.default_rng(5)
+    q = torch.tensor(rng.standard_normal((2, H * G, 128)), device="cuda", dtype=torch.float32)
+    kv = torch.tensor(rng.standard_normal((2, 2, H, 128)), device="cuda", dtype=torch.float32)
+
+    def piece(step):
+        if part == "slots":
+            step.slots()
+            return step.dst_page.clone()
+        if part == "append":
+            step.append(0, kv[0], kv[1])
+            return step.cache.page_count.clone()
+        out = step.decode(1, q, with_lse=part == "decode_lse")
+        return torch.cat([out.reshape(-1), step.lse.reshape(-1)]) if part == "decode_lse" else out.clone()
+    a, b = steps
+    for s in steps:
+        s.set_step(2)
+        s.slots()
+    piece(a)                              # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = piece(a)
+    a.set_step(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = piece(b)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if part == "append":
+        assert torch.equal(caches[0].pages, caches[1].pages)
+    for s in steps:
+        s.close(0)
