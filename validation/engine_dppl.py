@@ -20,7 +20,11 @@ Formats (``--tier``, several at once):
   codebook construction at that width (a 2^b-level codebook of spherical_kv_ref.codebooks),
   counted as densely packed codes plus the scale (4·⌈b·d/32⌉ + 2 bytes a vector);
 * ``rdr:K/V``: a tier per layer, chosen by RDR (spherical_kv_ref.rdr, exact solver) from the
-  ladder ``RDR_LADDER`` on the calibration text under the bytes of ``K/V`` in every layer.
+  ladder ``RDR_LADDER`` on the calibration text under the bytes of ``K/V`` in every layer
+  (``rdr:30%``: under 30 % of bf16's bytes), each layer's distortion RDR's surrogate;
+* ``rdr-grad:K/V`` (or ``rdr-grad:30%``): the same problem with each layer's distortion
+  measured on the loss instead: Σ_n (∂L/∂o_n · Δo_n)² over the calibration text, o_n the
+  layer's attention output at token n, Δo_n its change when the layer is held at the tier.
 
 Models (``--model``): SmolLM2-135M (every layer compressed) or Gemma-3-270M, whose three
 full-attention layers are compressed and whose sliding-window layers stay exact (the plugin
@@ -54,6 +58,8 @@ RDR_LADDER = ((2, 2), (3, 2), (3, 3), (4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8
 CALIBRATION_TOKENS = 1024
 #: queries of the calibration text that RDR's statistics read (the last ones, as decode sees)
 CALIBRATION_QUERIES = 64
+#: calibration tokens of the gradient-weighted distortion (rdr-grad)
+GRAD_TOKENS = 512
 
 
 def passage() -> str:
@@ -238,9 +244,73 @@ def amax_scales(qkv, layers):
                 float(np.abs(qkv.values[l]).max()) / E4M3_MAX) for l in layers}
 
 
+def budget_bytes(spec: str, head_dim: int, states: int) -> int:
+    """Bytes of ``states`` (layer, kv-head) states under 'K/V' (that tier's) or 'NN%' (of bf16)."""
+    from spherical_kv_ref.codec import vector_bytes
+    if spec.endswith("%"):
+        return int(float(spec[:-1]) / 100 * 4 * head_dim * states)
+    kb, vb = parse_bits(spec)
+    return states * (vector_bytes(kb, head_dim) + vector_bytes(vb, head_dim))
+
+
+def solve_layers(D, layers, budget, H, head_dim):
+    """{layer: (key bits, value bits)}: RDR's exact solver over one tier per layer.
+    D (layers, 1 + len(RDR_LADDER)), column 0 (eviction) unused; budget in bytes per token."""
+    from spherical_kv_ref import rdr
+    from spherical_kv_ref.codec import vector_bytes
+    D = np.array(D, dtype=np.float64)
+    D[:, 0] = 10.0 * D[:, 1:].max() + 1.0         # eviction is not an option here
+    cost = [0] + [H * (vector_bytes(k, head_dim) + vector_bytes(v, head_dim)) for k, v in RDR_LADDER]
+    problem = rdr.Problem(D, np.array(cost), np.arange(len(layers)),
+                          np.zeros(len(layers), bool), budget)
+    alloc = rdr.solve(problem, "milp")
+    return {l: RDR_LADDER[int(t) - 1] for l, t in zip(layers, alloc.tier)}
+
+
+def grad_distortion(model, ids, layers, head_dim, codebook, seed):
+    """D (layers, 1 + len(RDR_LADDER)): Σ_n (∂L/∂o_n · Δo_n)² per layer and tier over ids
+    (1, T), with o_n the layer's attention output (every query head) at token n, ∂L/∂o_n from
+    one backward pass of the dense model, and Δo_n the change of o_n when this layer alone
+    reads its keys and values from the tier's codes (rotation ``seed``)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from spherical_kv_ref.engine import BlockFormat
+    from spherical_kv_ref.hf import select_attention
+    seen = {}
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        out, w = sdpa_attention_forward(module, query, key, value, attention_mask,
+                                        dropout=dropout, scaling=scaling, **kw)
+        if module.layer_idx in layers:
+            out.retain_grad()
+            seen[module.layer_idx] = (query.detach()[0].double(), key.detach()[0].double().numpy(),
+                                      value.detach()[0].double().numpy(), scaling, out)
+        return out, w
+
+    select_attention(model, "engine_grad", attention)
+    logits = model(ids, use_cache=False).logits[0, :-1]
+    torch.nn.functional.cross_entropy(logits, ids[0, 1:]).backward()
+    model.zero_grad(set_to_none=True)
+    D = np.zeros((len(layers), len(RDR_LADDER) + 1))
+    for i, l in enumerate(layers):
+        q, k, v, scaling, out = seen[l]
+        g = out.grad[0].transpose(0, 1).double()                 # (Hq, T, d)
+        o = out.detach()[0].transpose(0, 1).double()
+        H, T = k.shape[0], k.shape[1]
+        rep = q.shape[0] // H
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        for j, (kb, vb) in enumerate(RDR_LADDER):
+            fmt = Format("", {l: BlockFormat(kb, vb, head_dim, H, 16, codebook, seed)}, head_dim, H)
+            kh, vh = (torch.from_numpy(fmt.stored(l, x, part)).repeat_interleave(rep, 0)
+                      for part, x in ((0, k), (1, v)))
+            p = torch.softmax((scaling * q @ kh.transpose(1, 2)).masked_fill(mask, float("-inf")), -1)
+            D[i, j + 1] = float((((p @ vh - o) * g).sum(-1) ** 2).sum())
+    return D
+
+
 def rdr_allocation(qkv, layers, budget_tier, head_dim, softmax_scale, codebook):
     """{layer: (key bits, value bits)}: RDR's choice from RDR_LADDER, one tier per layer (a
-    vLLM layer has one state size), at most the bytes of ``budget_tier`` in every layer.
+    vLLM layer has one state size), within the bytes ``budget_tier`` names (budget_bytes).
 
     Each layer is one item of an RDR problem: its distortion at tier t is the surrogate
     (spherical_kv_ref.rdr.distortion, lognormal key term, prior 0.2) summed over its kv-heads'
@@ -248,10 +318,8 @@ def rdr_allocation(qkv, layers, budget_tier, head_dim, softmax_scale, codebook):
     queries; its cost is the tier's bytes per token. Eviction is not an option (its
     distortion is set above every tier's)."""
     from spherical_kv_ref import rdr
-    from spherical_kv_ref.codec import vector_bytes
     from spherical_kv_ref.rdr.statistics import row_statistics
     ek, ev = rdr.tier_error_constants(RDR_LADDER, head_dim, kind=codebook)
-    cost = [0] + [vector_bytes(k, head_dim) + vector_bytes(v, head_dim) for k, v in RDR_LADDER]
     H = qkv.keys[layers[0]].shape[0]
     D = np.zeros((len(layers), len(RDR_LADDER) + 1))
     for i, l in enumerate(layers):
@@ -262,20 +330,16 @@ def rdr_allocation(qkv, layers, budget_tier, head_dim, softmax_scale, codebook):
             p, q2, r, vn, res, kappa = row_statistics(k[h], v[h], qs, softmax_scale, 0.2)
             D[i] += rdr.distortion(p, q2, r, vn, res, ek, ev, head_dim, softmax_scale=softmax_scale,
                                    eviction_factor=kappa, key_term="lognormal").sum(axis=0)
-    D[:, 0] = 10.0 * D[:, 1:].max() + 1.0
-    kb, vb = budget_tier
-    budget = H * len(layers) * (vector_bytes(kb, head_dim) + vector_bytes(vb, head_dim))
-    problem = rdr.Problem(D, np.array(cost) * H, np.arange(len(layers)),
-                          np.zeros(len(layers), bool), budget)
-    alloc = rdr.solve(problem, "milp")
-    return {l: RDR_LADDER[int(t) - 1] for l, t in zip(layers, alloc.tier)}, alloc
+    return solve_layers(D, layers, budget_bytes(budget_tier, head_dim, H * len(layers)), H,
+                        head_dim)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 or gemma3-270m")
     ap.add_argument("--tier", nargs="+", default=["4/4"],
-                    help="formats: K/V, fp8, fp8-amax, rdr:K/V (see the module's docstring)")
+                    help="formats: K/V, fp8, fp8-amax, rdr:K/V, rdr:NN%%, rdr-grad:K/V, rdr-grad:NN%% "
+                         "(see the module's docstring)")
     ap.add_argument("--codebook", nargs="+", default=["uniform", "lloyd-max"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--variant", nargs="*", default=[],
@@ -300,6 +364,8 @@ def main(argv=None) -> int:
     qkv = None
     if any(t == "fp8-amax" or t.startswith("rdr:") for t in a.tier):
         qkv = capture_qkv(model, calibration_ids(tok))
+    grad_ids = torch.tensor([calibration_ids(tok)[:GRAD_TOKENS]]) \
+        if any(t.startswith("rdr-grad:") for t in a.tier) else None
     softmax_scale = float(model.model.layers[layers[0]].self_attn.scaling)
     rows, chosen = [], {}
     for name in a.tier:
@@ -312,8 +378,14 @@ def main(argv=None) -> int:
                     per = {l: ("fp8",) + s for l, s in amax_scales(qkv, layers).items()}
                 elif name.startswith("rdr:"):
                     if (name, cb) not in chosen:       # the allocation does not depend on the seed
-                        chosen[name, cb] = rdr_allocation(qkv, layers, parse_tier(name[4:]), d,
-                                                          softmax_scale, cb)[0]
+                        chosen[name, cb] = rdr_allocation(qkv, layers, name[4:], d,
+                                                          softmax_scale, cb)
+                    per = {l: BlockFormat(*chosen[name, cb][l], d, H, 16, cb, seed) for l in layers}
+                elif name.startswith("rdr-grad:"):
+                    if (name, cb) not in chosen:       # measured with rotation seed 0
+                        D = grad_distortion(model, grad_ids, layers, d, cb, 0)
+                        chosen[name, cb] = solve_layers(
+                            D, layers, budget_bytes(name[9:], d, H * len(layers)), H, d)
                     per = {l: BlockFormat(*chosen[name, cb][l], d, H, 16, cb, seed) for l in layers}
                 elif set(parse_bits(name)) & set(LAB_BITS):
                     per = {l: LabTier(*parse_bits(name), d, cb, seed) for l in layers}
@@ -327,8 +399,10 @@ def main(argv=None) -> int:
                        "bytes_per_token": fmt.bytes_per_token,
                        "bf16_bytes_per_token": fmt.bf16_bytes_per_token,
                        "fixed_bytes": fmt.fixed_bytes}
-                if name.startswith("rdr:") or name == "fp8-amax":
-                    row["layers"] = fmt.tiers() if name.startswith("rdr:") else \
+                if a.variant:
+                    row["variant"] = list(a.variant)
+                if name.startswith("rdr") or name == "fp8-amax":
+                    row["layers"] = fmt.tiers() if name.startswith("rdr") else \
                         {l: list(per[l][1:]) for l in layers}
                 rows.append(row)
                 frac = fmt.bytes_per_token / fmt.bf16_bytes_per_token

@@ -26,6 +26,7 @@ TITLES = {"smollm2": "SmolLM2-135M, all 30 layers",
 
 def is_lab(tier: str) -> bool:
     from validation.engine_dppl import LAB_BITS
+    tier = tier.split(" ")[0]
     if ":" in tier or "/" not in tier:
         return False
     return any(int(b) in LAB_BITS for b in tier.split("/"))
@@ -37,7 +38,8 @@ def summarise(rows):
     from spherical_kv_eval.evaluate import ci95
     groups = {}
     for r in rows:
-        groups.setdefault((r["model"], r["tier"], r["codebook"]), []).append(r)
+        tier = r["tier"] + "".join(f" [{v}]" for v in r.get("variant", []))
+        groups.setdefault((r["model"], tier, r["codebook"]), []).append(r)
     out = []
     for (model, tier, cb), rs in groups.items():
         seeds = sorted({r["seed"] for r in rs})
