@@ -20,6 +20,15 @@ import numpy as np
 
 TARGET_DPPL = 0.01          # mean ΔPPL the default must reach on both models
 TARGET_BYTES = 0.30         # of bf16's bytes
+LEGEND = """ΔPPL of the passage of tests/test_vllm_e2e.py with every key and value of the
+compressed layers read from the format (validation/engine_dppl.py; docs/serving.md "Choosing a
+tier"), over rotation seeds (fp8 has none). Bytes per token: codes and scales of every kv-head
+of the compressed layers; `+ N`: bytes held once (fp8's float32 scale per layer for keys and
+values). Formats: K/V the format's tier; "emulated width" a key or value width the format
+lacks; fp8 e4m3 with vLLM's scale 1.0, fp8-amax with amax/448 scales; rdr:B per-layer tiers by
+RDR's surrogate, rdr-grad:B with each layer's distortion measured on the loss, within budget B
+(a tier's bytes, or % of bf16); [sdpa] the attention in float32 sdpa instead of float64.
+"""
 TITLES = {"smollm2": "SmolLM2-135M, all 30 layers",
           "gemma3-270m": "Gemma-3-270M, its 3 full-attention layers"}
 
@@ -76,19 +85,25 @@ def picture(summary, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from spherical_kv_vllm import DEFAULT_TIER
+    default = "/".join(map(str, DEFAULT_TIER))
     models = list(dict.fromkeys(s["model"] for s in summary))
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False)
     for ax, model in zip(axes[0], models):
         for s in (s for s in summary if s["model"] == model):
             x, m = 100 * s["bytes_frac"], 100 * s["mean"]
             colour = ("tab:purple" if s["tier"].startswith("fp8") else
-                      "tab:green" if s["tier"].startswith("rdr") else "tab:blue")
+                      "tab:green" if s["tier"].startswith("rdr") else
+                      "tab:orange" if s["codebook"] == "lloyd-max" else "tab:blue")
             face = "none" if s["lab"] else colour
             ax.errorbar(x, m, yerr=None if s["ci95"] is None else 100 * s["ci95"], fmt="o",
                         color=colour, mfc=face, capsize=3)
             if s["seeds"] > 1:
                 ax.plot(x, 100 * s["max"], "v", color=colour, mfc="none", ms=6)
-            ax.annotate(s["tier"], (x, m), textcoords="offset points", xytext=(5, 3), fontsize=8)
+            label = s["tier"] + (" LM" if s["codebook"] == "lloyd-max" else "")
+            if s["tier"] == default and s["codebook"] == "uniform":
+                label += " (plugin default)"
+            ax.annotate(label, (x, m), textcoords="offset points", xytext=(5, 3), fontsize=8)
         ax.axhline(100 * TARGET_DPPL, color="k", ls="--", lw=0.8)
         ax.axvline(100 * TARGET_BYTES, color="k", ls=":", lw=0.8)
         ax.set_yscale("symlog", linthresh=1.0)
@@ -96,9 +111,9 @@ def picture(summary, path: Path) -> None:
         ax.set_ylabel("engine ΔPPL, %  (● mean ± 95 % CI, ▽ max over seeds)")
         ax.set_title(TITLES.get(model, model), fontsize=10)
         ax.grid(alpha=0.3)
-    fig.text(0.01, 0.01, "hollow: a width the format lacks (emulated); purple: fp8 e4m3 "
-             "(per-tensor scale); green: per-layer tiers by RDR; dashed: ΔPPL 1 %; dotted: 30 % "
-             "of bf16", fontsize=8)
+    fig.text(0.01, 0.01, "blue: uniform codebook; orange (LM): Lloyd–Max; hollow: a width the "
+             "format lacks (emulated); purple: fp8 e4m3 (per-tensor scale); green: per-layer "
+             "tiers by RDR; dashed: ΔPPL 1 %; dotted: 30 % of bf16", fontsize=8)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=120)
 
@@ -113,7 +128,7 @@ def main(argv=None) -> int:
     out = paths[0].parent
     (out / "frontier.md").write_text(
         "# Engine ΔPPL against bytes (written by `python -m validation.engine_frontier`)\n\n"
-        + table(summary))
+        + LEGEND + "\n" + table(summary))
     picture(summary, out / "frontier.png")
     print(table(summary))
     return 0
