@@ -1,7 +1,7 @@
 """ΔPPL of a KV cache format held the way an engine holds it, computed in transformers:
 every key and value of every compressed layer is stored by the format (uncentred, as in a
 vLLM block) and every query, the scored tokens' own included, reads the stored states (what
-tests/test_vllm_e2e.py's 4/4 run computes through vLLM; attention from codes is dense
+tests/test_vllm_e2e.py's default-tier run computes through vLLM; attention from codes is dense
 attention over the decoded states).
 
     python -m validation.engine_dppl --tier 4/4 --codebook uniform lloyd-max --seeds 0 1 2 3 4
@@ -24,7 +24,11 @@ Formats (``--tier``, several at once):
   (``rdr:30%``: under 30 % of bf16's bytes), each layer's distortion RDR's surrogate;
 * ``rdr-grad:K/V`` (or ``rdr-grad:30%``): the same problem with each layer's distortion
   measured on the loss instead: Σ_n (∂L/∂o_n · Δo_n)² over the calibration text, o_n the
-  layer's attention output at token n, Δo_n its change when the layer is held at the tier.
+  layer's attention output at token n, Δo_n its change when the layer alone is held at the
+  tier (rotation seed 0), ∂L/∂o_n from one backward pass of the dense model.
+
+The calibration text (fp8-amax, rdr, rdr-grad) is the opening of Jane Austen's first novel
+(spherical_kv_eval.data), not the scored passage.
 
 Models (``--model``): SmolLM2-135M (every layer compressed) or Gemma-3-270M, whose three
 full-attention layers are compressed and whose sliding-window layers stay exact (the plugin
