@@ -27,7 +27,8 @@ of the compressed layers; `+ N`: bytes held once (fp8's float32 scale per layer 
 values). Formats: K/V the format's tier; "emulated width" a key or value width the format
 lacks; fp8 e4m3 with vLLM's scale 1.0, fp8-amax with amax/448 scales; rdr:B per-layer tiers by
 RDR's surrogate, rdr-grad:B with each layer's distortion measured on the loss, within budget B
-(a tier's bytes, or % of bf16); [sdpa] the attention in float32 sdpa instead of float64.
+(a tier's bytes, or % of bf16). In brackets, engine_dppl's --variant: [sdpa] the attention in
+float32 sdpa instead of float64; [centre-keys] the keys centred by the sequence's own mean.
 """
 TITLES = {"smollm2": "SmolLM2-135M, all 30 layers",
           "gemma3-270m": "Gemma-3-270M, its 3 full-attention layers"}
