@@ -10,7 +10,8 @@ It is chosen explicitly, never silently. vLLM runs ``register`` in every process
 (the ``vllm.general_plugins`` entry point); ``register`` does nothing unless the environment
 names a tier:
 
-    SPHERICAL_KV_TIER=4/4            key bits / value bits of every state (1, 2, 3, 4, 8, 16)
+    SPHERICAL_KV_TIER=default        the recommended tier (DEFAULT_TIER, 8/4), or key bits /
+                                     value bits of every state: 4/4, 8/4, ... (1, 2, 3, 4, 8, 16)
     SPHERICAL_KV_CODEBOOK=uniform    or lloyd-max (uniform: the GPU kernel's fast path)
     SPHERICAL_KV_SEED=0              rotation seed
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["register", "settings", "parse_tier", "TIER_ENV", "CODEBOOK_ENV", "SEED_ENV",
-           "BACKEND_PATH"]
+           "BACKEND_PATH", "DEFAULT_TIER"]
 
 TIER_ENV = "SPHERICAL_KV_TIER"
 CODEBOOK_ENV = "SPHERICAL_KV_CODEBOOK"
@@ -34,16 +35,25 @@ BACKEND_PATH = "spherical_kv_vllm.backend.SphericalKVBackend"
 #: imports nothing of the library: vLLM 0.32's CPU worker scans every loaded module when it
 #: starts and fails on llvmlite's wrappers, so numba must not be loaded before that.
 BITS = (1, 2, 3, 4, 8, 16)
+#: the tier ``SPHERICAL_KV_TIER=default`` names: of the format's tiers, the one with the fewest
+#: bytes whose engine ΔPPL, averaged over rotation seeds 0-9, is within 1 % on SmolLM2-135M
+#: and on Gemma-3-270M's full-attention layers (39 % of bf16's bytes at head_dim 64, 38 % at
+#: 256; docs/serving.md "Choosing a tier", validation/results/engine/frontier.md). The keys
+#: carry the loss: 4-bit keys cost +4.9 % (SmolLM2) and +7.8 % (Gemma) on average.
+DEFAULT_TIER = (8, 4)
 
 
 def parse_tier(text: str):
-    """'4/4' -> (4, 4): key bits / value bits of the one tier the blocks hold."""
+    """'4/4' -> (4, 4): key bits / value bits of the one tier the blocks hold; 'default' ->
+    DEFAULT_TIER."""
+    if str(text).strip() == "default":
+        return DEFAULT_TIER
     parts = str(text).strip().split("/")
     try:
         kb, vb = (int(p) for p in parts)
     except ValueError:
-        raise ValueError(f"tier must read 'key_bits/value_bits' such as '4/4' or '16/16', "
-                         f"got {text!r}") from None
+        raise ValueError(f"tier must read 'default' or 'key_bits/value_bits' such as '4/4' or "
+                         f"'16/16', got {text!r}") from None
     for b in (kb, vb):
         if b not in BITS:
             raise ValueError(f"tier {text!r}: bits must be one of {BITS}")

@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 from spherical_kv_ref.engine import BlockFormat
 
-#: one tier per pool: lossless-equivalent fp16, the default 4/4, fewer value bits, the
-#: 3-bit split layout, and 8-bit keys with fp16 values (values without a scale)
-TIERS = ((16, 16), (4, 4), (4, 2), (3, 3), (8, 16))
+#: one tier per pool: lossless-equivalent fp16, the plugin's default 8/4, 4/4, fewer value
+#: bits, the 3-bit split layout, and 8-bit keys with fp16 values (values without a scale)
+TIERS = ((16, 16), (8, 4), (4, 4), (4, 2), (3, 3), (8, 16))
 
 
 @dataclass

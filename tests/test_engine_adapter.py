@@ -154,7 +154,7 @@ def test_block_format():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tier", [(4, 4), (16, 16), (3, 3)])
+@pytest.mark.parametrize("tier", [(8, 4), (4, 4), (16, 16), (3, 3)])
 @pytest.mark.parametrize("dim", KERNEL_DIMS)
 @settings(max_examples=5)
 @given(seed=st.integers(0, 2 ** 16))

@@ -23,6 +23,8 @@ def test_settings_from_the_environment(monkeypatch):
     monkeypatch.setenv(plugin.CODEBOOK_ENV, "lloyd-max")
     monkeypatch.setenv(plugin.SEED_ENV, "7")
     assert plugin.settings() == ((4, 2), "lloyd-max", 7)
+    monkeypatch.setenv(plugin.TIER_ENV, "default")
+    assert plugin.settings() == (plugin.DEFAULT_TIER, "lloyd-max", 7)
 
 
 @pytest.mark.parametrize("name,value,match", [
@@ -38,7 +40,8 @@ def test_bad_settings_name_the_variable(monkeypatch, name, value, match):
 
 def test_tier_parsing():
     assert plugin.parse_tier(" 16/16") == (16, 16)
+    assert plugin.parse_tier(" default ") == plugin.DEFAULT_TIER == (8, 4)
     assert plugin.BITS == BITS
-    for bad in ("4", "4/5", "a/b", "4/4/4", ""):
+    for bad in ("4", "4/5", "a/b", "4/4/4", "", "auto"):
         with pytest.raises(ValueError, match="tier"):
             plugin.parse_tier(bad)
