@@ -282,10 +282,10 @@ def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, rounds
     From the least vector, pages are added one at a time (the tier that lowers the
     distortion most), each step followed by page moves between tiers while they help (at
     most ``rounds``), up to p_up[g]; on the groups marked from_seed (many pages), from
-    y_seed[g] instead, ``window`` totals up and down. Every capped assignment solved gives
-    optimal slot prices, hence a cut, a linear lower bound of the capped optimum of every
-    vector (:func:`_prices`): group g's first ones are kept in cut_a[g], cut_mu[g] (ncut[g]
-    of them) for the lower bound (:func:`refine_lower`)."""
+    y_seed[g] instead (if its total lies in lo[g]..p_hi[g]), ``window`` totals up and down.
+    Every capped assignment solved gives optimal slot prices, hence a cut, a linear lower
+    bound of the capped optimum of every vector (:func:`_prices`): group g's first ones are
+    kept in cut_a[g], cut_mu[g] (ncut[g] of them) for the lower bound (:func:`refine_lower`)."""
     G = gstart.size - 1
     k = per.size
     top = k - 1
@@ -309,12 +309,13 @@ def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, rounds
         low[top] = lo[g]
         ga, gmu = cut_a[g], cut_mu[g]
         nc = 0
-        if from_seed[g]:
+        p0 = 0
+        for t in range(1, k):
+            p0 += y_seed[g, t]
+        # (a seed outside the totals searched has no slot in ub: searched from the least)
+        if from_seed[g] and lo[g] <= p0 <= p_hi[g]:
             # many pages: search a window of totals around steps 1–5's page counts
             y[:] = y_seed[g]
-            p0 = 0
-            for t in range(1, k):
-                p0 += y[t]
             v, a = _eval(d, rows, prot_top[g], per, y, cap, tier, mu)
             nc = _add_cut(ga, gmu, nc, a, mu)
             v, nc = _improve(d, rows, prot_top[g], per, y, hi[g], low, v, seed_rounds, cap, tier,
@@ -376,8 +377,12 @@ def _heap_move(key, who, stamp, h, dst, src):
 
 @numba.njit(cache=True)
 def _heap_push(key, who, stamp, size, h, kv, j, st):
-    """Heap h of (key, state, version) entries, least key on top: insert one."""
+    """Heap h of (key, state, version) entries, least key on top: insert one. The caller
+    makes room (:func:`_group_transport` grows the heaps before each chain); a full heap is
+    an error, never a write past its end."""
     n = size[h]
+    if n >= key.shape[1]:
+        raise IndexError("rdr: a transport heap is full")
     size[h] = n + 1
     while n > 0:
         parent = (n - 1) // 2
@@ -392,7 +397,9 @@ def _heap_push(key, who, stamp, size, h, kv, j, st):
 
 @numba.njit(cache=True)
 def _heap_pop(key, who, stamp, size, h):
-    """Remove the top entry of heap h."""
+    """Remove the top entry of heap h (nothing on an empty heap)."""
+    if size[h] == 0:
+        return
     n = size[h] - 1
     size[h] = n
     kv, j, st = key[h, n], who[h, n], stamp[h, n]
@@ -421,11 +428,19 @@ def _group_transport(d, rows, cap, tier):
     Once the page counts are fixed this is a transportation problem (m unit sources, K
     sinks), solved by successive shortest paths: states enter one at a time, each along
     the cheapest chain "the new state takes a slot of tier a, a state of a moves to b, …,
-    ending where a slot is free (evicting always is)". The chain is a shortest path over
-    the K tiers (Bellman–Ford; an edge a → b costs the least D[j, b] − D[j, a] over the
-    states j at a, kept in one heap per (a, b)). Each step keeps the partial assignment
-    optimal for the states entered so far, the classical invariant of the method, so the
-    final one is optimal (integral: the matrix is totally unimodular)."""
+    ending where a slot is free (evicting always is)". An edge a → b costs the least
+    D[j, b] − D[j, a] over the states j at a, kept in one heap per (a, b). Each step keeps
+    the partial assignment optimal for the states entered so far, the classical invariant
+    of the method, so the final one is optimal (integral: the matrix is totally unimodular).
+
+    The chain is a shortest path over the K tiers by Dijkstra's method on the edge costs
+    reduced by tier potentials (Johnson's; the previous step's distances, which make every
+    reduced cost ≥ 0 in exact arithmetic). Dijkstra settles each tier once and gives a tier
+    its predecessor only while the tier is unsettled, from a tier settled before it: a
+    chain follows the settling order backwards, so it never revisits a tier and holds at
+    most K links, whatever the data. Ties and rounding (a reduced cost a few ulp below 0, a
+    cycle of two tied moves that sums to −1 ulp) can make a chain near-shortest, never a
+    loop: Bellman–Ford, used before, relaxed around such a cycle and its chain ran on."""
     m = rows.size
     k = d.shape[1]
     count = np.zeros(k, dtype=np.int64)
@@ -435,40 +450,47 @@ def _group_transport(d, rows, cap, tier):
     who = np.empty((k * k, hc), dtype=np.int64)
     stamp = np.empty((k * k, hc), dtype=np.int64)
     size = np.zeros(k * k, dtype=np.int64)
+    potential = np.zeros(k)
     dist = np.empty(k)
     pred = np.empty(k, dtype=np.int64)
     predj = np.empty(k, dtype=np.int64)
+    settled = np.empty(k, dtype=np.bool_)
     inf = np.inf
     for s in range(m):
         i = rows[s]
         for b in range(k):
-            dist[b] = d[i, b] if (b == 0 or cap[b] > 0) else inf
+            dist[b] = d[i, b] - potential[b] if (b == 0 or cap[b] > 0) else inf
             pred[b] = -1
-        for _ in range(k - 1):
-            changed = False
-            for a in range(1, k):
-                if dist[a] == inf or count[a] < cap[a]:
-                    continue                # a slot is free at a: the chain can end there
-                for b in range(k):
-                    if b == a or (b > 0 and cap[b] <= 0):
-                        continue
-                    h = a * k + b
-                    while size[h] > 0 and (tier[who[h, 0]] != a or version[who[h, 0]] != stamp[h, 0]):
-                        _heap_pop(key, who, stamp, size, h)     # a state that has moved on
-                    if size[h] == 0:
-                        continue
-                    v = dist[a] + key[h, 0]
-                    if v < dist[b]:
-                        dist[b] = v
-                        pred[b] = a
-                        predj[b] = who[h, 0]
-                        changed = True
-            if not changed:
-                break
+            settled[b] = False
         end = 0
-        for c in range(1, k):
-            if count[c] < cap[c] and dist[c] < dist[end]:
-                end = c
+        for _ in range(k):
+            a = -1                          # the unsettled tier of least distance
+            for b in range(k):
+                if not settled[b] and dist[b] < inf and (a < 0 or dist[b] < dist[a]):
+                    a = b
+            if a < 0:
+                break                       # not reached: eviction is always reachable
+            settled[a] = True
+            if a == 0 or count[a] < cap[a]:
+                end = a                     # a slot is free at a: the chain ends there
+                break
+            for b in range(k):
+                if settled[b] or (b > 0 and cap[b] <= 0):
+                    continue
+                h = a * k + b
+                while size[h] > 0 and (tier[who[h, 0]] != a or version[who[h, 0]] != stamp[h, 0]):
+                    _heap_pop(key, who, stamp, size, h)     # a state that has moved on
+                if size[h] == 0:
+                    continue
+                v = dist[a] + (key[h, 0] + potential[a] - potential[b])
+                if v < dist[b]:
+                    dist[b] = v
+                    pred[b] = a
+                    predj[b] = who[h, 0]
+        # the potentials of the next step: min(distance, the chain's) keeps every reduced
+        # cost >= 0, the edges the chain creates included (they are tight)
+        for b in range(k):
+            potential[b] += min(dist[b], dist[end])
         if size.max() + 1 > hc:             # room for this chain's pushes (one per heap)
             grown = 2 * hc + k * k
             key2 = np.empty((k * k, grown))
@@ -480,7 +502,7 @@ def _group_transport(d, rows, cap, tier):
             key, who, stamp, hc = key2, who2, stamp2, grown
         node = end
         count[end] += 1
-        while True:
+        for _ in range(k):                  # at most K links: the chain never revisits a tier
             a = pred[node]
             j = s if a < 0 else predj[node]
             tier[j] = node
