@@ -536,11 +536,13 @@ class SphericalKVCache:
         so that 0.25 is never read as 0 bytes) or ``budget_fraction`` in [0, 1], the
         fraction of ``bytes_in_use(seq)`` now (rounded down to whole bytes): one of the two.
 
-        Gathers per-state statistics, builds one rdr.Problem (groups = (layer, kv-head),
-        page padding charged with page_bytes), solves it and applies the tiers: evict,
-        demote (re-encoded from the stored state), never promote. Protected states (policy
-        sinks and recent window, ``protect`` spans) stay where they are; at the top tier
-        they are RDR's protected states. Afterwards bytes_in_use(seq) <= budget_bytes.
+        Gathers per-state statistics (from the queries ``observe`` and ``decode`` recorded;
+        a layer with none is scored as uniform attention, p = 1/n, docs/rdr.md §5), builds
+        one rdr.Problem (groups = (layer, kv-head), page padding charged with page_bytes),
+        solves it and applies the tiers: evict, demote (re-encoded from the stored state),
+        never promote. Protected states (policy sinks and recent window, ``protect`` spans)
+        stay where they are; at the top tier they are RDR's protected states. Afterwards
+        bytes_in_use(seq) <= budget_bytes.
         ValueError naming the bytes needed if the protected states alone exceed the budget."""
         from . import rdr       # imported here so that importing the package never needs the solver
         s = self._seq(seq)
