@@ -420,6 +420,20 @@ def _heap_pop(key, who, stamp, size, h):
 
 
 @numba.njit(cache=True)
+def _is_ancestor(pred, b, a):
+    """Whether tier b lies on the chain of predecessors from tier a (a itself included).
+    pred is a forest (-1 at its roots), so the walk ends within pred.size steps."""
+    node = a
+    for _ in range(pred.size):
+        if node == b:
+            return True
+        node = pred[node]
+        if node < 0:
+            return False
+    return True                             # not reached: a forest has no longer chain
+
+
+@numba.njit(cache=True)
 def _group_transport(d, rows, cap, tier):
     """Best assignment of one group's free states to options under slot caps, exactly.
 
@@ -428,19 +442,18 @@ def _group_transport(d, rows, cap, tier):
     Once the page counts are fixed this is a transportation problem (m unit sources, K
     sinks), solved by successive shortest paths: states enter one at a time, each along
     the cheapest chain "the new state takes a slot of tier a, a state of a moves to b, …,
-    ending where a slot is free (evicting always is)". An edge a → b costs the least
-    D[j, b] − D[j, a] over the states j at a, kept in one heap per (a, b). Each step keeps
-    the partial assignment optimal for the states entered so far, the classical invariant
-    of the method, so the final one is optimal (integral: the matrix is totally unimodular).
+    ending where a slot is free (evicting always is)". The chain is a shortest path over
+    the K tiers (Bellman–Ford; an edge a → b costs the least D[j, b] − D[j, a] over the
+    states j at a, kept in one heap per (a, b)). Each step keeps the partial assignment
+    optimal for the states entered so far, the classical invariant of the method, so the
+    final one is optimal (integral: the matrix is totally unimodular).
 
-    The chain is a shortest path over the K tiers by Dijkstra's method on the edge costs
-    reduced by tier potentials (Johnson's; the previous step's distances, which make every
-    reduced cost ≥ 0 in exact arithmetic). Dijkstra settles each tier once and gives a tier
-    its predecessor only while the tier is unsettled, from a tier settled before it: a
-    chain follows the settling order backwards, so it never revisits a tier and holds at
-    most K links, whatever the data. Ties and rounding (a reduced cost a few ulp below 0, a
-    cycle of two tied moves that sums to −1 ulp) can make a chain near-shortest, never a
-    loop: Bellman–Ford, used before, relaxed around such a cycle and its chain ran on."""
+    A chain never revisits a tier, whatever the data: a relaxation a → b that would make b
+    its own predecessor (b already on a's chain) is refused, so the predecessors stay a
+    forest and a chain holds at most K links. In exact arithmetic no such relaxation
+    improves anything (the partial assignment being optimal, no cycle of moves is
+    negative); in floating point, two tied moves between two tiers can cancel to −1 ulp,
+    and without the guard the chain ran round them, pushing onto a heap past its end."""
     m = rows.size
     k = d.shape[1]
     count = np.zeros(k, dtype=np.int64)
@@ -450,47 +463,40 @@ def _group_transport(d, rows, cap, tier):
     who = np.empty((k * k, hc), dtype=np.int64)
     stamp = np.empty((k * k, hc), dtype=np.int64)
     size = np.zeros(k * k, dtype=np.int64)
-    potential = np.zeros(k)
     dist = np.empty(k)
     pred = np.empty(k, dtype=np.int64)
     predj = np.empty(k, dtype=np.int64)
-    settled = np.empty(k, dtype=np.bool_)
     inf = np.inf
     for s in range(m):
         i = rows[s]
         for b in range(k):
-            dist[b] = d[i, b] - potential[b] if (b == 0 or cap[b] > 0) else inf
+            dist[b] = d[i, b] if (b == 0 or cap[b] > 0) else inf
             pred[b] = -1
-            settled[b] = False
-        end = 0
-        for _ in range(k):
-            a = -1                          # the unsettled tier of least distance
-            for b in range(k):
-                if not settled[b] and dist[b] < inf and (a < 0 or dist[b] < dist[a]):
-                    a = b
-            if a < 0:
-                break                       # not reached: eviction is always reachable
-            settled[a] = True
-            if a == 0 or count[a] < cap[a]:
-                end = a                     # a slot is free at a: the chain ends there
+        for _ in range(k - 1):
+            changed = False
+            for a in range(1, k):
+                if dist[a] == inf or count[a] < cap[a]:
+                    continue                # a slot is free at a: the chain can end there
+                for b in range(k):
+                    if b == a or (b > 0 and cap[b] <= 0):
+                        continue
+                    h = a * k + b
+                    while size[h] > 0 and (tier[who[h, 0]] != a or version[who[h, 0]] != stamp[h, 0]):
+                        _heap_pop(key, who, stamp, size, h)     # a state that has moved on
+                    if size[h] == 0:
+                        continue
+                    v = dist[a] + key[h, 0]
+                    if v < dist[b] and not _is_ancestor(pred, b, a):
+                        dist[b] = v
+                        pred[b] = a
+                        predj[b] = who[h, 0]
+                        changed = True
+            if not changed:
                 break
-            for b in range(k):
-                if settled[b] or (b > 0 and cap[b] <= 0):
-                    continue
-                h = a * k + b
-                while size[h] > 0 and (tier[who[h, 0]] != a or version[who[h, 0]] != stamp[h, 0]):
-                    _heap_pop(key, who, stamp, size, h)     # a state that has moved on
-                if size[h] == 0:
-                    continue
-                v = dist[a] + (key[h, 0] + potential[a] - potential[b])
-                if v < dist[b]:
-                    dist[b] = v
-                    pred[b] = a
-                    predj[b] = who[h, 0]
-        # the potentials of the next step: min(distance, the chain's) keeps every reduced
-        # cost >= 0, the edges the chain creates included (they are tight)
-        for b in range(k):
-            potential[b] += min(dist[b], dist[end])
+        end = 0
+        for c in range(1, k):
+            if count[c] < cap[c] and dist[c] < dist[end]:
+                end = c
         if size.max() + 1 > hc:             # room for this chain's pushes (one per heap)
             grown = 2 * hc + k * k
             key2 = np.empty((k * k, grown))
@@ -557,6 +563,9 @@ def _choose_pages(cand_group, cand_pages, cand_dist, num_groups, max_pages):
         return chosen
     for g in range(num_groups - 1, -1, -1):
         c = pick[g, b]
+        if c < 0:                   # not reached (a finite total has a pick in every group),
+            chosen[:] = -1          # but never an index of -1
+            return chosen
         chosen[g] = c
         b -= cand_pages[c]
     return chosen
