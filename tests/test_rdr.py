@@ -609,9 +609,10 @@ def test_fast_agrees_with_milp_on_degenerate_problems(p):
 #: with no query recorded (``SphericalCache(config, observe=0)``), so its distortions are
 #: those of uniform attention (docs/rdr.md §5). Two of its states make a cycle of moves
 #: between two tiers whose costs cancel; rounding summed them below zero, and the
-#: transport's chain (Bellman–Ford then) ran round the cycle, pushing onto a heap past its
-#: end. 199 states (36 protected), 8 options, pages of 4096 bytes; it crashed at 5 to 12
-#: pages (``compress(budget_fraction=0.5)`` gave the whole problem 8 pages a group).
+#: transport's chain, before it refused to revisit a tier, ran round the cycle, pushing
+#: onto a heap past its end. 199 states (36 protected), 8 options, pages of 4096 bytes; it
+#: crashed at 5 to 12 pages (``compress(budget_fraction=0.5)`` gave the whole problem,
+#: 90 such groups, 585 pages).
 NO_QUERIES = pathlib.Path(__file__).parent / "data" / "rdr_smollm2_no_queries.npz"
 
 
