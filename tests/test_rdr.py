@@ -682,10 +682,12 @@ def test_fast_stays_in_bounds_with_numba_bounds_checking(tmp_path, request):
     IndexError instead of reading or writing past an array's end), on that problem, a
     synthetic one with few pages per group (the page search runs) and random ones with and
     without pages: the same tiers as the unchecked build. Numba's cache does not tell the
-    two builds apart, so the checked one keeps its own, in pytest's cache folder."""
+    two builds apart, so the checked one keeps its own, in pytest's cache folder (a fresh
+    one where pytest runs without its cache)."""
     problems = (no_queries_problems((3, 8, 13)) + [rdr.synthetic_problem(600, num_groups=3)]
                 + [random_problem(seed, page_bytes=page) for seed, page in ((0, 64), (1, None))])
-    cache = request.config.cache.mkdir("numba-boundscheck")
+    pytest_cache = getattr(request.config, "cache", None)
+    cache = pytest_cache.mkdir("numba-boundscheck") if pytest_cache else tmp_path / "numba"
     checked = fast_in_child(problems, tmp_path,
                             {"NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(cache)})
     for p, tier in zip(problems, checked):
