@@ -657,11 +657,13 @@ class SphericalKVCache:
         appended later enter at the top tier and add their bytes (``policy.every`` re-runs
         compress as they come).
 
-        Gathers per-state statistics, builds one rdr.Problem (groups = (layer, kv-head),
-        page padding charged with page_bytes), solves it and applies the tiers: evict,
-        demote (re-encoded from the stored state), never promote. Protected states (policy
-        sinks and recent window, ``protect`` spans) stay where they are; at the top tier
-        they are RDR's protected states. Afterwards bytes_in_use(seq) <= budget_bytes.
+        Gathers per-state statistics (from the queries ``observe`` and ``decode`` recorded;
+        a layer with none is scored as uniform attention, p = 1/n, docs/rdr.md §5), builds
+        one rdr.Problem (groups = (layer, kv-head), page padding charged with page_bytes),
+        solves it and applies the tiers: evict, demote (re-encoded from the stored state),
+        never promote. Protected states (policy sinks and recent window, ``protect`` spans)
+        stay where they are; at the top tier they are RDR's protected states. Afterwards
+        bytes_in_use(seq) <= budget_bytes.
         ValueError naming the bytes needed if the protected states alone exceed the budget."""
         s = self._seq(seq)
         sid = int(seq)

@@ -211,6 +211,34 @@ def test_observed_queries_steer_what_is_kept():
     assert blind.paged.states((s2, 0, 0)).tier.max() < LADDER.top
 
 
+def test_compress_without_recorded_queries_estimates_uniform_attention():
+    """No query recorded (no decode, no observe): compress scores every state as uniform
+    attention would, p = 1/n, Q² = mean r², κ = 1 (docs/rdr.md §5), and keeps to the budget;
+    also when every state is one vector, so that every distortion is zero (centring leaves
+    nothing) or tied."""
+    rng = np.random.default_rng(21)
+    one = rng.standard_normal(D)
+    for same in (False, True):
+        for frac in (0.35, 0.5, 0.9):
+            cache = make_cache()
+            seq = cache.new_sequence()
+            if same:
+                for layer in range(cache.num_layers):
+                    cache.append(seq, layer, np.tile(one, (2, 60, 1)), np.tile(-one, (2, 60, 1)))
+            else:
+                fill(cache, seq, 60, rng)
+            st = cache.paged.states((seq, 0, 0))
+            p, q2, r, _, _, kappa = cache._row_statistics(seq, cache._seqs[seq], 0, 0, st,
+                                                          np.ones(60, bool))
+            assert np.all(p == 1 / 60) and np.all(kappa == 1.0)
+            assert q2 == pytest.approx(np.mean(r * r))
+            rep = cache.compress(seq, budget_fraction=frac)
+            assert cache.bytes_in_use(seq) == rep.bytes_after <= rep.budget_bytes
+            q = rng.standard_normal((cache.num_q_heads, D))
+            np.testing.assert_allclose(cache.decode(seq, 1, q, record=False),
+                                       cache.reference_decode(seq, 1, q), rtol=1e-9, atol=1e-9)
+
+
 def test_coherence_factor_matches_its_definition():
     rng = np.random.default_rng(9)
     nq, n, dim = 5, 30, D
@@ -469,7 +497,7 @@ class CacheMachine(RuleBasedStateMachine):
             kw = dict(budget_fraction=frac)
         else:
             kw = dict(budget_bytes=int(frac * c.bytes_in_use(sid)))
-        budget = kw.get("budget_bytes", int(np.floor(frac * c.bytes_in_use(sid))))
+        budget = kw.get("budget_bytes", int(np.floor(frac * c.bf16_bytes(sid))))   # a fraction is of the bf16 bytes
         before = {k: dict(zip(c.paged.states(k).pos, c.paged.states(k).tier))
                   for k in c.paged.rows if k[0] == sid}
         snap = cache_snapshot(c)

@@ -176,3 +176,20 @@ def test_compress_with_a_horizon_runs_through_the_hf_cache(tiny_model):
     report = cache.compress(budget_bytes=16 * 512)
     assert report.bytes_after <= 16 * 512
     assert np.allclose(cache.kv.rope_inv_freq, model.model.rotary_emb.inv_freq.double().numpy(), rtol=1e-6)
+
+
+def test_compress_without_recorded_queries_estimates_uniform_attention(tiny_model):
+    # observe=0 records no query: compress estimates uniform attention (docs/rdr.md §5),
+    # keeps to its budget, and the model runs on
+    from spherical_kv_ref.cache import CompressPolicy
+    model, ids, _ = tiny_model
+    for fraction in (0.35, 0.5, 0.9):
+        cache = SphericalCache(model.config, observe=0, page_bytes=512,
+                               policy=CompressPolicy(sinks=2, recent=4))
+        with torch.no_grad():
+            model(ids[:, :-1], past_key_values=cache)
+            report = cache.compress(budget_fraction=fraction)
+            logits = model(ids[:, -1:], past_key_values=cache).logits
+        assert cache.observed == [None, None]
+        assert report.bytes_after <= report.budget_bytes
+        assert bool(torch.isfinite(logits).all())

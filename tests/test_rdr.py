@@ -1,4 +1,10 @@
 """RDR (docs/design.md §5, §7): surrogate, exact and fast solvers, certificate, statistics, masks."""
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -8,7 +14,7 @@ from spherical_kv_ref import rdr
 from spherical_kv_ref.rdr import statistics as rs
 from spherical_kv_ref.rdr.page_search import (_group_transport, _least_bounded, _prices,
                                               _refine_total)
-from strategies_rdr import coarse_paged_problems, tiny_problems
+from strategies_rdr import coarse_paged_problems, degenerate_problems, tiny_problems
 
 REL = 1e-9
 
@@ -580,6 +586,112 @@ def test_protected_over_budget_error_names_the_bytes_needed(p):
         return
     with pytest.raises(ValueError, match=rf"protected states alone need {need} bytes"):
         rdr.Problem(p.distortion, p.cost, p.group, p.protected, need - 1, p.page_bytes)
+
+
+# ---------------------------------------------------------------- degenerate problems
+
+@given(degenerate_problems())
+def test_fast_agrees_with_milp_on_degenerate_problems(p):
+    # all-zero, tied and nearly tied distortions, groups of one state, budgets at the
+    # protected bytes: what the statistics of a cache that recorded no query look like
+    fast, exact = rdr.solve(p, "fast"), rdr.solve(p, "milp")
+    assert fast.bytes == paged_bytes(p, fast.tier) <= p.budget_bytes
+    assert np.all(fast.tier[p.protected] == p.num_options - 1)
+    assert exact.optimal
+    tol = REL * max(fast.objective, exact.objective)      # relative: distortions of ~1e-6
+    assert fast.lower_bound <= exact.objective + tol
+    assert exact.objective <= fast.objective + tol
+    assert fast.objective - exact.objective <= fast.gap * fast.objective + tol
+
+
+#: One group of the compress problem that crashed the fast solver (SIGSEGV, SIGBUS or a
+#: hang): SmolLM2-135M's layer 0, kv-head 0 after a 200-token prefill of the GPL-3 text
+#: with no query recorded (``SphericalCache(config, observe=0)``), so its distortions are
+#: those of uniform attention (docs/rdr.md §5). Two of its states make a cycle of moves
+#: between two tiers whose costs cancel; rounding summed them below zero, and the
+#: transport's chain, before it refused to revisit a tier, ran round the cycle, pushing
+#: onto a heap past its end. 199 states (36 protected), 8 options, pages of 4096 bytes; it
+#: crashed at 5 to 12 pages (``compress(budget_fraction=0.5)`` gave the whole problem,
+#: 90 such groups, 585 pages).
+NO_QUERIES = pathlib.Path(__file__).parent / "data" / "rdr_smollm2_no_queries.npz"
+
+
+def no_queries_problems(pages=range(3, 14)):
+    """The NO_QUERIES group at budgets of ``pages`` pages (3: its protected states' bytes;
+    13: every state at the top tier)."""
+    with np.load(NO_QUERIES) as z:
+        d, cost, protected, page = z["distortion"], z["cost"], z["protected"], int(z["page_bytes"])
+    group = np.zeros(len(d), dtype=np.int64)
+    return [rdr.Problem(d, cost, group, protected, n * page, page) for n in pages]
+
+
+#: the child of :func:`fast_in_child`: solves the problems of one .npz file
+_CHILD = """
+import sys
+import numpy as np
+from spherical_kv_ref import rdr
+with np.load(sys.argv[1]) as z:
+    tiers = []
+    for i in range(int(z["count"])):
+        page = int(z[f"page_bytes{i}"])
+        p = rdr.Problem(z[f"distortion{i}"], z[f"cost{i}"], z[f"group{i}"], z[f"protected{i}"],
+                        int(z[f"budget{i}"]), page or None)
+        tiers.append(rdr.solve(p, "fast").tier)
+np.savez(sys.argv[2], *tiers)
+"""
+
+
+def fast_in_child(problems, folder, env=None, timeout=300):
+    """``rdr.solve(p, "fast").tier`` of every problem, solved in a child process (its
+    environment updated by ``env``), so that a crash (SIGSEGV, SIGBUS) or a hang fails the
+    test instead of ending the test run. The child imports the package this test imports.
+    ``timeout`` (s) leaves room for numba to compile the solver on a cold cache."""
+    fields = {"count": len(problems)}
+    for i, p in enumerate(problems):
+        fields.update({f"distortion{i}": p.distortion, f"cost{i}": p.cost, f"group{i}": p.group,
+                       f"protected{i}": p.protected, f"budget{i}": p.budget_bytes,
+                       f"page_bytes{i}": p.page_bytes or 0})
+    src, dst = folder / "problems.npz", folder / "tiers.npz"
+    np.savez(src, **fields)
+    root = str(pathlib.Path(rdr.__file__).parents[2])
+    child_env = dict(os.environ, **(env or {}))
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    try:
+        run = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(dst)], env=child_env,
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the fast solver hung: no answer in {timeout} s")
+    if run.returncode != 0:
+        how = (f"signal {signal.Signals(-run.returncode).name}" if run.returncode < 0
+               else f"exit code {run.returncode}")
+        pytest.fail(f"the fast solver's process ended with {how}:\n{run.stderr[-3000:]}")
+    with np.load(dst) as z:
+        return [z[f"arr_{i}"] for i in range(len(problems))]
+
+
+def test_fast_solves_the_no_queries_problem_that_crashed_it(tmp_path):
+    problems = no_queries_problems()
+    for p, tier in zip(problems, fast_in_child(problems, tmp_path)):
+        exact = rdr.solve(p, "milp")
+        assert p.is_feasible(tier) and exact.optimal
+        assert p.objective_of(tier) <= exact.objective * (1 + REL)
+
+
+def test_fast_stays_in_bounds_with_numba_bounds_checking(tmp_path, request):
+    """The fast solver compiled with numba's bounds checking (an index out of bounds raises
+    IndexError instead of reading or writing past an array's end), on that problem, a
+    synthetic one with few pages per group (the page search runs) and random ones with and
+    without pages: the same tiers as the unchecked build. Numba's cache does not tell the
+    two builds apart, so the checked one keeps its own, in pytest's cache folder (a fresh
+    one where pytest runs without its cache)."""
+    problems = (no_queries_problems((3, 8, 13)) + [rdr.synthetic_problem(600, num_groups=3)]
+                + [random_problem(seed, page_bytes=page) for seed, page in ((0, 64), (1, None))])
+    pytest_cache = getattr(request.config, "cache", None)
+    cache = pytest_cache.mkdir("numba-boundscheck") if pytest_cache else tmp_path / "numba"
+    checked = fast_in_child(problems, tmp_path,
+                            {"NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(cache)})
+    for p, tier in zip(problems, checked):
+        assert np.array_equal(tier, rdr.solve(p, "fast").tier)
 
 
 def _rope_matrix(pos, inv_freq):

@@ -282,10 +282,10 @@ def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, rounds
     From the least vector, pages are added one at a time (the tier that lowers the
     distortion most), each step followed by page moves between tiers while they help (at
     most ``rounds``), up to p_up[g]; on the groups marked from_seed (many pages), from
-    y_seed[g] instead, ``window`` totals up and down. Every capped assignment solved gives
-    optimal slot prices, hence a cut, a linear lower bound of the capped optimum of every
-    vector (:func:`_prices`): group g's first ones are kept in cut_a[g], cut_mu[g] (ncut[g]
-    of them) for the lower bound (:func:`refine_lower`)."""
+    y_seed[g] instead (if its total lies in lo[g]..p_hi[g]), ``window`` totals up and down.
+    Every capped assignment solved gives optimal slot prices, hence a cut, a linear lower
+    bound of the capped optimum of every vector (:func:`_prices`): group g's first ones are
+    kept in cut_a[g], cut_mu[g] (ncut[g] of them) for the lower bound (:func:`refine_lower`)."""
     G = gstart.size - 1
     k = per.size
     top = k - 1
@@ -309,12 +309,13 @@ def _profiles(d, free, gorder, gstart, prot_top, per, lo, hi, p_hi, p_up, rounds
         low[top] = lo[g]
         ga, gmu = cut_a[g], cut_mu[g]
         nc = 0
-        if from_seed[g]:
+        p0 = 0
+        for t in range(1, k):
+            p0 += y_seed[g, t]
+        # (a seed outside the totals searched has no slot in ub: searched from the least)
+        if from_seed[g] and lo[g] <= p0 <= p_hi[g]:
             # many pages: search a window of totals around steps 1–5's page counts
             y[:] = y_seed[g]
-            p0 = 0
-            for t in range(1, k):
-                p0 += y[t]
             v, a = _eval(d, rows, prot_top[g], per, y, cap, tier, mu)
             nc = _add_cut(ga, gmu, nc, a, mu)
             v, nc = _improve(d, rows, prot_top[g], per, y, hi[g], low, v, seed_rounds, cap, tier,
@@ -376,8 +377,12 @@ def _heap_move(key, who, stamp, h, dst, src):
 
 @numba.njit(cache=True)
 def _heap_push(key, who, stamp, size, h, kv, j, st):
-    """Heap h of (key, state, version) entries, least key on top: insert one."""
+    """Heap h of (key, state, version) entries, least key on top: insert one. The caller
+    makes room (:func:`_group_transport` grows the heaps before each chain); a full heap is
+    an error, never a write past its end."""
     n = size[h]
+    if n >= key.shape[1]:
+        raise IndexError("rdr: a transport heap is full")
     size[h] = n + 1
     while n > 0:
         parent = (n - 1) // 2
@@ -392,7 +397,9 @@ def _heap_push(key, who, stamp, size, h, kv, j, st):
 
 @numba.njit(cache=True)
 def _heap_pop(key, who, stamp, size, h):
-    """Remove the top entry of heap h."""
+    """Remove the top entry of heap h (nothing on an empty heap)."""
+    if size[h] == 0:
+        return
     n = size[h] - 1
     size[h] = n
     kv, j, st = key[h, n], who[h, n], stamp[h, n]
@@ -413,6 +420,20 @@ def _heap_pop(key, who, stamp, size, h):
 
 
 @numba.njit(cache=True)
+def _is_ancestor(pred, b, a):
+    """Whether tier b lies on the chain of predecessors from tier a (a itself included).
+    pred is a forest (-1 at its roots), so the walk ends within pred.size steps."""
+    node = a
+    for _ in range(pred.size):
+        if node == b:
+            return True
+        node = pred[node]
+        if node < 0:
+            return False
+    return True                             # not reached: a forest has no longer chain
+
+
+@numba.njit(cache=True)
 def _group_transport(d, rows, cap, tier):
     """Best assignment of one group's free states to options under slot caps, exactly.
 
@@ -425,7 +446,14 @@ def _group_transport(d, rows, cap, tier):
     the K tiers (Bellman–Ford; an edge a → b costs the least D[j, b] − D[j, a] over the
     states j at a, kept in one heap per (a, b)). Each step keeps the partial assignment
     optimal for the states entered so far, the classical invariant of the method, so the
-    final one is optimal (integral: the matrix is totally unimodular)."""
+    final one is optimal (integral: the matrix is totally unimodular).
+
+    A chain never revisits a tier, whatever the data: a relaxation a → b that would make b
+    its own predecessor (b already on a's chain) is refused, so the predecessors stay a
+    forest and a chain holds at most K links. In exact arithmetic no such relaxation
+    improves anything (the partial assignment being optimal, no cycle of moves is
+    negative); in floating point, two tied moves between two tiers can cancel to −1 ulp,
+    and without the guard the chain ran round them, pushing onto a heap past its end."""
     m = rows.size
     k = d.shape[1]
     count = np.zeros(k, dtype=np.int64)
@@ -458,7 +486,7 @@ def _group_transport(d, rows, cap, tier):
                     if size[h] == 0:
                         continue
                     v = dist[a] + key[h, 0]
-                    if v < dist[b]:
+                    if v < dist[b] and not _is_ancestor(pred, b, a):
                         dist[b] = v
                         pred[b] = a
                         predj[b] = who[h, 0]
@@ -480,7 +508,7 @@ def _group_transport(d, rows, cap, tier):
             key, who, stamp, hc = key2, who2, stamp2, grown
         node = end
         count[end] += 1
-        while True:
+        for _ in range(k):                  # at most K links: the chain never revisits a tier
             a = pred[node]
             j = s if a < 0 else predj[node]
             tier[j] = node
@@ -535,6 +563,9 @@ def _choose_pages(cand_group, cand_pages, cand_dist, num_groups, max_pages):
         return chosen
     for g in range(num_groups - 1, -1, -1):
         c = pick[g, b]
+        if c < 0:                   # not reached (a finite total has a pick in every group),
+            chosen[:] = -1          # but never an index of -1
+            return chosen
         chosen[g] = c
         b -= cand_pages[c]
     return chosen
