@@ -322,7 +322,7 @@ def recording_attention(model, layers=None):
     def record(module, query, key, value, *args, **kwargs):
         idx = module.layer_idx
         if keep is None or idx in keep:
-            seen[idx] = tuple(t[0].detach().float().numpy().copy() for t in (query, key, value))
+            seen[idx] = tuple(t[0].detach().cpu().float().numpy().copy() for t in (query, key, value))
         return inner(module, query, key, value, *args, **kwargs)
 
     AttentionInterface.register(name, record)
