@@ -220,10 +220,10 @@ def main(argv=None) -> int:
     from .model import describe_model, model_spec
     spec = model_spec(args.model)
     if spec.hub:
-        _say(f"model: {describe_model(args.model)}; corpus under {cache_dir()} (--cache-dir or "
+        _say(f"model: {describe_model(args.model, args.device)}; corpus under {cache_dir()} (--cache-dir or "
              f"SPHERICAL_KV_CACHE moves it)")
     else:
-        _say(f"model: {describe_model(args.model)}; corpus and model copy under {cache_dir()} "
+        _say(f"model: {describe_model(args.model, args.device)}; corpus and model copy under {cache_dir()} "
              f"(~0.5 GB once; --cache-dir or SPHERICAL_KV_CACHE moves it; weights from "
              f"'{spec.packages[0]}')")
     if args.quick:

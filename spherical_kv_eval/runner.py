@@ -100,8 +100,10 @@ class Runner:
         queries = [p[0] if len(p) == 1 else np.concatenate(p, axis=1) for p in parts.values()]
         parts.clear()
         scale = cache.scaling
+        # on a GPU the statistics (quadratic in T) are computed there, in larger blocks
+        on = None if self.device.type == "cpu" else self.device
         stats = attention_stats(queries, keys, window=observe, query_stride=stats_stride,
-                                scale=scale)
+                                scale=scale, device=on, **({} if on is None else {"block": 1024}))
         windows = [tuple(x.astype(np.float32) for x in cache.dense_kv(l)) for l in slide]
         exact_windows = None
         if self.window_bits < 16:

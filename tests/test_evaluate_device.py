@@ -135,4 +135,5 @@ def test_the_model_on_cuda_gives_the_cpu_s_rows_and_logits(tiny_run, worker, tmp
                     "greedy_token_agreement", "greedy_margin_err", "attn_out_rel_err"):
             half = max(c[key + "_ci95"], 1e-5)
             assert abs(g[key] - c[key]) <= half, (c["method"], key, c[key], g[key], half)
-        assert g["bytes_fraction"] == c["bytes_fraction"]
+        # the budgets bind both: at most a page apart where RDR's allocation moved
+        assert g["bytes_fraction"] == pytest.approx(c["bytes_fraction"], abs=0.01)
