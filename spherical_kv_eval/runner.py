@@ -36,10 +36,11 @@ class Runner:
     """Prefill, score and generate with one model through ``spherical_kv`` attention.
 
     ``device``: where the model runs ("cpu" or "cuda"): its forward passes (the prefill, the
-    dense reference, the scored and greedy passes) and what kvpress's presses and the
-    QuantizedCache run unless ``peer_device`` names another device. The context stores stay
-    NumPy on the CPU: each store-phase attention call moves its queries there and its output
-    back (``spherical_kv_ref.hf.spherical_attention``)."""
+    dense reference, the scored and greedy passes), the attention statistics, the dense
+    stores (the reference's and the baselines', ``Prefill.device``) and what kvpress's
+    presses and the QuantizedCache run unless ``peer_device`` names another device.
+    Spherical KV's stores stay NumPy on the CPU: each store-phase attention call moves its
+    queries there and its output back (``spherical_kv_ref.hf.spherical_attention``)."""
 
     def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None, window_bits: int = 16,
                  peer_device: Optional[str] = None, device: str = "cpu"):
@@ -115,7 +116,7 @@ class Runner:
                        [q[:, -trailing:] for q in queries] if trailing else None,
                        np.asarray(ids), self.peer_model, windows=windows, store_layers=full,
                        window_layers=slide, scale=scale, window_bits=self.window_bits,
-                       exact_windows=exact_windows)
+                       exact_windows=exact_windows, device=on)
 
     def _ids(self, ids) -> "torch.Tensor":
         """Token ids as the model's (1, n) input on its device."""
@@ -169,9 +170,13 @@ class Runner:
 
 
 def _exact_store(pre: Prefill):
-    """The uncompressed prefill (float32 keys/values as the model computed them)."""
+    """The uncompressed prefill (float32 keys/values as the model computed them), on the
+    prefill's device where it has one (``DeviceDenseStore``)."""
     from spherical_kv_ref.hf import DenseStore
-    return DenseStore(pre.keys, pre.values, pre.queries[0].shape[0], 0)
+    if pre.device is None:
+        return DenseStore(pre.keys, pre.values, pre.queries[0].shape[0], 0)
+    from spherical_kv_eval.device_store import DeviceDenseStore
+    return DeviceDenseStore(pre.keys, pre.values, pre.queries[0].shape[0], 0, device=pre.device)
 
 
 class _RecordingStore:

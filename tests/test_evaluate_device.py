@@ -24,21 +24,22 @@ def runner(tiny_llama):
     return E.Runner(tiny_llama(512), tokenizer=None)
 
 
+TINY = ("--contexts 256 --budgets 0.5 --rdr-extra --windows 2 --continuation 16 --generate 4 "
+        "--probe 8 --methods skv-rdr h2o --no-peers --jobs 1").split()
+
+
 @pytest.fixture
 def tiny_run(worker, monkeypatch):
-    """``run(out, **settings) -> (rows, meta)``: a two-window evaluation of the tiny model at
-    256 tokens (RDR and H2O at 50 %, 16 scored and 4 greedy tokens, an 8-token probe), its
-    units run by the worker process's runner (``use`` installs another)."""
+    """``run(out, *options) -> (rows, meta)``: the command line's run of two windows of the
+    tiny model at 256 tokens (RDR and H2O at 50 %, 16 scored and 4 greedy tokens, an 8-token
+    probe) and ``options``, its units run by the worker process's runner (``use`` installs
+    another)."""
     ids = np.random.default_rng(7).integers(0, 101, 4000)
     monkeypatch.setattr(U, "_main_setup", lambda *a, **k: (worker.model.config, None))
     monkeypatch.setattr(U, "corpus_tokens", lambda tok, need, special=True: (ids, "test"))
 
-    def run(out, **kw):
-        base = dict(model="smollm2", contexts=[256], budgets=[0.5], rdr_extra=[], rdr_recent=[32],
-                    windows=2, continuation=16, generate=4, defer=0, probe=8,
-                    methods=["skv-rdr", "h2o"], peers=False, seed=0, window_bits=16, jobs=1,
-                    out=out, resume=False, max_units=None, peer_device=None)
-        return E.run(SimpleNamespace(**dict(base, **kw)))
+    def run(out, *options):
+        return E.run(E.parse(TINY + ["--out", str(out), *options]))
 
     def use(r):
         E._WORKER.update(runner=r, cfg=r.model.config)
@@ -57,7 +58,7 @@ def test_device_cpu_gives_the_default_s_rows_byte_for_byte(tiny_run, worker, tmp
     the CPU give the same rows and log the same units, to the byte; the meta says where."""
     default, meta = tiny_run(tmp_path / "default")
     tiny_run.use(E.Runner(worker.model, None, device="cpu"))
-    cpu, cpu_meta = tiny_run(tmp_path / "cpu", device="cpu")
+    cpu, cpu_meta = tiny_run(tmp_path / "cpu", "--device", "cpu")
     assert json.dumps(cpu) == json.dumps(default)
     assert _unit_lines(tmp_path / "cpu") == _unit_lines(tmp_path / "default")
     for m in (meta, cpu_meta):
@@ -73,15 +74,17 @@ def test_a_log_keeps_to_one_device(tiny_run, tmp_path):
     log = tmp_path / "units.jsonl"
     first, *units = log.read_text().splitlines()
     assert json.loads(first)["settings"]["device"] == "cpu"
+    on_gpu = E.parse(TINY + ["--out", str(tmp_path), "--resume"])
+    on_gpu.device = "cuda"          # as parsed where torch sees a GPU; refused before any use
     with pytest.raises(ValueError, match=r"other settings \(device differ"):
-        tiny_run(tmp_path, device="cuda", resume=True)
+        E.run(on_gpu)
     settings = json.loads(first)
     del settings["settings"]["device"]
     log.write_text("\n".join([json.dumps(settings)] + units) + "\n")
-    again, meta = tiny_run(tmp_path, resume=True)
+    again, meta = tiny_run(tmp_path, "--resume")
     assert again == whole and meta["units_resumed"] == 3
     with pytest.raises(ValueError, match=r"device differ"):
-        tiny_run(tmp_path, device="cuda", resume=True)
+        E.run(on_gpu)
 
 
 def test_runner_options_thread_the_device_to_the_peers():
@@ -90,6 +93,37 @@ def test_runner_options_thread_the_device_to_the_peers():
     assert opts == {"window_bits": 4, "device": "cpu", "peer_device": None}
     assert E.runner_options(SimpleNamespace(device="cuda", peer_device=None))["peer_device"] == "cuda"
     assert E.runner_options(SimpleNamespace(device="cuda", peer_device="cpu"))["peer_device"] == "cpu"
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not CUDA, reason="torch sees no CUDA device")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_device_dense_store_is_the_reference_dense_store(device):
+    """DeviceDenseStore against DenseStore: heads of 17, 0 and 97 states (an evicting
+    method's), a non-contiguous query, an append of a chunk and of one token, the bytes;
+    equal up to float64 rounding, and the same refusals."""
+    from spherical_kv_ref.hf import DenseStore
+    from spherical_kv_eval.device_store import DeviceDenseStore
+    rng = np.random.default_rng(2)
+    d, nq = 16, 6
+    keys = [[rng.standard_normal((n, d)).astype(np.float32) for n in (17, 0, 97)] for _ in range(2)]
+    values = [[rng.standard_normal((n, d)).astype(np.float32) for n in (17, 0, 97)] for _ in range(2)]
+    ref, dev = (cls(keys, values, nq, 1000, **kw) for cls, kw in
+                ((DenseStore, {}), (DeviceDenseStore, {"device": device})))
+    q = rng.standard_normal((nq, 10, 2 * d))[:, :, ::2]          # strided
+    for chunk in (5, 1):
+        for layer in range(2):
+            (o1, l1), (o2, l2) = ref.attend(layer, q, 0.25), dev.attend(layer, q, 0.25)
+            assert o2.dtype == np.float64 and o2.shape == (nq, 10, d) and l2.shape == (nq, 10)
+            np.testing.assert_allclose(o2, o1, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(l2, l1, rtol=1e-12, atol=1e-12)
+            k, v = rng.standard_normal((2, 3, chunk, d))
+            assert ref.append(layer, k, v)[0] is k and dev.append(layer, k, v)[0] is k
+        assert dev.nbytes() == ref.nbytes()
+    with pytest.raises(ValueError, match="keys"):
+        DeviceDenseStore([[np.full((2, d), np.nan)]], [[np.zeros((2, d))]], 1, 0, device=device)
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal where torch sees no CUDA device")
@@ -121,13 +155,14 @@ def test_the_model_on_cuda_gives_the_cpu_s_rows_and_logits(tiny_run, worker, tmp
     for r in (worker, gpu):
         pre = r.prefill(ctx)
         lps.append(r.logprobs(E._exact_store(pre), pre, cont))
+    assert type(E._exact_store(pre)).__name__ == "DeviceDenseStore"
     assert lps[0].shape == (16, 101)
     assert np.array_equal(lps[0].argmax(axis=1), lps[1].argmax(axis=1))
     np.testing.assert_allclose(lps[1], lps[0], atol=1e-4)
 
     cpu_rows, _ = tiny_run(tmp_path / "cpu")
     tiny_run.use(gpu)
-    cuda_rows, meta = tiny_run(tmp_path / "cuda", device="cuda")
+    cuda_rows, meta = tiny_run(tmp_path / "cuda", "--device", "cuda")
     assert meta["device"] == "cuda" and meta["device_name"] and meta["gpu_peak_bytes"] > 0
     assert [r["method"] for r in cuda_rows] == [r["method"] for r in cpu_rows]
     for c, g in zip(cpu_rows, cuda_rows):
