@@ -53,6 +53,9 @@ class Runner:
             torch.backends.cudnn.allow_tf32 = False
             # a copy: the process's loaded model (``load_model`` caches it) stays on the CPU
             model = copy.deepcopy(model).to(self.device)
+        # where the attention statistics and the dense stores are computed: None = NumPy
+        # (the reference, the CPU path), else torch on this device (``Prefill.device``)
+        self.store_device = None if self.device.type == "cpu" else self.device
         self.torch, self.model, self.tok = torch, model, tokenizer
         self.cfg = model.config
         # the model the kvpress baselines run their own prefills with: this one, or a copy on
@@ -102,7 +105,7 @@ class Runner:
         parts.clear()
         scale = cache.scaling
         # on a GPU the statistics (quadratic in T) are computed there, in larger blocks
-        on = None if self.device.type == "cpu" else self.device
+        on = self.store_device
         stats = attention_stats(queries, keys, window=observe, query_stride=stats_stride,
                                 scale=scale, device=on, **({} if on is None else {"block": 1024}))
         windows = [tuple(x.astype(np.float32) for x in cache.dense_kv(l)) for l in slide]

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from spherical_kv_eval import evaluate as E  # noqa: E402
+from spherical_kv_eval.device_store import DeviceDenseStore  # noqa: E402
 # run() looks its helpers up in the units module: the tests patch them there
 from spherical_kv_eval import units as U  # noqa: E402
 
@@ -66,6 +67,28 @@ def test_device_cpu_gives_the_default_s_rows_byte_for_byte(tiny_run, worker, tmp
         assert m["peer_device"] == "cpu"
 
 
+def test_the_device_s_statistics_and_stores_give_the_numpy_rows(tiny_run, worker, tmp_path):
+    """What a run on a GPU computes in torch (the attention statistics, the dense reference's
+    and the baselines' stores), here in torch on the CPU: every figure of every row the NumPy
+    path's, up to float32 rounding in the statistics (exact H2O ties aside, none here)."""
+    numpy_rows, _ = tiny_run(tmp_path / "numpy", "--methods", "dense", "fp8", "h2o",
+                             "snapkv", "skv-rdr")
+    in_torch = E.Runner(worker.model, None)
+    in_torch.store_device = torch.device("cpu")
+    pre = in_torch.prefill(np.arange(40) % 101)
+    assert pre.device == torch.device("cpu") and isinstance(E._exact_store(pre), DeviceDenseStore)
+    tiny_run.use(in_torch)
+    torch_rows, _ = tiny_run(tmp_path / "torch", "--methods", "dense", "fp8", "h2o",
+                             "snapkv", "skv-rdr")
+    assert [r["method"] for r in torch_rows] == [r["method"] for r in numpy_rows]
+    assert len(numpy_rows) == 5
+    for a, b in zip(numpy_rows, torch_rows):
+        for key in ("delta_ppl_pct", "kl_nats", "top1_agreement", "greedy_agreement",
+                    "greedy_margin_err", "attn_out_rel_err", "bytes_fraction", "retrieval_loss"):
+            if a[key] is not None:
+                assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), (a["method"], key)
+
+
 def test_a_log_keeps_to_one_device(tiny_run, tmp_path):
     """``--resume`` refuses a log made on another device (its units are not mixed with this
     device's); a log from before the device was a setting was made on the CPU and resumes
@@ -105,7 +128,6 @@ def test_the_device_dense_store_is_the_reference_dense_store(device):
     method's), a non-contiguous query, an append of a chunk and of one token, the bytes;
     equal up to float64 rounding, and the same refusals."""
     from spherical_kv_ref.hf import DenseStore
-    from spherical_kv_eval.device_store import DeviceDenseStore
     rng = np.random.default_rng(2)
     d, nq = 16, 6
     keys = [[rng.standard_normal((n, d)).astype(np.float32) for n in (17, 0, 97)] for _ in range(2)]
@@ -155,7 +177,7 @@ def test_the_model_on_cuda_gives_the_cpu_s_rows_and_logits(tiny_run, worker, tmp
     for r in (worker, gpu):
         pre = r.prefill(ctx)
         lps.append(r.logprobs(E._exact_store(pre), pre, cont))
-    assert type(E._exact_store(pre)).__name__ == "DeviceDenseStore"
+    assert isinstance(E._exact_store(pre), DeviceDenseStore)
     assert lps[0].shape == (16, 101)
     assert np.array_equal(lps[0].argmax(axis=1), lps[1].argmax(axis=1))
     np.testing.assert_allclose(lps[1], lps[0], atol=1e-4)
