@@ -46,11 +46,12 @@ from spherical_kv_eval.reports import (  # noqa: F401
     _paired_cell, ci95, greedy_target, paired_difference, plot, plot_reports,
     rdr_against_baselines, write_reports)
 from spherical_kv_eval.runner import (  # noqa: F401
-    Runner, _RecordingStore, _exact_store, attention_error, corpus_tokens, probe_context, window)
+    DEVICES, Runner, _RecordingStore, _exact_store, attention_error, check_device, corpus_tokens,
+    probe_context, window)
 from spherical_kv_eval.units import (  # noqa: F401
-    UNIT_SETTINGS, NoSuchMethod, Unfinished, UnitLog, _WORKER, _gap_summary, _main_setup,
-    _methods, _pool_run, _say, _unit, _worker_setup, greedy_on_dense_path, layer_summary, run,
-    run_windows, window_starts)
+    LEGACY_SETTINGS, UNIT_SETTINGS, NoSuchMethod, Unfinished, UnitLog, _WORKER, _gap_summary,
+    _main_setup, _methods, _pool_run, _say, _unit, _worker_setup, greedy_on_dense_path,
+    layer_summary, run, run_windows, runner_options, window_starts)
 
 DEFAULT_OUT = Path("spherical-kv-results")   # in the working directory, never the committed results
 
@@ -135,9 +136,15 @@ def parser() -> argparse.ArgumentParser:
                         "(kvpress-*) and transformers' QuantizedCache (hf-hqq*), in the line-up "
                         "by default where kvpress and hqq are installed: pip install "
                         "'spherical-kv[peers]'")
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="where the model runs: its prefills, the dense reference and the scored "
+                        "and greedy passes, and the peers' prefills and quantization (default "
+                        "cpu; cuda: each worker process holds the model on the GPU; the context "
+                        "stores and the compressed decode stay on the CPU, docs/evaluate.md \"On "
+                        "a GPU\")")
     p.add_argument("--peer-device", default=None,
                    help="torch device of the kvpress baselines' own prefills and of the "
-                        "QuantizedCache's quantization (default: the CPU, as the rest of the "
+                        "QuantizedCache's quantization (default: --device, as the rest of the "
                         "run; e.g. cuda: only what they keep comes back)")
     p.add_argument("--resume", action="store_true",
                    help="go on with the units already under --out (units.jsonl) made with the "
@@ -180,6 +187,8 @@ def parse(argv):
     from spherical_kv_eval.model import model_spec
     try:
         spec = model_spec(a.model)
+        if not a.replot:
+            check_device(a.device)
     except ValueError as e:
         p.error(str(e))
     if a.model == "gemma3-270m":
@@ -211,10 +220,10 @@ def main(argv=None) -> int:
     from .model import describe_model, model_spec
     spec = model_spec(args.model)
     if spec.hub:
-        _say(f"model: {describe_model(args.model)}; corpus under {cache_dir()} (--cache-dir or "
+        _say(f"model: {describe_model(args.model, args.device)}; corpus under {cache_dir()} (--cache-dir or "
              f"SPHERICAL_KV_CACHE moves it)")
     else:
-        _say(f"model: {describe_model(args.model)}; corpus and model copy under {cache_dir()} "
+        _say(f"model: {describe_model(args.model, args.device)}; corpus and model copy under {cache_dir()} "
              f"(~0.5 GB once; --cache-dir or SPHERICAL_KV_CACHE moves it; weights from "
              f"'{spec.packages[0]}')")
     if args.quick:

@@ -58,6 +58,7 @@ class Prefill:
     scale: Optional[float] = None
     window_bits: int = 16                       # the windows' storage: 16 = bf16, else the codec
     exact_windows: Optional[list] = None        # the model's own windows, when those are coded
+    device: object = None                       # where the dense stores live (None: NumPy)
 
     def reference(self) -> "Prefill":
         """This prefill with the model's own windows: what the dense reference (ΔPPL, KL,
@@ -108,11 +109,16 @@ class Prefill:
         return left
 
 
-def _dense_store(keys, values, keep, num_q_heads, nbytes):
+def _dense_store(keys, values, keep, num_q_heads, nbytes, device=None):
+    """The kept states as a ``DenseStore`` (NumPy), or with a torch ``device`` as its twin
+    holding them there (``device_store.DeviceDenseStore``)."""
     from spherical_kv_ref.hf import DenseStore
     k = [[kl[h][keep_l[h]] for h in range(kl.shape[0])] for kl, keep_l in zip(keys, keep)]
     v = [[vl[h][keep_l[h]] for h in range(vl.shape[0])] for vl, keep_l in zip(values, keep)]
-    return DenseStore(k, v, num_q_heads, nbytes)
+    if device is None:
+        return DenseStore(k, v, num_q_heads, nbytes)
+    from spherical_kv_eval.device_store import DeviceDenseStore
+    return DeviceDenseStore(k, v, num_q_heads, nbytes, device=device)
 
 
 def _rdr_policy(recent: int = 32) -> CompressPolicy:
@@ -149,11 +155,12 @@ def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(),
     return SphericalStore(kv, seq), kv.bytes_in_use(seq) + prefill.window_bytes
 
 
-def _compressed_store(c, nq, window_bytes=0):
-    """(store, bytes) of a baseline's CompressedKV: its kept states, as it holds them; the
-    bytes add the sliding windows' ``window_bytes``."""
-    return _dense_store([l.keys for l in c.layers], [l.values for l in c.layers],
-                        [l.keep for l in c.layers], nq, c.nbytes), c.nbytes + window_bytes
+def _compressed_store(c, nq, window_bytes=0, device=None):
+    """(store, bytes) of a baseline's CompressedKV: its kept states, as it holds them (on
+    ``device``, ``_dense_store``); the bytes add the sliding windows' ``window_bytes``."""
+    return (_dense_store([l.keys for l in c.layers], [l.values for l in c.layers],
+                         [l.keep for l in c.layers], nq, c.nbytes, device=device),
+            c.nbytes + window_bytes)
 
 
 def _at_store_budget(m, pre: Prefill):
@@ -190,7 +197,7 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers
             mm = _at_store_budget(m, pre)
             return _compressed_store(mm.compress(pre.keys, pre.values,
                                                  pre.stats if mm.needs_stats else None), nq,
-                                     pre.window_bytes)
+                                     pre.window_bytes, device=pre.device)
         methods.append(Method(m.name, family, m.budget, build))
     # kvpress presses run their own prefill over every layer: on a sliding-window model they
     # would not see the windows as the evaluation keeps them, so they stay out there
@@ -198,7 +205,8 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers
         for m in P.peer_methods(budgets):
             def build(pre, m=m, protect=()):
                 return _compressed_store(m.compress(pre.keys, pre.values,
-                                                    m.select(pre.model, pre.ids)), nq)
+                                                    m.select(pre.model, pre.ids)), nq,
+                                         device=pre.device)
             methods.append(Method(m.name, m.family, m.budget, build))
     # transformers' QuantizedCache (HQQ), where hqq is installed: it quantizes the prefill
     # the evaluation made, on the peer device (a CUDA run is far faster than a CPU core)
@@ -207,7 +215,8 @@ def lineup(cfg, budgets, kivi_residual=32, rdr_extra=(), rdr_recent=(32,), peers
             def build(pre, m=m, protect=()):
                 on = copy.copy(m)
                 on.device = str(pre.model.device)
-                return _compressed_store(on.compress(pre.keys, pre.values), nq, pre.window_bytes)
+                return _compressed_store(on.compress(pre.keys, pre.values), nq, pre.window_bytes,
+                                         device=pre.device)
             methods.append(Method(m.name, m.family, None, build))
     for bits in (4, 3, 2):
         ladder = TierLadder([(bits, bits), (16, 16)])

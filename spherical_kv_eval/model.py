@@ -151,14 +151,16 @@ def gguf_path(name: str = DEFAULT_MODEL) -> pathlib.Path:
     return files[0]
 
 
-def describe_model(name: str = DEFAULT_MODEL) -> str:
-    """One line naming the model exactly: which file, how it is turned into float32."""
+def describe_model(name: str = DEFAULT_MODEL, device: str = "cpu") -> str:
+    """One line naming the model exactly: which file, how it is turned into float32, and the
+    device it runs on ("cpu" or "cuda")."""
+    where = device.upper()
     if model_spec(name).hub:
-        return f"{name}, read by transformers' from_pretrained and run in float32 (CPU)"
+        return f"{name}, read by transformers' from_pretrained and run in float32 ({where})"
     spec = _spec(name)
     pkgs = "', '".join(spec.packages[:1]) + ("' (+ its parts)" if len(spec.packages) > 1 else "'")
     return (f"{spec.title}, the {spec.quant} GGUF file of the PyPI package '{pkgs}, "
-            f"dequantized to float32 by transformers (CPU)")
+            f"dequantized to float32 by transformers ({where})")
 
 
 def check_config(config, name: str = DEFAULT_MODEL) -> None:
@@ -322,7 +324,7 @@ def recording_attention(model, layers=None):
     def record(module, query, key, value, *args, **kwargs):
         idx = module.layer_idx
         if keep is None or idx in keep:
-            seen[idx] = tuple(t[0].detach().float().numpy().copy() for t in (query, key, value))
+            seen[idx] = tuple(t[0].detach().cpu().float().numpy().copy() for t in (query, key, value))
         return inner(module, query, key, value, *args, **kwargs)
 
     AttentionInterface.register(name, record)

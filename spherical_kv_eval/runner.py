@@ -15,18 +15,53 @@ from spherical_kv_eval.lineup import OBSERVE, PREFILL_CHUNK, Prefill, _coded_win
 
 # ----------------------------------------------------------------------------- the model
 
+DEVICES = ("cpu", "cuda")     # where a run's model runs (``--device``)
+
+
+def check_device(device: str) -> str:
+    """``device`` (one of ``DEVICES``) if torch can run on it here; ValueError otherwise,
+    naming what is missing."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            build = "without CUDA" if torch.version.cuda is None else f"with CUDA {torch.version.cuda}"
+            raise ValueError(f"--device cuda: torch {torch.__version__} (built {build}) sees no "
+                             f"CUDA device here; run with --device cpu")
+    return device
+
+
 class Runner:
-    """Prefill, score and generate with one model through ``spherical_kv`` attention."""
+    """Prefill, score and generate with one model through ``spherical_kv`` attention.
+
+    ``device``: where the model runs ("cpu" or "cuda"): its forward passes (the prefill, the
+    dense reference, the scored and greedy passes), the attention statistics, the dense
+    stores (the reference's and the baselines', ``Prefill.device``) and what kvpress's
+    presses and the QuantizedCache run unless ``peer_device`` names another device.
+    Spherical KV's stores stay NumPy on the CPU: each store-phase attention call moves its
+    queries there and its output back (``spherical_kv_ref.hf.spherical_attention``)."""
 
     def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None, window_bits: int = 16,
-                 peer_device: Optional[str] = None):
+                 peer_device: Optional[str] = None, device: str = "cpu"):
         import torch
         from spherical_kv_ref.hf import use_spherical_attention
+        self.device = torch.device(check_device(device))
+        if self.device.type != "cpu":
+            # float32 as on the CPU: no TF32 in the matrix products, so the rows agree
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            # a copy: the process's loaded model (``load_model`` caches it) stays on the CPU
+            model = copy.deepcopy(model).to(self.device)
+        # where the attention statistics and the dense stores are computed: None = NumPy
+        # (the reference, the CPU path), else torch on this device (``Prefill.device``)
+        self.store_device = None if self.device.type == "cpu" else self.device
         self.torch, self.model, self.tok = torch, model, tokenizer
         self.cfg = model.config
         # the model the kvpress baselines run their own prefills with: this one, or a copy on
         # ``peer_device`` (e.g. "cuda"; only which states they keep comes back)
-        self.peer_model = model if peer_device is None else copy.deepcopy(model).to(peer_device)
+        self.peer_model = (model if peer_device is None or torch.device(peer_device) == self.device
+                           else copy.deepcopy(model).to(peer_device))
         # A sliding-window layer's prefill in one pass costs O(T²) (sdpa walks the whole
         # banded mask); in chunks of C it costs O(T·(C + window)): 2048 for such models. A
         # model without windows runs its prefill in one pass (the committed runs' numbers).
@@ -60,7 +95,7 @@ class Runner:
         parts = {l: [] for l in full}
         for a in range(0, len(ids), step):
             with recording_attention(self.model, layers=full) as seen, torch.no_grad():
-                logits = self.model(torch.as_tensor(ids[a:a + step])[None], past_key_values=cache,
+                logits = self.model(self._ids(ids[a:a + step]), past_key_values=cache,
                                     **keep).logits[0, -1]
             for l in full:
                 parts[l].append(seen[l][0])
@@ -69,8 +104,10 @@ class Runner:
         queries = [p[0] if len(p) == 1 else np.concatenate(p, axis=1) for p in parts.values()]
         parts.clear()
         scale = cache.scaling
+        # on a GPU the statistics (quadratic in T) are computed there, in larger blocks
+        on = self.store_device
         stats = attention_stats(queries, keys, window=observe, query_stride=stats_stride,
-                                scale=scale)
+                                scale=scale, device=on, **({} if on is None else {"block": 1024}))
         windows = [tuple(x.astype(np.float32) for x in cache.dense_kv(l)) for l in slide]
         exact_windows = None
         if self.window_bits < 16:
@@ -78,11 +115,15 @@ class Runner:
             windows = [_coded_window(l, k, v, self.window_bits) for l, (k, v) in zip(slide, windows)]
         return Prefill(keys, [v.astype(np.float32) for v in values],
                        [cache.observed[l].astype(np.float64) for l in full], stats,
-                       logits.double().numpy(), len(ids),
+                       logits.double().cpu().numpy(), len(ids),
                        [q[:, -trailing:] for q in queries] if trailing else None,
                        np.asarray(ids), self.peer_model, windows=windows, store_layers=full,
                        window_layers=slide, scale=scale, window_bits=self.window_bits,
-                       exact_windows=exact_windows)
+                       exact_windows=exact_windows, device=on)
+
+    def _ids(self, ids) -> "torch.Tensor":
+        """Token ids as the model's (1, n) input on its device."""
+        return self.torch.as_tensor(ids)[None].to(self.device)
 
     def _cache(self, store, pre: "Prefill"):
         """A transformers cache ``pre.length`` tokens in: the full-attention layers read
@@ -98,9 +139,9 @@ class Runner:
         torch = self.torch
         cache = self._cache(store, pre)
         with torch.no_grad():
-            lg = self.model(torch.as_tensor(cont[:-1])[None], past_key_values=cache).logits[0].double()
-        lg = torch.cat([torch.as_tensor(pre.last_logits)[None], lg])
-        return torch.log_softmax(lg, dim=-1).numpy()
+            lg = self.model(self._ids(cont[:-1]), past_key_values=cache).logits[0].double()
+        lg = torch.cat([torch.as_tensor(pre.last_logits)[None].to(lg.device), lg])
+        return torch.log_softmax(lg, dim=-1).cpu().numpy()
 
     def score(self, store, pre: Prefill, cont: np.ndarray) -> np.ndarray:
         """NLL per token of ``cont`` after the stored context."""
@@ -120,7 +161,7 @@ class Runner:
         try:
             with torch.no_grad():
                 for _ in range(steps - 1):
-                    lg = self.model(torch.tensor([[tok]]), past_key_values=cache).logits[0, -1]
+                    lg = self.model(self._ids([tok]), past_key_values=cache).logits[0, -1]
                     tok = int(torch.argmax(lg))
                     out.append(tok)
                     if margins:
@@ -132,9 +173,13 @@ class Runner:
 
 
 def _exact_store(pre: Prefill):
-    """The uncompressed prefill (float32 keys/values as the model computed them)."""
+    """The uncompressed prefill (float32 keys/values as the model computed them), on the
+    prefill's device where it has one (``DeviceDenseStore``)."""
     from spherical_kv_ref.hf import DenseStore
-    return DenseStore(pre.keys, pre.values, pre.queries[0].shape[0], 0)
+    if pre.device is None:
+        return DenseStore(pre.keys, pre.values, pre.queries[0].shape[0], 0)
+    from spherical_kv_eval.device_store import DeviceDenseStore
+    return DeviceDenseStore(pre.keys, pre.values, pre.queries[0].shape[0], 0, device=pre.device)
 
 
 class _RecordingStore:

@@ -53,10 +53,20 @@ def _methods(cfg, args) -> list:
     return [m for m in every if any(m.name.startswith(p) for p in args.methods)]
 
 
-def _worker_setup(threads: Optional[int], model_name: str = "smollm2", window_bits: int = 16,
-                  peer_device: Optional[str] = None) -> None:
+def runner_options(args) -> dict:
+    """The keyword arguments of a run's ``Runner``, from its arguments: how the windows are
+    held, and where the model (``--device``) and the peers' prefills (``--peer-device``, by
+    default the model's device) run. The one place a run's device reaches the model."""
+    device = getattr(args, "device", None) or "cpu"
+    peer = getattr(args, "peer_device", None)
+    return {"window_bits": getattr(args, "window_bits", 16), "device": device,
+            "peer_device": peer if peer or device == "cpu" else device}
+
+
+def _worker_setup(threads: Optional[int], model_name: str = "smollm2",
+                  options: Optional[dict] = None) -> None:
     """Load the model once per process (``threads``: torch threads, None = leave;
-    ``peer_device``: where the kvpress baselines' prefills run, ``Runner``)."""
+    ``options``: the ``Runner``'s, ``runner_options``)."""
     if _WORKER:
         return
     import torch
@@ -64,8 +74,7 @@ def _worker_setup(threads: Optional[int], model_name: str = "smollm2", window_bi
     if threads:
         torch.set_num_threads(threads)
     model, tok = load_model(model_name)
-    _WORKER.update(runner=Runner(model, tok, window_bits=window_bits, peer_device=peer_device),
-                   cfg=model.config, tok=tok)
+    _WORKER.update(runner=Runner(model, tok, **(options or {})), cfg=model.config, tok=tok)
 
 
 def _unit(job) -> dict:
@@ -75,8 +84,16 @@ def _unit(job) -> dict:
     ``args.method_parts`` = N > 1 runs every N-th method of the line-up from the ``part``-th
     on (its own prefill, the same for every part)."""
     t0 = time.time()
+    device = getattr(_WORKER["runner"], "device", None)
+    on_gpu = device is not None and device.type == "cuda"
+    if on_gpu:
+        import torch
+        torch.cuda.reset_peak_memory_stats(device)
     out = _unit_results(job)
     out["seconds"] = round(time.time() - t0, 1)
+    if on_gpu:          # this process's peak over the unit (the model's copy included)
+        out["device_name"] = torch.cuda.get_device_name(device)
+        out["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
     return out
 
 
@@ -190,17 +207,42 @@ def _gap_summary(gaps: np.ndarray) -> dict:
             "smallest": [float(g) for g in np.sort(gaps)[:8]]}
 
 
-def _main_setup(procs: int, model_name: str = "smollm2", window_bits: int = 16,
-                peer_device: Optional[str] = None):
+def _main_setup(procs: int, model_name: str = "smollm2", options: Optional[dict] = None):
     """(model config, tokenizer) for the main process of a run. With one process the units
     run here too, so the model is loaded once, for them as well; with more, the workers load
-    their own and this process keeps only the config and the tokenizer."""
+    their own and this process keeps only the config and the tokenizer (on the CPU: it runs
+    no unit, so it holds nothing on a GPU)."""
     if procs <= 1:
-        _worker_setup(None, model_name, window_bits, peer_device)
+        _worker_setup(None, model_name, options)
         return _WORKER["cfg"], _WORKER["tok"]
     from spherical_kv_eval.model import load_model
     model, tok = load_model(model_name)
     return model.config, tok
+
+
+def _device_record(device: str, units) -> dict:
+    """What a run's meta says of where it ran: ``device``, ``device_name`` and, on a GPU,
+    ``gpu_peak_bytes``: the most GPU memory one worker process held during one unit
+    (``torch.cuda.max_memory_allocated``, its model's copy included; every worker holds
+    its own)."""
+    if device == "cpu":
+        return {"device": device, "device_name": _cpu_name()}
+    names = sorted({u["device_name"] for u in units if "device_name" in u})
+    peaks = [u["gpu_peak_bytes"] for u in units if "gpu_peak_bytes" in u]
+    return {"device": device, "device_name": " + ".join(names) or None,
+            "gpu_peak_bytes": max(peaks) if peaks else None}
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what ``platform`` knows."""
+    import platform
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def window_starts(num_ids: int, T: int, continuation: int, windows: int) -> np.ndarray:
@@ -220,16 +262,18 @@ def run_windows(tok, args, unit):
     return _pool_run(jobs, args.jobs, unit=unit)
 
 
-def _pool_run(jobs, procs: int, unit=None, model_name: str = "smollm2", window_bits: int = 16,
-              peer_device: Optional[str] = None, done: Optional[Callable] = None):
+def _pool_run(jobs, procs: int, unit=None, model_name: str = "smollm2",
+              options: Optional[dict] = None, done: Optional[Callable] = None):
     """Run ``unit`` (default ``_unit``) over the jobs, in ``procs`` worker processes of one
     thread each (two processes on two cores beat one process of two threads: numpy's BLAS
-    and torch's threads fight); ``done(result)``, if given, is called on each result as it
-    comes (in this process)."""
+    and torch's threads fight); ``options``: each worker's ``Runner`` (``runner_options``:
+    with ``device`` "cuda" every worker holds its own copy of the model on the GPU and runs
+    its forward passes there, its NumPy work on its own core; docs/evaluate.md "On a GPU");
+    ``done(result)``, if given, is called on each result as it comes (in this process)."""
     unit = _unit if unit is None else unit
     done = done or (lambda result: None)
     if procs <= 1:
-        _worker_setup(None, model_name, window_bits, peer_device)
+        _worker_setup(None, model_name, options)
         out = []
         for j in jobs:
             out.append(unit(j))
@@ -240,7 +284,7 @@ def _pool_run(jobs, procs: int, unit=None, model_name: str = "smollm2", window_b
     os.environ.update({k: "1" for k in saved})          # the workers' BLAS reads this at import
     try:
         with mp.get_context("spawn").Pool(procs, initializer=_worker_setup,
-                                     initargs=(1, model_name, window_bits, peer_device)) as pool:
+                                     initargs=(1, model_name, options)) as pool:
             out = []
             for result in _progress(pool.imap_unordered(unit, jobs), total=len(jobs),
                                     desc="(context, window) units", position=procs):
@@ -272,10 +316,14 @@ def layer_summary(cfg) -> dict:
 
 
 # the settings a (context, window) unit's result depends on (the context lengths are the
-# units' own): a run resumes only units made with the same ones
+# units' own): a run resumes only units made with the same ones. The device is one: a GPU's
+# float32 differs from the CPU's in the last bits, which can flip a near-tie of a greedy run,
+# and a window's figures are paired across methods, so one run's units come from one device.
 UNIT_SETTINGS = ("model", "budgets", "rdr_extra", "rdr_recent", "windows",
                  "continuation", "generate", "defer", "probe", "methods", "peers", "seed",
-                 "window_bits")
+                 "window_bits", "device")
+#: what a log made before a setting existed was made with
+LEGACY_SETTINGS = {"device": "cpu"}
 
 
 class UnitLog:
@@ -295,9 +343,13 @@ class UnitLog:
                     f.write("\n")
             lines = text.splitlines()
             first = json.loads(lines[0]) if lines else {}
-            if first.get("settings") != settings:
-                diff = sorted(k for k in set(settings) | set(first.get("settings") or {})
-                              if settings.get(k) != (first.get("settings") or {}).get(k))
+            logged = first.get("settings")
+            if logged is not None:
+                logged = dict({k: v for k, v in LEGACY_SETTINGS.items() if k in settings},
+                              **logged)
+            if logged != settings:
+                diff = sorted(k for k in set(settings) | set(logged or {})
+                              if settings.get(k) != (logged or {}).get(k))
                 raise ValueError(f"--resume: {path} was made with other settings ({', '.join(diff)} "
                                  f"differ); run without --resume to start afresh")
             for line in lines[1:]:
@@ -385,9 +437,9 @@ def run(args) -> list[dict]:
     from spherical_kv_eval.model import model_spec
     t0 = time.time()
     spec = model_spec(args.model)
-    peer_device = getattr(args, "peer_device", None)
+    options = runner_options(args)
     parts = _method_parts(args)
-    cfg, tok = _main_setup(args.jobs, args.model, args.window_bits, peer_device)
+    cfg, tok = _main_setup(args.jobs, args.model, options)
     args.bos = tok.bos_token_id if spec.bos else None
     methods = _methods(cfg, args)
     jobs = []
@@ -403,8 +455,9 @@ def run(args) -> list[dict]:
         jobs += [(T, w, s, args, ids, k) for T, w, s in windows for k in range(parts)]
     # longest first (a window costs about three probes), so the two processes end together
     jobs.sort(key=lambda j: -j[0] * (1 if j[1] == "probe" else 3))
-    log = UnitLog(args.out / "units.jsonl", {k: getattr(args, k, None) for k in UNIT_SETTINGS},
-                  getattr(args, "resume", False))
+    settings = {k: getattr(args, k, None) for k in UNIT_SETTINGS}
+    settings["device"] = options["device"]
+    log = UnitLog(args.out / "units.jsonl", settings, getattr(args, "resume", False))
     todo = [j for j in jobs if log.find(j[0], j[1], j[5], parts) is None]
     resumed = len(jobs) - len(todo)
     # a line-up grown since the log was made (a new baseline): each logged window runs only
@@ -421,8 +474,7 @@ def run(args) -> list[dict]:
              f"left for later")
     todo = [j[:5] + (i % max(args.jobs, 1),) + j[5:] for i, j in enumerate(todo)]
     if todo:
-        _pool_run(todo, args.jobs, model_name=args.model, window_bits=args.window_bits,
-                  peer_device=peer_device, done=log.add)
+        _pool_run(todo, args.jobs, model_name=args.model, options=options, done=log.add)
     missing = (sum(log.find(j[0], j[1], j[5], parts) is None for j in jobs)
                + len(_supplements(log, jobs, parts, names)))
     if missing:
@@ -481,7 +533,8 @@ def run(args) -> list[dict]:
             "windows": args.windows, "processes": args.jobs, "seconds": round(time.time() - t0, 1),
             "unit_seconds": round(sum(u.get("seconds", 0.0) for u in units), 1),
             "units_resumed": resumed,       # of len(units), made by earlier parts of the run
-            "peer_device": peer_device or "cpu",
+            "peer_device": options["peer_device"] or "cpu",
+            **_device_record(options["device"], log.done.values()),
             "layers": dict(layer_summary(cfg), window_bits=args.window_bits), "infeasible": infeasible}
     if args.generate:     # how close to a tie the dense greedy runs come (their top-2 logit gaps)
         meta["dense_greedy_gaps"] = {

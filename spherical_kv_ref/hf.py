@@ -197,12 +197,13 @@ class _Layer(CacheLayerMixin):
 class _Window(DynamicSlidingWindowLayer):
     """A sliding-window layer: transformers' own (its states, its mask sizes), batch 1, and
     taking a window given as float64 arrays (``SphericalCache.from_store``) in the model's
-    dtype at the first update."""
+    dtype, and onto its device, at the first update."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         if key_states.shape[0] != 1:
             raise ValueError(f"SphericalCache serves batch 1, got batch {key_states.shape[0]}")
-        if self.is_initialized and self.keys.dtype != key_states.dtype:
+        if self.is_initialized and (self.keys.dtype != key_states.dtype
+                                    or self.keys.device != key_states.device):
             self.keys = self.keys.to(key_states.device, key_states.dtype)
             self.values = self.values.to(value_states.device, value_states.dtype)
         return super().update(key_states, value_states, *args, **kwargs)
@@ -477,7 +478,8 @@ class SphericalCache(Cache):
         lay = self.layers[whole("layer", layer, 0, self.num_layers)]
         if lay.keys is None or lay.keys.numel() == 0:
             raise ValueError(f"layer {layer} holds no dense states (nothing prefilled, or compressed)")
-        return (lay.keys[0].detach().double().numpy(), lay.values[0].detach().double().numpy())
+        return (lay.keys[0].detach().cpu().double().numpy(),
+                lay.values[0].detach().cpu().double().numpy())
 
     def held_bytes(self) -> HeldBytes:
         """The bytes held, by kind of layer (``HeldBytes``)."""
@@ -576,15 +578,16 @@ def spherical_attention(module, query, key, value, attention_mask, scaling=None,
     if mode == "dense":
         owner.scaling = scale
         if owner.observe:         # the latest queries, across chunks (a prefill, then decode steps)
-            new = query[0, :, -owner.observe:].detach().double().numpy()
+            new = query[0, :, -owner.observe:].detach().cpu().double().numpy()
             old = owner.observed[layer]
             owner.observed[layer] = new if old is None else \
                 np.concatenate([old, new], axis=1)[:, -owner.observe:]
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     lay = owner.layers[layer]
-    q = query[0].detach().double().numpy()                       # (nq, T, d)
-    k_new, v_new = (t[0].detach().double().numpy() for t in lay.pending)
+    # the store is NumPy: a model on a GPU hands it its queries and states on the CPU
+    q = query[0].detach().cpu().double().numpy()                 # (nq, T, d)
+    k_new, v_new = (t[0].detach().cpu().double().numpy() for t in lay.pending)
     store = owner.store
     G = store.num_q_heads // store.num_kv_heads
     out_s, lse_s = store.attend(lay.slot, q, scale)
@@ -601,7 +604,7 @@ def spherical_attention(module, query, key, value, attention_mask, scaling=None,
                                 if exact else
                                 _chunk_part(q[sl], k_new[h], v_new[h], k_held[h], v_held[h], scale))
     out, _ = merge_attention(out_s, lse_s, out_c, lse_c)
-    res = torch.from_numpy(out).to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous()
+    res = torch.from_numpy(out).to(query.device, query.dtype).transpose(0, 1).unsqueeze(0).contiguous()
     return res, None
 
 

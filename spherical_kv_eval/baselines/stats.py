@@ -71,8 +71,45 @@ def _layer_stats(q: np.ndarray, k: np.ndarray, window: int, block: int, stride: 
     return acc, obs
 
 
+def _layer_stats_torch(q: np.ndarray, k: np.ndarray, window: int, block: int, stride: int,
+                       scale, device):
+    """``_layer_stats`` in torch on ``device``: the same rows, blocks, float32 products and
+    softmax, the sums in float64; equal to it within float32 rounding (the order of a
+    product's additions differs). Returns (kv_heads, T) float64 NumPy arrays."""
+    import torch
+    hq, T, d = q.shape
+    hk = k.shape[0]
+    if hq % hk:
+        raise ValueError(f"{hq} query heads do not split into groups over {hk} kv-heads")
+    group = hq // hk
+    scale = float(np.float32(1.0 / np.sqrt(d) if scale is None else scale))
+    acc = torch.zeros((hk, T), dtype=torch.float64, device=device)
+    obs = torch.zeros((hk, T), dtype=torch.float64, device=device)
+    w0 = T - window
+    rows = np.union1d(np.arange(0, T, stride), np.arange(w0, T))
+    cols = torch.arange(T, device=device)
+    for g in range(hk):
+        qg = torch.as_tensor(q[g * group:(g + 1) * group], dtype=torch.float32).to(device)
+        kg = torch.as_tensor(k[g], dtype=torch.float32).to(device)
+        for b0 in range(0, len(rows), block):
+            r = rows[b0:b0 + block]
+            stop = int(r[-1]) + 1
+            rt = torch.as_tensor(r).to(device)
+            logits = (qg[:, rt] @ kg[:stop].T) * scale
+            p = torch.softmax(logits.masked_fill(cols[None, :stop] > rt[:, None], -torch.inf), -1)
+            sampled = (r % stride) == 0
+            if sampled.any():
+                pick = torch.as_tensor(np.flatnonzero(sampled)).to(device)
+                acc[g, :stop] += stride * p[:, pick].sum(dim=(0, 1), dtype=torch.float64) / group
+            in_window = np.flatnonzero(r >= w0)
+            if in_window.size:
+                pick = torch.as_tensor(in_window).to(device)
+                obs[g, :stop] += p[:, pick].sum(dim=(0, 1), dtype=torch.float64) / group
+    return acc.cpu().numpy(), obs.cpu().numpy()
+
+
 def attention_stats(queries, keys, *, window: int = 32, block: int = 256,
-                    query_stride: int = 1, scale=None) -> AttentionStats:
+                    query_stride: int = 1, scale=None, device=None) -> AttentionStats:
     """Accumulated and observation-window attention per (layer, kv-head, token).
 
     ``queries[l]``: (q_heads, T, d); ``keys[l]``: (kv_heads, T, d), post-RoPE.
@@ -82,6 +119,8 @@ def attention_stats(queries, keys, *, window: int = 32, block: int = 256,
     row only (rows 0, s, 2s, ...), times s, to cut the O(T²) cost on long contexts; 1
     (the default) is exact. The observation window always uses all its rows.
     ``scale``: the softmax scale (default 1/√d; a model's own where it differs).
+    ``device``: None computes in NumPy (the reference); a torch device ("cuda") computes
+    the same in torch there (``_layer_stats_torch``, equal within float32 rounding).
     """
     if len(queries) == 0 or len(queries) != len(keys):
         raise ValueError(f"need one query and one key array per layer, got {len(queries)} "
@@ -98,7 +137,8 @@ def attention_stats(queries, keys, *, window: int = 32, block: int = 256,
         if q.ndim != 3 or k.ndim != 3 or q.shape[1:] != k.shape[1:] or k.shape[1] != T:
             raise ValueError(f"layer {l}: queries {q.shape} and keys {k.shape} must be "
                              f"(heads, T={T}, d) with the same T and d")
-        a, o = _layer_stats(q, k, window, block, query_stride, scale)
+        a, o = (_layer_stats(q, k, window, block, query_stride, scale) if device is None else
+                _layer_stats_torch(q, k, window, block, query_stride, scale, device))
         acc.append(a)
         obs.append(o)
     return AttentionStats(acc, obs, window)
