@@ -44,15 +44,15 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from spherical_kv_ref import codebooks
-from spherical_kv_ref.ada import softmax_scale_of
 from spherical_kv_ref.cache import (CompressPolicy, CompressReport, RowForCompress,
-                                    SphericalKVCache, compress_method, plan_compress)
+                                    SphericalKVCache, compress_method, plan_compress,
+                                    set_cache_settings)
 from spherical_kv_ref.codec import SphericalCodec, whole
 from spherical_kv_ref.paged import PoolExhaustedError
 from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT
 from spherical_kv_ref.tiers import TierLadder
 
-from .ada_decode import DecodeWorkspace, ada_decode, splits_for
+from .ada_decode import ada_decode, splits_for
 from .encode import encode_kv_into_pages
 from .kernel_tables import kernel_tables, rotation_signs
 from .retier import retier
@@ -125,29 +125,13 @@ class DeviceKVCache:
                  policy: Optional[CompressPolicy] = None, softmax_scale: Optional[float] = None,
                  codebook: str = "uniform", device=None):
         torch = _torch()
-        self.num_layers = whole("num_layers", num_layers, 1)
-        self.num_kv_heads = whole("num_kv_heads", num_kv_heads, 1)
-        self.head_dim = whole("head_dim", head_dim, 4)
-        self.num_q_heads = self.num_kv_heads if num_q_heads is None else whole("num_q_heads", num_q_heads, 1)
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
-        self.group_size = self.num_q_heads // self.num_kv_heads
-        self.ladder = TierLadder() if ladder is None else ladder
-        if not isinstance(self.ladder, TierLadder):
-            raise ValueError(f"ladder must be a TierLadder, got {type(self.ladder).__name__}")
-        page_bytes = whole("page_bytes", page_bytes, 16)
-        pool_bytes = 64 << 20 if pool_bytes is None else whole("pool_bytes", pool_bytes, page_bytes)
-        self.seed = whole("seed", seed, 0)
-        self.centre = bool(centre)
-        self.policy = CompressPolicy() if policy is None else policy
-        if not isinstance(self.policy, CompressPolicy):
-            raise ValueError(f"policy must be a CompressPolicy, got {type(self.policy).__name__}")
+        page_bytes, pool_bytes = set_cache_settings(
+            self, num_layers, num_kv_heads, head_dim, ladder, page_bytes, pool_bytes, seed,
+            num_q_heads, centre, policy, softmax_scale)
         if self.policy.horizon:
             raise ValueError("policy.horizon is not supported by the device cache")
         if self.policy.every is not None:
             raise ValueError("policy.every is not supported by the device cache: call compress")
-        self.softmax_scale = float(softmax_scale_of(softmax_scale, self.head_dim))
         self.codebook = codebook
         self.tables = kernel_tables(self.ladder, self.head_dim, page_bytes, codebook=codebook)
         self.device = torch.device("cuda") if device is None else torch.device(device)
@@ -380,28 +364,9 @@ class DeviceKVCache:
             table.update(zip(row.pages.tolist(), row.counts.tolist()))
         return np.array([table[int(p)] for p in pages], np.int32)
 
-    def protect(self, seq, start, stop) -> None:
-        """As ``SphericalKVCache.protect``: positions start..stop−1 kept at the top tier."""
-        s = self._seq(seq)
-        start = whole("start", start, 0)
-        stop = whole("stop", stop, 0)
-        if stop <= start:
-            raise ValueError(f"protect needs start < stop, got [{start}, {stop})")
-        length = int(s.length.max())
-        if stop > length:
-            raise ValueError(f"protect span [{start}, {stop}) goes past the sequence's {length} "
-                             f"token(s): stop must be <= {length}")
-        s.spans.append((start, stop))
-
-    def protected_mask(self, seq, layer, pos) -> np.ndarray:
-        s = self._seq(seq)
-        layer = self._layer(layer)
-        pos = np.asarray(pos, np.int64)
-        pol = self.policy
-        m = (pos < pol.sinks) | (pos >= s.length[layer] - pol.recent)
-        for a, b in s.spans:
-            m |= (pos >= a) & (pos < b)
-        return m
+    # protection is the reference's: spans of token positions, sinks and the recent window
+    protect = SphericalKVCache.protect
+    protected_mask = SphericalKVCache.protected_mask
 
     def observe(self, seq, layer, q) -> None:
         """Record queries (num_q_heads, d) or (m, num_q_heads, d) of one layer for RDR's
@@ -524,25 +489,42 @@ class DeviceKVCache:
             out.append(_points(w, bits, self.head_dim, self.codebook, halves, pg, sl, soff))
         return out[0], out[1]
 
-    def _layer_stats(self, s: _Seq, layer: int, h: int, page, slot, tier, candidates):
-        """Per-state statistics of one row on the device; returned as host arrays."""
+    def _stored_rows(self, page, slot, tier):
+        """(keys, values) (n, d) float64 device tensors of states of any tiers, in order."""
         torch = _torch()
-        n = page.size
-        d = self.head_dim
-        yk = torch.empty((n, d), dtype=torch.float64, device=self.device)
+        yk = torch.empty((page.size, self.head_dim), dtype=torch.float64, device=self.device)
         yv = torch.empty_like(yk)
         for t in np.unique(tier):
             sel = np.flatnonzero(tier == t)
             a, b = self.stored_rotated(page[sel], slot[sel], int(t))
             idx = torch.as_tensor(sel, device=self.device)
             yk[idx], yv[idx] = a, b
-        qr = None
-        if s.queries[layer] is not None:
-            G = self.group_size
-            qs = s.queries[layer][:, h * G:(h + 1) * G].reshape(-1, d)
-            qr = qs @ self._rotation(layer, h).T
-        cand = torch.as_tensor(candidates, device=self.device) if self.policy.coherence else None
-        return row_statistics_device(yk, yv, qr, self.softmax_scale, self.policy.prior, cand)
+        return yk, yv
+
+    def _rotated_queries(self, s: _Seq, layer: int, heads):
+        """The layer's recorded queries of the GQA groups of ``heads``, each in its kv-head's
+        rotated frame: (len(heads), m·G, d), or None without queries."""
+        torch = _torch()
+        q = s.queries[layer]
+        if q is None:
+            return None
+        G, d = self.group_size, self.head_dim
+        return torch.stack([q[:, h * G:(h + 1) * G].reshape(-1, d) @ self._rotation(layer, h).T
+                            for h in heads])
+
+    def _layer_stats(self, s: _Seq, layer: int, h: int, page, slot, tier, candidates):
+        """Per-state statistics of one row on the device (``rdr_device.row_statistics``);
+        returned as the host arrays ``rdr.distortion`` takes."""
+        torch = _torch()
+        from . import rdr_device
+        yk, yv = self._stored_rows(page, slot, tier)
+        cand = (torch.as_tensor(candidates, device=self.device)[None]
+                if self.policy.coherence else None)
+        out = rdr_device.row_statistics(yk[None], yv[None], self._rotated_queries(s, layer, [h]),
+                                        self.softmax_scale, self.policy.prior, cand)
+        p, q2, r, vn, res, kappa = (x[0] for x in out)
+        host = lambda x: x.cpu().numpy()
+        return host(p), float(q2), host(r), host(vn), host(res), host(kappa)
 
     def compress(self, seq, budget_bytes: Optional[int] = None, method: Optional[str] = None, *,
                  budget_fraction: Optional[float] = None) -> CompressReport:
@@ -589,7 +571,7 @@ class DeviceKVCache:
         torch = _torch()
         t0 = time.perf_counter()
         T, d, pb = self.ladder.top, self.head_dim, self.page_bytes
-        H, G = self.num_kv_heads, self.group_size
+        H = self.num_kv_heads
         per = [self.ladder.states_per_page(t, d, pb) for t in range(1, T + 1)]
         share = [0.0] + [pb / p for p in per]
         ek, ev = rdr.tier_error_constants(self.ladder.tiers, d, kind=self.codebook)
@@ -614,21 +596,9 @@ class DeviceKVCache:
                 n = slots[hs[0]][0].size
                 if n == 0:
                     continue
-                yk = torch.empty((len(hs) * n, d), dtype=torch.float64, device=self.device)
-                yv = torch.empty_like(yk)
-                page = np.concatenate([slots[h][0] for h in hs])
-                slot = np.concatenate([slots[h][1] for h in hs])
-                tier = np.concatenate([slots[h][2] for h in hs])
-                for t in np.unique(tier):
-                    sel = np.flatnonzero(tier == t)
-                    a, b = self.stored_rotated(page[sel], slot[sel], int(t))
-                    idx = torch.as_tensor(sel, device=self.device)
-                    yk[idx], yv[idx] = a, b
-                qr = None
-                if s.queries[layer] is not None:
-                    q = s.queries[layer]
-                    qr = torch.stack([q[:, h * G:(h + 1) * G].reshape(-1, d) @ self._rotation(layer, h).T
-                                      for h in hs])
+                yk, yv = self._stored_rows(*(np.concatenate([slots[h][i] for h in hs])
+                                             for i in range(3)))
+                qr = self._rotated_queries(s, layer, hs)
                 cand = None
                 if self.policy.coherence:
                     cand = torch.as_tensor(~np.stack([masks[h] for h in hs]), device=self.device)
@@ -768,62 +738,6 @@ def _points(w, bits: int, dim: int, codebook: str, halves, pg, sl, soff: int):
     levels = torch.as_tensor(codebooks.codebook(bits, dim, codebook), device=w.device)
     scale = halves[pg[:, 0], soff // 2 + sl[:, 0]].to(torch.float64)
     return scale[:, None] * (levels[codes] / math.sqrt(dim))
-
-
-def _median(x):
-    """numpy's median (the mean of the two middle values for an even count)."""
-    s = x.sort().values
-    m = s.numel()
-    return s[(m - 1) // 2] if m % 2 else 0.5 * (s[m // 2 - 1] + s[m // 2])
-
-
-def row_statistics_device(yk, yv, qr, softmax_scale: float, prior: float, candidates=None):
-    """``spherical_kv_ref.rdr.statistics.row_statistics`` on the device (float64 torch
-    tensors in, the same six figures out as host arrays); tested equal to it."""
-    torch = _torch()
-    n = yk.shape[0]
-    r = yk.norm(dim=1)
-    vn = yv.norm(dim=1)
-    host = lambda x: x.cpu().numpy()
-    if qr is None or qr.shape[0] == 0:
-        p = torch.full((n,), 1.0 / n, dtype=torch.float64, device=yk.device)
-        res = (yv - (p @ yv)[None, :]).norm(dim=1)
-        return host(p), float((r * r).mean()), host(r), host(vn), host(res), np.ones(n)
-    z = softmax_scale * (qr @ yk.T)
-    z = z - z.max(dim=1, keepdim=True).values
-    P = torch.exp(z)
-    P = P / P.sum(dim=1, keepdim=True)
-    P = (1.0 - prior) * P + prior / n
-    o = P @ yv
-    dist2 = torch.clamp(vn[None, :] ** 2 - 2.0 * (o @ yv.T) + (o * o).sum(dim=1)[:, None], min=0.0)
-    w = P * P
-    p2 = w.mean(dim=0)
-    e = (w * dist2).mean(dim=0)
-    e_evict = (w * dist2 / torch.clamp(1.0 - P, min=1e-12) ** 2).mean(dim=0)
-    tiny = np.finfo(float).tiny
-    kappa = torch.where(e > tiny, e_evict / torch.clamp(e, min=tiny), torch.ones_like(e))
-    if candidates is not None:
-        kappa = kappa * _coherence(P, o, yv, dist2, p2, candidates)
-    p = torch.sqrt(p2)
-    res = torch.sqrt(e / torch.clamp(p2, min=tiny))
-    return (host(p), float((qr * qr).sum(dim=1).mean()), host(r), host(vn), host(res),
-            host(torch.clamp(kappa, min=1.0)))
-
-
-def _coherence(P, o, values, dist2, p2, candidates) -> float:
-    """``rdr.statistics.eviction_coherence`` on the device."""
-    torch = _torch()
-    idx = torch.nonzero(candidates).flatten()
-    if idx.numel() < 2:
-        return 1.0
-    S = idx[p2[idx] <= _median(p2[idx])]
-    Ps = P[:, S]
-    shift = Ps.sum(dim=1)[:, None] * o - Ps @ values[S]
-    coherent = float((shift * shift).sum(dim=1).mean())
-    independent = float((Ps * Ps * dist2[:, S]).sum(dim=1).mean())
-    if not independent > 0.0:
-        return 1.0
-    return max(1.0, coherent / independent)
 
 
 class DecodeStep:
@@ -986,9 +900,8 @@ class DecodeStep:
         c = self.cache
         done = self.done if done is None else whole("done", done, 0, self.steps + 1)
         P, T = c.top_per_page, c.ladder.top
-        H = c.num_kv_heads
         unused = []
-        for i, (row, ids) in enumerate(self._reserved):
+        for row, ids in self._reserved:
             fill = 0
             if row.pages.size and row.tiers[-1] == T and row.counts[-1] < P:
                 fill = min(P - int(row.counts[-1]), self.steps)

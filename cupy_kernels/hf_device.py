@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 from typing import List, Optional
 
-import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer

@@ -32,7 +32,8 @@ from .rotation import KEY_SALT, VALUE_SALT
 from .tiers import TierLadder
 
 __all__ = ["CompressPolicy", "CompressReport", "LayerPageTable", "SphericalKVCache",
-           "RowForCompress", "CompressPlan", "plan_compress", "compress_method"]
+           "RowForCompress", "CompressPlan", "plan_compress", "compress_method",
+           "set_cache_settings"]
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,34 @@ def plan_compress(cache, rows: List[RowForCompress], budget: int, sid: int,
     return CompressPlan(tiers, alloc, n_before, demoted)
 
 
+def set_cache_settings(cache, num_layers, num_kv_heads, head_dim, ladder, page_bytes,
+                       pool_bytes, seed, num_q_heads, centre, policy, softmax_scale) -> tuple:
+    """Checks a cache's constructor arguments (ValueError naming the argument) and sets
+    num_layers, num_kv_heads, head_dim, num_q_heads, group_size, ladder, seed, centre,
+    policy and softmax_scale on ``cache``: the one home of these checks for the reference
+    cache and its device twin. Returns (page_bytes, pool_bytes) checked (pool default 64 MiB)."""
+    cache.num_layers = _whole("num_layers", num_layers, 1)
+    cache.num_kv_heads = _whole("num_kv_heads", num_kv_heads, 1)
+    cache.head_dim = _whole("head_dim", head_dim, 4)
+    cache.num_q_heads = cache.num_kv_heads if num_q_heads is None else _whole("num_q_heads", num_q_heads, 1)
+    if cache.num_q_heads % cache.num_kv_heads:
+        raise ValueError(f"num_q_heads ({cache.num_q_heads}) must be a multiple of "
+                         f"num_kv_heads ({cache.num_kv_heads})")
+    cache.group_size = cache.num_q_heads // cache.num_kv_heads
+    cache.ladder = TierLadder() if ladder is None else ladder
+    if not isinstance(cache.ladder, TierLadder):
+        raise ValueError(f"ladder must be a TierLadder, got {type(cache.ladder).__name__}")
+    page_bytes = _whole("page_bytes", page_bytes, 16)
+    pool_bytes = 64 << 20 if pool_bytes is None else _whole("pool_bytes", pool_bytes, page_bytes)
+    cache.seed = _whole("seed", seed, 0)
+    cache.centre = bool(centre)
+    cache.policy = CompressPolicy() if policy is None else policy
+    if not isinstance(cache.policy, CompressPolicy):
+        raise ValueError(f"policy must be a CompressPolicy, got {type(cache.policy).__name__}")
+    cache.softmax_scale = float(softmax_scale_of(softmax_scale, cache.head_dim))
+    return page_bytes, pool_bytes
+
+
 class _Sequence:
     def __init__(self, num_layers, num_kv_heads, dim, window):
         self.length = np.zeros(num_layers, np.int64)
@@ -280,25 +309,9 @@ class SphericalKVCache:
                  policy: Optional[CompressPolicy] = None, softmax_scale: Optional[float] = None,
                  codebook: str = "uniform", num_splits: Optional[int] = None,
                  rope_inv_freq: Optional[np.ndarray] = None):
-        self.num_layers = _whole("num_layers", num_layers, 1)
-        self.num_kv_heads = _whole("num_kv_heads", num_kv_heads, 1)
-        self.head_dim = _whole("head_dim", head_dim, 4)
-        self.num_q_heads = self.num_kv_heads if num_q_heads is None else _whole("num_q_heads", num_q_heads, 1)
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
-        self.group_size = self.num_q_heads // self.num_kv_heads
-        self.ladder = TierLadder() if ladder is None else ladder
-        if not isinstance(self.ladder, TierLadder):
-            raise ValueError(f"ladder must be a TierLadder, got {type(self.ladder).__name__}")
-        page_bytes = _whole("page_bytes", page_bytes, 16)
-        pool_bytes = 64 << 20 if pool_bytes is None else _whole("pool_bytes", pool_bytes, page_bytes)
-        self.seed = _whole("seed", seed, 0)
-        self.centre = bool(centre)
-        self.policy = CompressPolicy() if policy is None else policy
-        if not isinstance(self.policy, CompressPolicy):
-            raise ValueError(f"policy must be a CompressPolicy, got {type(self.policy).__name__}")
-        self.softmax_scale = softmax_scale_of(softmax_scale, self.head_dim)
+        page_bytes, pool_bytes = set_cache_settings(
+            self, num_layers, num_kv_heads, head_dim, ladder, page_bytes, pool_bytes, seed,
+            num_q_heads, centre, policy, softmax_scale)
         self.codebook = codebook
         self.num_splits = None if num_splits is None else _whole("num_splits", num_splits, 1)
         self.rope_inv_freq = None
