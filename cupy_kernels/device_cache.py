@@ -189,17 +189,9 @@ class DeviceKVCache:
             self._signs[layer] = hit
         return hit
 
-    def _seq(self, seq) -> _Seq:
-        if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)):
-            raise ValueError(f"seq must be an integer sequence id, got {seq!r}")
-        if int(seq) in self._seqs:
-            return self._seqs[int(seq)]
-        if int(seq) in self._freed:
-            raise ValueError(f"sequence {int(seq)} has been freed")
-        raise ValueError(f"unknown sequence {seq!r}")
-
-    def _layer(self, layer) -> int:
-        return whole("layer", layer, 0, self.num_layers)
+    # the ids and their errors are the reference's (sequences by id, freed ids refused)
+    _seq = SphericalKVCache._seq
+    _layer = SphericalKVCache._layer
 
     def _open(self, s: _Seq, what: str) -> None:
         if s.step is not None:
