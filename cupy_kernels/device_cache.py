@@ -52,12 +52,12 @@ from spherical_kv_ref.paged import PoolExhaustedError
 from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT
 from spherical_kv_ref.tiers import TierLadder
 
-from .ada_decode import ada_decode, splits_for
+from .ada_decode import ada_decode
 from .encode import encode_kv_into_pages
 from .kernel_tables import kernel_tables, rotation_signs
 from .retier import retier
 
-__all__ = ["DeviceKVCache", "DecodeStep", "PoolExhaustedError"]
+__all__ = ["DeviceKVCache", "PoolExhaustedError"]
 
 #: bytes of device metadata per page (tier and count, int32 each) and per page-table entry
 PAGE_META_BYTES = 8
@@ -107,7 +107,7 @@ class _Seq:
         self.has_mean = np.zeros(num_layers, bool)
         self.spans: List[tuple] = []
         self.queries: List[Optional[object]] = [None] * num_layers
-        self.step: Optional["DecodeStep"] = None
+        self.step = None              # the open decode plan (decode_step.DecodeStep), if any
 
 
 class DeviceKVCache:
@@ -448,9 +448,10 @@ class DeviceKVCache:
                        softmax_scale=self.softmax_scale, out=out, lse=l)
         return (out, l) if lse else out
 
-    def decode_step(self, seqs, steps: int) -> "DecodeStep":
+    def decode_step(self, seqs, steps: int):
         """A captured-decode plan for the next ``steps`` tokens of every sequence of ``seqs``
         (``DecodeStep``). Every layer's length must be the same in each sequence."""
+        from .decode_step import DecodeStep
         return DecodeStep(self, self._seq_list(seqs), whole("steps", steps, 1))
 
     # ------------------------------------------------------------------ compress
@@ -730,189 +731,3 @@ def _points(w, bits: int, dim: int, codebook: str, halves, pg, sl, soff: int):
     levels = torch.as_tensor(codebooks.codebook(bits, dim, codebook), device=w.device)
     scale = halves[pg[:, 0], soff // 2 + sl[:, 0]].to(torch.float64)
     return scale[:, None] * (levels[codes] / math.sqrt(dim))
-
-
-class DecodeStep:
-    """The next ``steps`` tokens of a batch of sequences, planned for a captured decode
-    (``DeviceKVCache.decode_step``).
-
-    Made outside the captured region: every row's capacity for ``steps`` top-tier tokens is
-    reserved (fresh pages enter the page tables with count 0, which the decode reads as
-    empty), each step's (page, slot) per row planned into device tables, the page tables and
-    means uploaded, and every buffer the step writes allocated. Per step, outside the
-    graph: ``set_step(i)``. Inside it: ``slots()`` once, then per layer ``append``,
-    ``decode`` or ``attend`` (torch custom ops only). ``close(done)`` commits ``done``
-    tokens to the host bookkeeping and releases what was reserved beyond them."""
-
-    def __init__(self, cache: DeviceKVCache, seqs: List[int], steps: int):
-        torch = _torch()
-        self.cache, self.seqs, self.steps = cache, seqs, steps
-        c = cache
-        L, H, d, P, T = c.num_layers, c.num_kv_heads, c.head_dim, c.top_per_page, c.ladder.top
-        ss = [c._seq(x) for x in seqs]
-        for x, s in zip(seqs, ss):
-            c._open(s, "decode_step")
-            if np.any(s.length != s.length[0]):
-                raise ValueError(f"sequence {x}: its layers hold different lengths {sorted(set(s.length.tolist()))}")
-            if not s.has_mean.all() and c.centre:
-                raise ValueError(f"sequence {x}: every layer needs a first chunk (append) before decode steps")
-        B = len(seqs)
-        R = B * H
-        plans = [[c._tail_plan(s.rows[l][h], steps) for s in ss for h in range(H)] for l in range(L)]
-        need = sum(new for pl in plans for _, new in pl)
-        if need > c._num_free:
-            raise PoolExhaustedError(f"page pool exhausted: {steps} decode steps of {B} sequence(s) "
-                                     f"need {need} free pages, {c._num_free} are free")
-        fresh = c._allocate(need)
-        c._set_pages(fresh, np.full(need, T), np.zeros(need))
-        page = np.empty((steps, L, R), np.int32)
-        slot = np.empty((steps, L, R), np.int32)
-        self._reserved = []
-        indptr = np.zeros((L, R + 1), np.int64)
-        indices = []
-        a = 0
-        for l in range(L):
-            lists = []
-            for r, (fill, new) in enumerate(plans[l]):
-                row = ss[r // H].rows[l][r % H]
-                ids = fresh[a:a + new]
-                a += new
-                c0 = int(row.counts[-1]) if fill else 0
-                pg = np.concatenate([np.full(fill, row.pages[-1] if fill else 0, np.int32),
-                                     np.repeat(ids, P)[:steps - fill]])
-                sl = np.concatenate([np.arange(c0, c0 + fill, dtype=np.int32),
-                                     np.tile(np.arange(P, dtype=np.int32), new)[:steps - fill]])
-                page[:, l, r], slot[:, l, r] = pg, sl
-                self._reserved.append((row, ids))
-                lists.append(np.concatenate([row.pages, ids]))
-            indptr[l, 1:] = np.cumsum([x.size for x in lists])
-            indices.append(np.concatenate(lists))
-        dev = lambda x, dt=torch.int32: torch.as_tensor(np.ascontiguousarray(x), device=c.device).to(dt)
-        self.plan_page, self.plan_slot, self.plan_count = dev(page), dev(slot), dev(slot + 1)
-        self.indptr = [dev(indptr[l]) for l in range(L)]
-        self.indices = [dev(indices[l]) for l in range(L)]
-        self.mean_k = torch.stack([torch.cat([s.mean_k[l] for s in ss]) for l in range(L)])
-        self.mean_v = torch.stack([torch.cat([s.mean_v[l] for s in ss]) for l in range(L)])
-        self.head = dev(np.tile(np.arange(H, dtype=np.int32), B))
-        self.mean_index = dev(np.arange(R, dtype=np.int32))
-        self.step_index = torch.zeros(1, dtype=torch.int64, device=c.device)
-        self.dst_page = torch.empty((1, L, R), dtype=torch.int32, device=c.device)
-        self.dst_slot = torch.empty_like(self.dst_page)
-        self.dst_count = torch.empty_like(self.dst_page)
-        self.status = torch.zeros(1, dtype=torch.int32, device=c.device)
-        self.out = torch.empty((B, c.num_q_heads, d), dtype=torch.float32, device=c.device)
-        self.lse = torch.empty((B, c.num_q_heads), dtype=torch.float32, device=c.device)
-        most = max(int(indptr[l, -1]) for l in range(L))
-        self.num_splits = max(2, splits_for(c.tables, R, most))
-        self.part_o = torch.empty((self.num_splits, R, c.group_size, d), dtype=torch.float32, device=c.device)
-        self.part_lse = torch.empty((self.num_splits, R, c.group_size), dtype=torch.float32, device=c.device)
-        from .torch_ops import register_tables
-        self.tables_id = register_tables(c.tables)
-        self.signs = [c.signs(l) for l in range(L)]
-        self.done = 0
-        self.closed = False
-        for s in ss:
-            s.step = self
-
-    def static_tensors(self) -> list:
-        """Every tensor a captured step reads or writes (for ``torch._dynamo.mark_static_address``)."""
-        c = self.cache
-        out = [c.pages, c.page_tier, c.page_count, self.plan_page, self.plan_slot, self.plan_count,
-               self.mean_k, self.mean_v, self.head, self.mean_index, self.step_index, self.dst_page,
-               self.dst_slot, self.dst_count, self.status, self.out, self.lse, self.part_o,
-               self.part_lse]
-        return out + self.indptr + self.indices + [t for pair in self.signs for t in pair]
-
-    def set_step(self, i: int) -> None:
-        """Which of the planned steps the next replay runs (outside the graph; stream-ordered)."""
-        i = whole("i", i, 0, self.steps)
-        self.step_index.fill_(i)
-        self.done = max(self.done, i + 1)
-
-    def slots(self) -> None:
-        """Gathers the current step's destinations for every layer (captured), and sets each
-        destination page's count to the states before the step's own, so that a step run
-        twice (a warm-up, a graph replay of the same step) reads what it read the first time."""
-        torch = _torch()
-        torch.index_select(self.plan_page, 0, self.step_index, out=self.dst_page)
-        torch.index_select(self.plan_slot, 0, self.step_index, out=self.dst_slot)
-        torch.index_select(self.plan_count, 0, self.step_index, out=self.dst_count)
-        self.cache.page_count.index_put_((self.dst_page.view(-1),), self.dst_slot.view(-1))
-
-    def append(self, layer: int, k, v) -> None:
-        """Writes the step's token of every sequence: k, v (batch, num_kv_heads, d)."""
-        torch = _torch()
-        c = self.cache
-        R = len(self.seqs) * c.num_kv_heads
-        k = k.detach().reshape(R, c.head_dim).to(torch.float32).contiguous()
-        v = v.detach().reshape(R, c.head_dim).to(torch.float32).contiguous()
-        sk, sv = self.signs[layer]
-        torch.ops.spherical_kv.append(k, v, c.pages, c.page_tier, c.page_count, sk, sv, self.head,
-                                      self.dst_page[0, layer], self.dst_slot[0, layer],
-                                      self.dst_count[0, layer], self.mean_k[layer],
-                                      self.mean_v[layer], self.mean_index, self.status,
-                                      self.tables_id)
-
-    def decode(self, layer: int, q, with_lse: bool = False):
-        """ADA attention (batch, num_q_heads, d) float32 of q over the layer's rows (the
-        step's own token included once ``append`` wrote it); a view of a buffer the next
-        call overwrites."""
-        torch = _torch()
-        c = self.cache
-        sk, sv = self.signs[layer]
-        torch.ops.spherical_kv.decode(q.detach().to(torch.float32).contiguous(), c.pages, c.page_tier,
-                                      c.page_count, self.indptr[layer], self.indices[layer], sk, sv,
-                                      self.mean_k[layer], self.mean_v[layer], self.out, self.lse,
-                                      self.part_o, self.part_lse, self.tables_id,
-                                      c.num_kv_heads, c.softmax_scale, self.num_splits, with_lse)
-        return self.out
-
-    def attend(self, layer: int, q, k, v):
-        """The integration's semantics for one new token: q (batch, Hq, d) attends to the
-        stored context (codes) and to its own k, v (batch, H, d) exactly, merged by their
-        log-sum-exps; then the token is appended. Returns float32 (batch, Hq, d)."""
-        torch = _torch()
-        c = self.cache
-        G = c.group_size
-        out = self.decode(layer, q, with_lse=True)
-        q32 = q.to(torch.float32)
-        k32 = k.to(torch.float32).repeat_interleave(G, dim=1)
-        v32 = v.to(torch.float32).repeat_interleave(G, dim=1)
-        own = c.softmax_scale * (q32 * k32).sum(dim=-1)
-        both = torch.logaddexp(self.lse, own)
-        res = torch.exp(self.lse - both)[..., None] * out + torch.exp(own - both)[..., None] * v32
-        self.append(layer, k, v)
-        return res
-
-    def close(self, done: Optional[int] = None) -> None:
-        """Commits ``done`` tokens per sequence (default: the highest step set + 1) to the
-        host bookkeeping and releases the reserved pages no token reached."""
-        if self.closed:
-            return
-        c = self.cache
-        done = self.done if done is None else whole("done", done, 0, self.steps + 1)
-        P, T = c.top_per_page, c.ladder.top
-        unused = []
-        for row, ids in self._reserved:
-            fill = 0
-            if row.pages.size and row.tiers[-1] == T and row.counts[-1] < P:
-                fill = min(P - int(row.counts[-1]), self.steps)
-            into_open = min(fill, done)
-            if into_open:
-                row.counts[-1] += into_open
-            rest = done - into_open
-            used = -(-rest // P)
-            counts = np.full(used, P, np.int32)
-            if used:
-                counts[-1] = rest - P * (used - 1)
-            row.pages = np.concatenate([row.pages, ids[:used]])
-            row.tiers = np.concatenate([row.tiers, np.full(used, T, np.int32)])
-            row.counts = np.concatenate([row.counts, counts])
-            row.tail_to += done
-            unused.append(ids[used:])
-        for x in self.seqs:
-            s = c._seq(x)
-            s.length += done
-            s.step = None
-        c._release(np.concatenate(unused) if unused else np.zeros(0, np.int32))
-        self.closed = True
