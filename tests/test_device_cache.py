@@ -376,6 +376,38 @@ def test_generate_left_padded_batch_equals_the_cpu_reference():
         assert np.max(err) <= 2e-2, (b, same, err)
 
 
+def test_generate_left_padded_batch_at_one_tier_equals_the_cpu_reference():
+    """The same as above with no decision to make: one tier (4/4), nothing evicted, so the
+    GPU path and the CPU reference read the same codes (up to a rare cell flip from the two
+    models' float32 rounding): prefill, left padding, positions and the lse merge."""
+    import copy
+    from cupy_kernels.hf_device import DeviceSphericalCache
+    from spherical_kv_ref.hf import SphericalCache, use_spherical_attention
+    from spherical_kv_ref.tiers import TierLadder
+    cpu = _tiny_llama()
+    gpu = copy.deepcopy(cpu).cuda()
+    ids, mask, prompts = _batch([70, 45])
+    one = TierLadder([(4, 4)])
+    cache = DeviceSphericalCache(gpu.config, ladder=one, observe=8)
+    with cache.bound(gpu), torch.no_grad():
+        out = gpu.generate(ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache,
+                           max_new_tokens=12, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True, pad_token_id=0)
+    new = out.sequences[:, ids.shape[1]:].cpu()
+    use_spherical_attention(cpu)
+    for b, p in enumerate(prompts):
+        ref = SphericalCache(cpu.config, observe=8, ladder=one)
+        with torch.no_grad():
+            logits = [cpu(p[None], past_key_values=ref).logits[0, -1]]
+            ref.compress(10 ** 9)                 # a store of every state at the one tier
+            for tok in new[b, :-1]:
+                logits.append(cpu(tok.view(1, 1), past_key_values=ref).logits[0, -1])
+        want = torch.stack(logits).numpy()
+        got = torch.stack([lg[b] for lg in out.logits]).float().cpu().numpy()
+        err = np.max(np.abs(got - want), axis=1) / np.abs(want).max()
+        assert np.max(err) <= 1e-2, (b, err)
+
+
 def test_generate_at_16_bits_equals_dense_generate():
     from cupy_kernels.hf_device import DeviceSphericalCache
     from spherical_kv_ref.tiers import TierLadder
