@@ -42,7 +42,8 @@ def greedy_answer(runner, store, pre, inst, tok) -> str:
     cache = runner._cache(store, pre)
     out = []
     with torch.no_grad():
-        lg = runner.model(torch.as_tensor(inst.question)[None], past_key_values=cache).logits[0, -1]
+        lg = runner.model(torch.as_tensor(inst.question)[None], past_key_values=cache,
+                          logits_to_keep=1).logits[0, -1]
         for _ in range(inst.max_new):
             t = int(torch.argmax(lg))
             if t == tok.eos_token_id:

@@ -151,7 +151,7 @@ def test_the_command_line_checks_its_options(capsys, monkeypatch):
 
 
 def test_a_tiny_run_on_smollm2_writes_the_rows(tmp_path):
-    """One task at 300 tokens, two instances, dense and RDR at 50 %: the units, the rows
+    """One task at 160 tokens, two instances, dense and RDR at 50 %: the units, the rows
     (dense first in the table, the paired test against it) and the three files."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
@@ -162,7 +162,7 @@ def test_a_tiny_run_on_smollm2_writes_the_rows(tmp_path):
         pytest.skip(str(e))
     TR._WORKER.clear()
     try:
-        assert TR.main(["--lengths", "300", "--instances", "2", "--tasks", "niah-single",
+        assert TR.main(["--lengths", "160", "--instances", "2", "--tasks", "span",
                         "--methods", "skv-rdr", "--budgets", "0.5", "--no-protect",
                         "--no-peers", "--jobs", "1", "--out", str(tmp_path)]) == 0
     finally:
@@ -170,13 +170,13 @@ def test_a_tiny_run_on_smollm2_writes_the_rows(tmp_path):
     rows = json.loads((tmp_path / "tasks.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["dense-bf16", "skv-rdr@50%"]
     for r in rows:
-        assert r["task"] == "niah-single" and r["context"] == 300 and r["instances"] == 2
+        assert r["task"] == "span" and r["context"] == 160 and r["instances"] == 2
         assert r["accuracy"] == r["correct"] / 2 and len(r["outcomes"]) == 2
         lo, hi = r["accuracy_ci95"]
         assert lo <= r["accuracy"] <= hi
     assert rows[0]["bytes_fraction"] == 1.0 and rows[1]["bytes_fraction"] <= 0.5 + 1e-9
     assert rows[0]["vs_dense"] is None and rows[1]["vs_dense"]["verdict"] in ("tie", "lower", "higher")
     md = (tmp_path / "tasks.md").read_text()
-    assert md.index("dense accuracy") < md.index("### niah-single")
+    assert md.index("dense accuracy") < md.index("### span")
     assert (tmp_path / "tasks.png").stat().st_size > 0
     assert len((tmp_path / "units.jsonl").read_text().splitlines()) == 3
