@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from spherical_kv_eval.evaluate import DEFAULT_OUT, budget_fraction
+from spherical_kv_eval.evaluate import DEFAULT_OUT
+from spherical_kv_eval.evaluate import parser as evaluate_parser
 from spherical_kv_eval.lineup import Infeasible
 from spherical_kv_eval.tasks import TASKS, exact_match, make_instance, verdict
 from spherical_kv_eval.tasks_report import PROTECTED, task_rows, write_task_reports
@@ -28,6 +29,9 @@ QUICK = {"lengths": [512], "instances": 2, "tasks": ["niah-single", "toolcall"],
 # the settings a unit's result depends on (its length, task and instance are its own): a run
 # resumes only units made with the same ones
 UNIT_SETTINGS = ("model", "budgets", "methods", "peers", "seed", "protect")
+#: options that mean here what they mean in ``spherical-kv evaluate``: taken from its parser,
+#: so that their checks and help text are one
+SHARED = ("budgets", "peers", "jobs", "resume", "max_units")
 
 
 def _say(msg: str) -> None:
@@ -139,15 +143,9 @@ def parser() -> argparse.ArgumentParser:
                    help="keep only the line-up's methods whose names start with one of these "
                         "prefixes (e.g. skv-rdr h2o kvpress-snapkv); dense always runs, every "
                         "other method is read against it")
-    p.add_argument("--budgets", type=budget_fraction, nargs="+", default=[0.50, 0.25, 0.15, 0.10],
-                   help="budgets of RDR and every evicting method, fractions in (0, 1] of the "
-                        "bf16 bytes (default 0.5 0.25 0.15 0.1)")
     p.add_argument("--no-protect", dest="protect", action="store_false",
                    help="leave out the rows of RDR with the planted items protected "
                         "(skv-rdr@B%%+protect; run by default beside the unprotected rows)")
-    p.add_argument("--no-peers", dest="peers", action="store_false",
-                   help="leave out kvpress's presses and transformers' QuantizedCache (in the "
-                        "line-up by default where kvpress and hqq are installed)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (default) runs everything on the CPU; cuda runs the peers' own "
                         "prefills and quantization on the GPU and needs one (the model's forward "
@@ -155,17 +153,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the instances: instance i of a task at length T is made from "
                         "(seed, task, T, i) alone (default 0)")
-    p.add_argument("--jobs", type=_positive, default=min(2, os.cpu_count() or 1),
-                   help="worker processes, one thread each (default: 2, or 1 on one core)")
-    p.add_argument("--resume", action="store_true",
-                   help="go on with the units already under --out (units.jsonl) made with the "
-                        "same settings")
-    p.add_argument("--max-units", type=_positive, default=None,
-                   help="run at most this many of the units still to do, then stop (--resume "
-                        "goes on; the last part writes the reports)")
     p.add_argument("--out", type=Path, default=None,
                    help=f"results folder (default: $SPHERICAL_KV_RESULTS or ./{DEFAULT_OUT}/, "
                         f"its tasks/ subfolder, tasks-quick/ with --quick)")
+    taken = {a.dest: a for a in evaluate_parser()._actions}
+    for dest in SHARED:
+        p._add_action(taken[dest])
     return p
 
 
