@@ -252,22 +252,24 @@ def _ids(tok, text: str) -> np.ndarray:
 
 
 def make_instance(task: str, length: int, index: int, tok, seed: int = 0,
-                  text: str | None = None) -> Instance:
+                  text: str | None = None, bos: int | None = None) -> Instance:
     """Instance ``index`` of ``task`` at ``length`` context tokens: the task's planted items
     inserted, each at its depth (a fraction of the haystack, in tokens), into corpus text
     (``text``, default the Austen corpus) so that the context is ``length`` tokens long: an
-    item at depth d follows the first round(d · n) of the n haystack tokens."""
+    item at depth d follows the first round(d · n) of the n haystack tokens. ``bos``: a token
+    id the context starts with (a model whose contexts each start with BOS)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; the tasks are {', '.join(TASKS)}")
     rng = _rng(task, length, index, seed)
     planted, question, answer, depth = TASKS[task](rng, index)
     planted = sorted(((float(d), _ids(tok, t)) for d, t in planted), key=lambda p: p[0])
-    fill = length - sum(len(ids) for _, ids in planted)
+    lead = [] if bos is None else [bos]
+    fill = length - len(lead) - sum(len(ids) for _, ids in planted)
     if fill < 16:
         raise ValueError(f"{task} plants {length - fill} tokens: a context of {length} has no "
                          f"room for the haystack")
     hay = haystack(tok, rng, fill, text)
-    parts, spans, at, pos = [], [], 0, 0
+    parts, spans, at, pos = [np.asarray(lead, dtype=np.int64)], [], 0, len(lead)
     answer_start = None
     for d, ids in planted:
         cut = int(round(d * fill))

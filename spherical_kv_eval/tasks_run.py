@@ -67,7 +67,7 @@ def _task_unit(job) -> dict:
     t0 = time.time()
     task, index = w.rsplit("/", 1)
     runner, cfg, tok = _WORKER["runner"], _WORKER["cfg"], _WORKER["tok"]
-    inst = make_instance(task, T, int(index), tok, args.seed)
+    inst = make_instance(task, T, int(index), tok, args.seed, bos=args.bos)
     pre = runner.prefill(inst.context)
     out = {"T": T, "w": w, "task": task, "index": int(index), "depth": inst.depth,
            "answer": inst.answer, "methods": {}}
@@ -92,7 +92,8 @@ def run(args):
     from spherical_kv_eval.model import model_spec
     t0 = time.time()
     spec = model_spec(args.model)
-    cfg, _ = _main_setup(args.jobs, args.model, 16, args.peer_device)
+    cfg, tok = _main_setup(args.jobs, args.model, 16, args.peer_device)
+    args.bos = tok.bos_token_id if spec.bos else None
     methods = _methods(cfg, args)
     jobs = [(T, f"{task}/{i}", args) for T in args.lengths for task in args.tasks
             for i in range(args.instances)]

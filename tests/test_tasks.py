@@ -83,6 +83,10 @@ def test_an_instance_does_not_depend_on_the_other_instances_or_lengths():
         K.make_instance("niah-multikey", 2000, 0, tok, text=HAYSTACK)
     assert np.array_equal(K.make_instance("niah-multikey", 1200, 2, tok, text=HAYSTACK).context,
                           one.context)
+    bos = K.make_instance("niah-multikey", 1200, 2, tok, text=HAYSTACK, bos=1)
+    assert len(bos.context) == 1200 and bos.context[0] == 1 and bos.answer == one.answer
+    text = tok.decode(bos.context)
+    assert [text[s:e] for s, e in bos.spans] == [tok.decode(one.context)[s:e] for s, e in one.spans]
     with pytest.raises(ValueError, match="unknown task"):
         K.make_instance("nosuch", 1200, 0, tok, text=HAYSTACK)
     with pytest.raises(ValueError, match="no room"):
