@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from spherical_kv_eval.reports import COLORS, MARKERS
+from spherical_kv_eval.reports import COLORS, MARKERS, NUDGE
 
 PROTECTED = "+protect"      # name suffix of a method run with the planted items protected
 ALPHA = 0.05
@@ -146,6 +146,7 @@ def plot_tasks(rows, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     lengths = sorted({r["context"] for r in rows})
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     fig, axes = plt.subplots(len(lengths), len(tasks), figsize=(3.6 * len(tasks), 3.2 * len(lengths)),
@@ -160,10 +161,14 @@ def plot_tasks(rows, path: Path) -> None:
                 legend.setdefault("dense-bf16", line)
                 continue
             fams.setdefault(r["family"] + (" protected" if r["protected"] else ""), []).append(r)
-        for fam, rs in sorted(fams.items()):
+        xs = []
+        for i, (fam, rs) in enumerate(sorted(fams.items())):
             rs.sort(key=lambda r: r["bytes_fraction"])
             style = fam.split(" ")[0].removeprefix("kvpress-")
-            x = [100 * r["bytes_fraction"] for r in rs]
+            # families at the same bytes shift a little sideways, so that none hides another
+            shift = 1 + 2 * NUDGE * (2 * i / max(len(fams) - 1, 1) - 1)
+            x = [100 * r["bytes_fraction"] * shift for r in rs]
+            xs += x
             y = [r["accuracy"] for r in rs]
             err = [[v - r["accuracy_ci95"][0] for v, r in zip(y, rs)],
                    [r["accuracy_ci95"][1] - v for v, r in zip(y, rs)]]
@@ -173,6 +178,12 @@ def plot_tasks(rows, path: Path) -> None:
                                label=fam)
             legend.setdefault(fam, line)
         ax.set_xscale("log")
+        if xs:
+            lo, hi = min(xs) / 1.25, max(xs) * 1.25
+            ticks = [t for t in (5, 10, 15, 20, 25, 30, 40, 50, 65, 80, 100) if lo <= t <= hi]
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_xlim(lo, hi)
         ax.set_ylim(-0.05, 1.05)
         ax.set_title(f"{task}, {T} tokens", fontsize=10)
         ax.set_xlabel("cache bytes, % of bf16")
