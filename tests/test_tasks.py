@@ -184,3 +184,36 @@ def test_a_tiny_run_on_smollm2_writes_the_rows(tmp_path):
     assert md.index("dense accuracy") < md.index("### span")
     assert (tmp_path / "tasks.png").stat().st_size > 0
     assert len((tmp_path / "units.jsonl").read_text().splitlines()) == 3
+
+
+def test_rows_pair_each_baseline_with_the_rdr_point_at_no_more_bytes(tmp_path):
+    """From logged units alone: the protected RDR run is a row of its own, a baseline meets
+    the unprotected RDR point with the most bytes not above its own, dense comes first."""
+    from types import SimpleNamespace as M
+    methods = [M(name="dense-bf16", family="dense", budget=None),
+               M(name="h2o@25%", family="h2o", budget=0.25),
+               M(name="skv-rdr@50%", family="skv-rdr", budget=0.5),
+               M(name="skv-rdr@25%", family="skv-rdr", budget=0.25)]
+    right = {"dense-bf16": [1] * 12, "h2o@25%": [0] * 10 + [1] * 2,
+             "skv-rdr@50%": [1] * 12, "skv-rdr@25%": [1] * 11 + [0],
+             "skv-rdr@25%" + R.PROTECTED: [1] * 12}
+    nbytes = {"dense-bf16": 1.0, "h2o@25%": 0.25, "skv-rdr@50%": 0.5, "skv-rdr@25%": 0.249,
+              "skv-rdr@25%" + R.PROTECTED: 0.249}
+    units = [{"T": 512, "w": f"span/{i}", "task": "span", "index": i, "depth": 0.1,
+              "methods": {n: {"correct": bool(v[i]), "output": "x", "bytes": nbytes[n]}
+                          for n, v in right.items()}} for i in range(12)]
+    rows = R.task_rows(units, methods, ["span"], [512])
+    by = {r["method"]: r for r in rows}
+    assert list(by) == ["dense-bf16", "h2o@25%", "skv-rdr@50%", "skv-rdr@25%",
+                        "skv-rdr@25%" + R.PROTECTED]
+    assert by["skv-rdr@25%" + R.PROTECTED]["protected"] and not by["skv-rdr@25%"]["protected"]
+    h2o = by["h2o@25%"]
+    assert h2o["vs_rdr"]["rdr"] == "skv-rdr@25%" and h2o["vs_rdr"]["verdict"] == "lower"
+    assert h2o["vs_dense"]["verdict"] == "higher" and h2o["accuracy"] == pytest.approx(2 / 12)
+    assert by["skv-rdr@25%"]["vs_rdr"] is None and by["skv-rdr@25%"]["vs_dense"]["verdict"] == "tie"
+    R.write_task_reports(rows, {"model": "m", "instances": 12, "seed": 0, "seconds": 1.0}, tmp_path)
+    md = (tmp_path / "tasks.md").read_text()
+    assert md.index("| span | 1.00 [0.76, 1.00] |") < md.index("### span")
+    assert "| h2o@25% | 25.0 | 0.17 [0.05, 0.45] | -0.83 (p 0.002) **higher** | " \
+           "skv-rdr@25%: +0.75 (p 0.012) **lower** |" in md
+    assert json.loads((tmp_path / "tasks.json").read_text())["rows"] == json.loads(json.dumps(rows))
