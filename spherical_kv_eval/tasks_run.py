@@ -127,9 +127,10 @@ def parser() -> argparse.ArgumentParser:
     """The options of ``spherical-kv tasks``."""
     p = argparse.ArgumentParser(prog="spherical-kv tasks", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="smoke test (a minute or two on 2 cores): 512-token contexts, two "
-                        "instances of niah-single and toolcall, dense, H2O and RDR at 25 %%, no "
-                        "protected rows; it shows the job runs, not how good the methods are")
+                   help="smoke test (5-6 minutes on a shared 2-core machine, RDR's compression "
+                        "most of it): 512-token contexts, two instances of niah-single and "
+                        "toolcall, dense, H2O and RDR at 25 %%, no protected rows; it shows the "
+                        "job runs, not how good the methods are")
     p.add_argument("--model", default="smollm2",
                    help="the evaluation's model (smollm2, gemma3-270m) or a Hugging Face model "
                         "id / local folder, as for spherical-kv evaluate (default smollm2)")
