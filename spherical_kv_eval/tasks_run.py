@@ -127,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     """The options of ``spherical-kv tasks``."""
     p = argparse.ArgumentParser(prog="spherical-kv tasks", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="smoke test (5-6 minutes on a shared 2-core machine, RDR's compression "
+                   help="smoke test (3-6 minutes on a shared 2-core machine, RDR's compression "
                         "most of it): 512-token contexts, two instances of niah-single and "
                         "toolcall, dense, H2O and RDR at 25 %%, no protected rows; it shows the "
                         "job runs, not how good the methods are")
