@@ -12,6 +12,7 @@ import numpy as np
 from spherical_kv_eval.reports import COLORS, MARKERS, NUDGE
 
 PROTECTED = "+protect"      # name suffix of a method run with the planted items protected
+DEPTH_TASKS = ("niah-single",)      # tasks whose needle sits at one of a few fixed depths
 ALPHA = 0.05
 
 
@@ -71,6 +72,12 @@ def task_rows(units, methods, tasks, lengths) -> list[dict]:
                         "accuracy_ci95": wilson(sum(outcomes), len(got)),
                         "outcomes": outcomes, "depths": [u["depth"] for u in mine],
                         "outputs": [r["output"] for r in got]})
+                    if task in DEPTH_TASKS:         # the accuracy at each depth of the needle
+                        at = {}
+                        for u, ok in zip(mine, outcomes):
+                            at.setdefault(u["depth"], []).append(ok)
+                        here[-1]["by_depth"] = {f"{d:g}": float(np.mean(v))
+                                                for d, v in sorted(at.items())}
             dense = next((r for r in here if r["family"] == "dense"), None)
             rdr = sorted((r for r in here if r["family"] == "skv-rdr" and not r["protected"]),
                          key=lambda r: r["bytes_fraction"])
@@ -119,13 +126,18 @@ def write_task_reports(rows, meta, out: Path) -> list[Path]:
             lines.append(f"| {task} | {_acc(d) if d else '—'} |")
         lines.append("")
         for task in tasks:
+            depth = task in DEPTH_TASKS
             lines += [f"### {task}", "", "| method | bytes % of bf16 | accuracy [95 % CI] | "
-                      "vs dense | vs RDR at ≤ bytes (RDR − method) |", "|---|---:|---:|---:|---|"]
+                      + ("by depth (depth: accuracy) | " if depth else "")
+                      + "vs dense | vs RDR at ≤ bytes (RDR − method) |",
+                      "|---|---:|---:|" + ("---|" if depth else "") + "---:|---|"]
             for r in sorted((r for r in mine if r["task"] == task),
                             key=lambda r: (r["family"] != "dense", -r["bytes_fraction"])):
                 v = r["vs_rdr"]
+                at = (", ".join(f"{float(d):.0%}: {a:.2f}" for d, a in r["by_depth"].items())
+                      + " | ") if depth else ""
                 lines.append(f"| {r['method']} | {100 * r['bytes_fraction']:.1f} | {_acc(r)} | "
-                             f"{_pair(r['vs_dense'])} | "
+                             f"{at}{_pair(r['vs_dense'])} | "
                              + (_pair(v, f"{v['rdr']}: ") if v else "—") + " |")
             lines.append("")
     lines += ["Accuracy: the share of instances whose greedy answer matches exactly, with its "

@@ -217,3 +217,12 @@ def test_rows_pair_each_baseline_with_the_rdr_point_at_no_more_bytes(tmp_path):
     assert "| h2o@25% | 25.0 | 0.17 [0.05, 0.45] | -0.83 (p 0.002) **higher** | " \
            "skv-rdr@25%: +0.75 (p 0.012) **lower** |" in md
     assert json.loads((tmp_path / "tasks.json").read_text())["rows"] == json.loads(json.dumps(rows))
+    # the single needle's table has the accuracy at each of its depths
+    for u in units:
+        u.update(task="niah-single", depth=K.DEPTHS[u["index"] % len(K.DEPTHS)])
+    rows = R.task_rows(units, methods, ["niah-single"], [512])
+    assert rows[1]["by_depth"] == pytest.approx({"0.1": 1 / 3, "0.25": 1 / 3, "0.5": 0.0,
+                                                 "0.75": 0.0, "0.9": 0.0})     # right at 10, 11
+    R.write_task_reports(rows, {"model": "m", "instances": 12, "seed": 0, "seconds": 1.0}, tmp_path)
+    assert "| 10%: 0.33, 25%: 0.33, 50%: 0.00, 75%: 0.00, 90%: 0.00 |" in \
+        (tmp_path / "tasks.md").read_text()
