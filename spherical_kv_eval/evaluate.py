@@ -51,7 +51,7 @@ from spherical_kv_eval.runner import (  # noqa: F401
 from spherical_kv_eval.units import (  # noqa: F401
     LEGACY_SETTINGS, UNIT_SETTINGS, NoSuchMethod, Unfinished, UnitLog, _WORKER, _gap_summary,
     _main_setup, _methods, _pool_run, _say, _unit, _worker_setup, greedy_on_dense_path,
-    layer_summary, run, run_windows, runner_options, window_starts)
+    layer_summary, run, run_to_reports, run_windows, runner_options, window_starts)
 
 DEFAULT_OUT = Path("spherical-kv-results")   # in the working directory, never the committed results
 
@@ -237,15 +237,9 @@ def main(argv=None) -> int:
     if args.peers and not quantized_cache_available():
         _say("transformers' QuantizedCache baselines (hf-hqq4, hf-hqq2) need the Python package "
              "'hqq' (pip install 'spherical-kv[peers]'); this run leaves them out")
-    try:
-        rows, meta = run(args)
-    except Unfinished as e:
-        _say(str(e))
-        return 0
-    except NoSuchMethod as e:
-        _say(f"error: {e}")
-        return 2
-    write_reports(rows, meta, args.out)
+    code = run_to_reports(run, args, lambda rows, meta: write_reports(rows, meta, args.out))
+    if code is not None:
+        return code
     print((args.out / "evaluate.md").read_text())
     files = ", ".join(sorted(f.name for f in args.out.iterdir() if f.is_file()))
     _say(f"results written to {args.out.resolve()}/ ({files})"

@@ -19,7 +19,7 @@ from spherical_kv_eval.evaluate import parser as evaluate_parser
 from spherical_kv_eval.lineup import Infeasible
 from spherical_kv_eval.tasks import TASKS, exact_match, make_instance, verdict
 from spherical_kv_eval.tasks_report import PROTECTED, task_rows, write_task_reports
-from spherical_kv_eval.units import (_WORKER, NoSuchMethod, Unfinished, UnitLog, _main_setup,
+from spherical_kv_eval.units import (_WORKER, Unfinished, UnitLog, _main_setup, run_to_reports,
                                      _methods, _pool_run, _progress)
 from spherical_kv_ref.cli import _positive
 
@@ -92,7 +92,9 @@ def run(args):
     from spherical_kv_eval.model import model_spec
     t0 = time.time()
     spec = model_spec(args.model)
-    cfg, tok = _main_setup(args.jobs, args.model, 16, args.peer_device)
+    # the model and the project's methods on the CPU; the peers' prefills where --device says
+    options = {"window_bits": 16, "device": "cpu", "peer_device": args.peer_device}
+    cfg, tok = _main_setup(args.jobs, args.model, options)
     args.bos = tok.bos_token_id if spec.bos else None
     methods = _methods(cfg, args)
     jobs = [(T, f"{task}/{i}", args) for T in args.lengths for task in args.tasks
@@ -107,8 +109,8 @@ def run(args):
         _say(f"{len(jobs)} units: {resumed} resumed from {log.path}, {len(todo)} to run now")
     todo = [j + (i % max(args.jobs, 1),) for i, j in enumerate(todo)]
     if todo:
-        _pool_run(todo, args.jobs, unit=_task_unit, model_name=args.model,
-                  peer_device=args.peer_device, done=log.add)
+        _pool_run(todo, args.jobs, unit=_task_unit, model_name=args.model, options=options,
+                  done=log.add)
     missing = sum(log.find(T, w, 0, 1) is None for T, w, _ in jobs)
     if missing:
         raise Unfinished(f"{missing} of {len(jobs)} units still to run: the same command with "
@@ -197,15 +199,12 @@ def main(argv=None) -> int:
     if args.quick:
         _say("--quick is a smoke test: its numbers show that the job runs, not how well the "
              "methods do")
-    try:
-        rows, meta = run(args)
-    except Unfinished as e:
-        _say(str(e))
-        return 0
-    except NoSuchMethod as e:
-        _say(f"error: {e}")
-        return 2
-    files = write_task_reports(rows, meta, args.out)
+    written = []
+    code = run_to_reports(run, args,
+                          lambda rows, meta: written.extend(write_task_reports(rows, meta, args.out)))
+    if code is not None:
+        return code
+    files = written
     print((args.out / "tasks.md").read_text())
     _say(f"results written to {args.out.resolve()}/ ({', '.join(f.name for f in files)})")
     return 0

@@ -542,3 +542,21 @@ def run(args) -> list[dict]:
                                                  if u["T"] == T and u["w"] != "probe"]))
             for T in args.contexts}
     return rows, meta
+
+
+def run_to_reports(run_fn, args, write) -> Optional[int]:
+    """The commands' common ending: ``run_fn(args)`` -> (rows, meta), then ``write(rows,
+    meta)``. Returns an exit code for the two ends that are not errors of the run itself:
+    0 when the run stopped early on purpose (``Unfinished``, its message said) and 2 for a
+    ``--methods`` that names nothing; None once the reports are written."""
+    try:
+        rows, meta = run_fn(args)
+    except Unfinished as e:
+        _say(str(e))
+        return 0
+    except NoSuchMethod as e:
+        _say(f"error: {e}")
+        return 2
+    write(rows, meta)
+    return None
+
