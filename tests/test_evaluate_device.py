@@ -194,3 +194,15 @@ def test_the_model_on_cuda_gives_the_cpu_s_rows_and_logits(tiny_run, worker, tmp
             assert abs(g[key] - c[key]) <= half, (c["method"], key, c[key], g[key], half)
         # the budgets bind both: at most a page apart where RDR's allocation moved
         assert g["bytes_fraction"] == pytest.approx(c["bytes_fraction"], abs=0.01)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, window, stride, block", __import__("test_baselines").STATS_CASES)
+def test_attention_stats_on_the_gpu_are_the_numpy_reference_s(T, window, stride, block):
+    """test_baselines' torch-statistics check, on a CUDA device (skipped without one)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    from test_baselines import test_attention_stats_in_torch_are_the_numpy_reference_s as check
+    check("cuda", T, window, stride, block)
+
