@@ -72,13 +72,8 @@ class DecodeStep:
                 row = ss[r // H].rows[l][r % H]
                 ids = fresh[a:a + new]
                 a += new
-                c0 = int(row.counts[-1]) if fill else 0
-                pg = np.concatenate([np.full(fill, row.pages[-1] if fill else 0, np.int32),
-                                     np.repeat(ids, P)[:steps - fill]])
-                sl = np.concatenate([np.arange(c0, c0 + fill, dtype=np.int32),
-                                     np.tile(np.arange(P, dtype=np.int32), new)[:steps - fill]])
-                page[:, l, r], slot[:, l, r] = pg, sl
-                self._reserved.append((row, ids))
+                page[:, l, r], slot[:, l, r] = row.tail_slots(fill, ids, P, steps)
+                self._reserved.append((row, fill, ids))
                 lists.append(np.concatenate([row.pages, ids]))
             indptr[l, 1:] = np.cumsum([x.size for x in lists])
             indices.append(np.concatenate(lists))
@@ -188,23 +183,8 @@ class DecodeStep:
         done = self.done if done is None else whole("done", done, 0, self.steps + 1)
         P, T = c.top_per_page, c.ladder.top
         unused = []
-        for row, ids in self._reserved:
-            fill = 0
-            if row.pages.size and row.tiers[-1] == T and row.counts[-1] < P:
-                fill = min(P - int(row.counts[-1]), self.steps)
-            into_open = min(fill, done)
-            if into_open:
-                row.counts[-1] += into_open
-            rest = done - into_open
-            used = -(-rest // P)
-            counts = np.full(used, P, np.int32)
-            if used:
-                counts[-1] = rest - P * (used - 1)
-            row.pages = np.concatenate([row.pages, ids[:used]])
-            row.tiers = np.concatenate([row.tiers, np.full(used, T, np.int32)])
-            row.counts = np.concatenate([row.counts, counts])
-            row.tail_to += done
-            unused.append(ids[used:])
+        for row, fill, ids in self._reserved:
+            unused.append(row.grow(fill, ids, T, P, done)[2])
         for x in self.seqs:
             s = c._seq(x)
             s.length += done

@@ -46,7 +46,7 @@ import numpy as np
 from spherical_kv_ref import codebooks
 from spherical_kv_ref.cache import (CompressPolicy, CompressReport, RowForCompress,
                                     SphericalKVCache, compress_method, plan_compress,
-                                    set_cache_settings)
+                                    set_cache_settings, tier_pages, tiers_by_row)
 from spherical_kv_ref.codec import SphericalCodec, whole
 from spherical_kv_ref.paged import PoolExhaustedError
 from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT
@@ -69,6 +69,20 @@ def _torch():
     return torch
 
 
+def dense_slots(ids, per: int, n: int):
+    """(page, slot) int32 (n,) of n states filling the pages ``ids`` in order, ``per`` a page."""
+    ids = np.asarray(ids, np.int32)
+    return np.repeat(ids, per)[:n], np.tile(np.arange(per, dtype=np.int32), ids.size)[:n]
+
+
+def dense_counts(npages: int, per: int, n: int) -> np.ndarray:
+    """The counts of ``npages`` pages that n states fill densely, ``per`` a page."""
+    c = np.full(npages, per, np.int32)
+    if npages:
+        c[-1] = n - per * (npages - 1)
+    return c
+
+
 class _Row:
     """Host mirror of one (sequence, layer, kv-head) row: its pages in order with their
     tiers and counts; its states' positions in storage order (pages in order, slots in
@@ -88,6 +102,35 @@ class _Row:
 
     def num_states(self) -> int:
         return int(self.counts.sum())
+
+    def room(self, top: int, per: int) -> int:
+        """States the last page still takes: an open page of the top tier (per a page)."""
+        if self.pages.size and self.tiers[-1] == top and self.counts[-1] < per:
+            return per - int(self.counts[-1])
+        return 0
+
+    def tail_slots(self, fill: int, ids, per: int, n: int):
+        """(page, slot) int32 of the next n top-tier states: ``fill`` of them into the open
+        last page, the rest densely into the fresh pages ``ids``."""
+        k = min(fill, n)
+        c0 = int(self.counts[-1]) if k else 0
+        pg, sl = dense_slots(ids, per, n - k)
+        return (np.concatenate([np.full(k, self.pages[-1] if k else 0, np.int32), pg]),
+                np.concatenate([np.arange(c0, c0 + k, dtype=np.int32), sl]))
+
+    def grow(self, fill: int, ids, top: int, per: int, n: int):
+        """Commits n new top-tier states laid out as ``tail_slots`` lays them. Returns (the
+        pages written, their counts now, the fresh pages left unused)."""
+        k = min(fill, n)
+        if k:
+            self.counts[-1] += k
+        used = -(-(n - k) // per)
+        self.pages = np.concatenate([self.pages, ids[:used]])
+        self.tiers = np.concatenate([self.tiers, np.full(used, top, np.int32)])
+        self.counts = np.concatenate([self.counts, dense_counts(used, per, n - k)])
+        self.tail_to += n
+        m = used + (1 if k else 0)
+        return self.pages[self.pages.size - m:], self.counts[self.counts.size - m:], ids[used:]
 
     def state_slots(self):
         """(page, slot, tier) of every state, in storage order."""
@@ -256,15 +299,11 @@ class DeviceKVCache:
 
     # ------------------------------------------------------------------ append / protect
     def _tail_plan(self, row: _Row, t: int):
-        """Where t new top-tier states of a row go: (pages to open, page of each, slot of
-        each), filling the row's open last page first."""
-        T, P = self.ladder.top, self.top_per_page
-        room = 0
-        if row.pages.size and row.tiers[-1] == T and row.counts[-1] < P:
-            room = P - int(row.counts[-1])
-        first = min(room, t)
-        new = -(-(t - first) // P)
-        return first, new
+        """(fill, new) for t new top-tier states of a row: how many go into its open last
+        page, how many fresh pages the rest need."""
+        P = self.top_per_page
+        fill = min(row.room(self.ladder.top, P), t)
+        return fill, -(-(t - fill) // P)
 
     def append(self, seq, layer, k, v) -> None:
         """Append t new tokens of one layer: k, v (num_kv_heads, t, head_dim) float CUDA
@@ -302,20 +341,13 @@ class DeviceKVCache:
         else:
             mk, mv = s.mean_k[layer], s.mean_v[layer]
         pages_new = self._allocate(need)
-        dst_page, dst_slot, opened, a = [], [], [], 0
+        opened, slots, a = [], [], 0
         for row, (fill, new) in zip(rows, plans):
-            ids = pages_new[a:a + new]
+            opened.append(pages_new[a:a + new])
             a += new
-            if fill:
-                c0 = int(row.counts[-1])
-                dst_page.append(np.full(fill, row.pages[-1], np.int32))
-                dst_slot.append(np.arange(c0, c0 + fill, dtype=np.int32))
-            rest = t - fill
-            dst_page.append(np.repeat(ids, P)[:rest])
-            dst_slot.append(np.tile(np.arange(P, dtype=np.int32), new)[:rest])
-            opened.append(ids)
-        dp = np.concatenate(dst_page).astype(np.int32)
-        ds = np.concatenate(dst_slot).astype(np.int32)
+            slots.append(row.tail_slots(fill, opened[-1], P, t))
+        dp = np.concatenate([x[0] for x in slots])
+        ds = np.concatenate([x[1] for x in slots])
         self._set_pages(pages_new, np.full(need, T), np.zeros(need))
         head = np.repeat(np.arange(H, dtype=np.int32), t)
         dev = lambda x: torch.as_tensor(x, device=self.device)
@@ -329,32 +361,19 @@ class DeviceKVCache:
         except ValueError:
             self._release(pages_new)
             raise
-        # bookkeeping: counts of every page written, rows, means, length
-        a = 0
-        for row, (fill, new), ids in zip(rows, plans, opened):
-            if fill:
-                row.counts[-1] += fill
-            counts = np.full(new, P, np.int32)
-            if new:
-                counts[-1] = (t - fill) - P * (new - 1)
-            row.pages = np.concatenate([row.pages, ids])
-            row.tiers = np.concatenate([row.tiers, np.full(new, T, np.int32)])
-            row.counts = np.concatenate([row.counts, counts])
+        # bookkeeping: the rows, the counts of every page written, means, length
+        written, counts = [], []
+        for row, (fill, _), ids in zip(rows, plans, opened):
             if row.tail_to != s.length[layer]:
                 raise AssertionError("row positions out of step with the layer's length")
-            row.tail_to += t
-        touched = np.unique(dp)
-        self._set_pages(touched, np.full(touched.size, T), self._count_of(rows, touched))
+            pg, cnt, _ = row.grow(fill, ids, T, P, t)
+            written.append(pg)
+            counts.append(cnt)
+        written = np.concatenate(written)
+        self._set_pages(written, np.full(written.size, T), np.concatenate(counts))
         if first:
             s.mean_k[layer], s.mean_v[layer], s.has_mean[layer] = mk, mv, True
         s.length[layer] += t
-
-    @staticmethod
-    def _count_of(rows, pages) -> np.ndarray:
-        table = {}
-        for row in rows:
-            table.update(zip(row.pages.tolist(), row.counts.tolist()))
-        return np.array([table[int(p)] for p in pages], np.int32)
 
     # protection is the reference's: spans of token positions, sinks and the recent window
     protect = SphericalKVCache.protect
@@ -565,8 +584,8 @@ class DeviceKVCache:
         t0 = time.perf_counter()
         T, d, pb = self.ladder.top, self.head_dim, self.page_bytes
         H = self.num_kv_heads
-        per = [self.ladder.states_per_page(t, d, pb) for t in range(1, T + 1)]
-        share = [0.0] + [pb / p for p in per]
+        per = [0] + [self.ladder.states_per_page(t, d, pb) for t in range(1, T + 1)]
+        share = [0.0] + [pb / p for p in per[1:]]
         ek, ev = rdr.tier_error_constants(self.ladder.tiers, d, kind=self.codebook)
         stats = {k: [] for k in ("p", "q2", "r", "vn", "res", "kappa")}
         rows, where, cur, prot, group = [], [], [], [], []
@@ -581,8 +600,7 @@ class DeviceKVCache:
                     cur.append(tier)
                     prot.append(m)
                     group.append(np.full(page.size, layer * H + h, np.int64))
-                    c = np.bincount(tier[m], minlength=T + 1)[1:]
-                    need_pages += int(np.sum(-(-c // np.array(per))))
+                    need_pages += tier_pages(tier[m], per)
             sizes = {x[0].size for x in slots}
             batches = [list(range(H))] if len(sizes) == 1 else [[h] for h in range(H)]
             for hs in batches:
@@ -620,19 +638,9 @@ class DeviceKVCache:
         torch.cuda.synchronize(self.device)
         tier = tier.cpu().numpy()
         t1 = time.perf_counter()
-        tiers, a, demoted, pages = [], 0, 0, 0
-        for row in rows:
-            if row.protected is None:
-                tiers.append(None)
-                continue
-            new = tier[a:a + row.tier.size]
-            a += row.tier.size
-            demoted += int(np.sum((new > 0) & (new < row.tier)))
-            tiers.append(new)
-            pages += int(np.sum(-(-np.bincount(new, minlength=T + 1)[1:] // np.array(per))))
-        if pages * pb > budget:      # checked before the pool changes
-            raise RuntimeError(f"device RDR needs {pages * pb} bytes of a budget of {budget}; this is a bug")
-        n_before = a
+        frees = [None if row.protected is None else np.ones(row.tier.size, bool) for row in rows]
+        tiers, demoted = tiers_by_row(rows, frees, tier, per, pb, budget)
+        n_before = tier.size
         self._apply(s, rows, where, tiers)
         after = self.bytes_in_use(sid)
         gap = (objective - bound) / objective if objective > 0 else 0.0
@@ -677,13 +685,12 @@ class DeviceKVCache:
                 a += npg
                 src_p.append(page[sel])
                 src_s.append(slot[sel])
-                dst_p.append(np.repeat(ids, per[t])[:sel.size])
-                dst_s.append(np.tile(np.arange(per[t], dtype=np.int32), npg)[:sel.size])
-                c = np.full(npg, per[t], np.int32)
-                c[-1] = sel.size - per[t] * (npg - 1)
+                pg, sl = dense_slots(ids, per[t], sel.size)
+                dst_p.append(pg)
+                dst_s.append(sl)
                 pages.append(ids)
                 tiers_.append(np.full(npg, t, np.int32))
-                counts.append(c)
+                counts.append(dense_counts(npg, per[t], sel.size))
                 kept.append(pos[sel])
             old = row.pages
             row.pages = np.concatenate(pages) if pages else np.zeros(0, np.int32)

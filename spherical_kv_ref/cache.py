@@ -33,7 +33,7 @@ from .tiers import TierLadder
 
 __all__ = ["CompressPolicy", "CompressReport", "LayerPageTable", "SphericalKVCache",
            "RowForCompress", "CompressPlan", "plan_compress", "compress_method",
-           "set_cache_settings"]
+           "set_cache_settings", "tier_pages", "tiers_by_row"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,37 @@ def compress_method(policy: CompressPolicy, method: Optional[str]) -> str:
     return method
 
 
+def tier_pages(tiers, per) -> int:
+    """Pages the states of one group fill at ``tiers`` (tier 0 = evicted, holds none), each
+    tier's states sharing pages of per[t] states (``per[0]`` unused)."""
+    c = np.bincount(np.asarray(tiers), minlength=len(per))[1:]
+    return int(np.sum(-(-c // np.asarray(per[1:]))))
+
+
+def tiers_by_row(rows, frees, tier, per, page_bytes: int, budget: int) -> tuple:
+    """A solver's tiers over the free states of ``rows`` (in order; ``frees`` (n,) bool per
+    row, None for a row without states) put back into each row's tiers, the others kept.
+    Returns (tiers per row, states demoted). RuntimeError if the rows' pages exceed the
+    budget: checked before the caller touches its pool (ceil is subadditive, so charging
+    the fixed states' pages separately can only over-count)."""
+    tiers, a, demoted, pages = [], 0, 0, 0
+    for row, free in zip(rows, frees):
+        if free is None:
+            tiers.append(None)
+            continue
+        new = np.asarray(row.tier).copy()
+        m = int(free.sum())
+        new[free] = tier[a:a + m]
+        a += m
+        demoted += int(np.sum((new > 0) & (new < row.tier)))
+        tiers.append(new)
+        pages += tier_pages(new, per)
+    if pages * page_bytes > budget:
+        raise RuntimeError(f"RDR allocation needs {pages * page_bytes} bytes for budget {budget}; "
+                           f"this is a bug")
+    return tiers, demoted
+
+
 def plan_compress(cache, rows: List[RowForCompress], budget: int, sid: int,
                   method: str) -> Optional[CompressPlan]:
     """RDR's decision for one sequence of a cache (the reference's or the device's: both
@@ -198,8 +229,7 @@ def plan_compress(cache, rows: List[RowForCompress], budget: int, sid: int,
         D = np.where(up, (dcur * (1 + 1e-6) + D[:, 0] + 1e-300)[:, None], D)
         fixed = pmask & (cur < T)    # protected but already demoted: stays as it is
         if np.any(fixed):
-            c = np.bincount(cur[fixed], minlength=T + 1)[1:]
-            fixed_pages += int(np.sum(-(-c // per[1:])))
+            fixed_pages += tier_pages(cur[fixed], per)
         free = ~fixed
         frees.append(free)
         dist.append(D[free])
@@ -224,23 +254,7 @@ def plan_compress(cache, rows: List[RowForCompress], budget: int, sid: int,
     problem = rdr.Problem(D, cost, group, protected, budget - fixed_bytes, pb)
     alloc = rdr.solve(problem, method=method)
     tier = np.minimum(alloc.tier, cur_free)          # a no-op unless a solver misbehaves
-    tiers, a, demoted, pages = [], 0, 0, 0
-    for row, free in zip(rows, frees):
-        if free is None:
-            tiers.append(None)
-            continue
-        new = np.asarray(row.tier).copy()
-        m = int(free.sum())
-        new[free] = tier[a:a + m]
-        a += m
-        demoted += int(np.sum((new > 0) & (new < row.tier)))
-        tiers.append(new)
-        c = np.bincount(new, minlength=T + 1)[1:]
-        pages += int(np.sum(-(-c // per[1:])))
-    # the page count, checked before the caller touches its pool (ceil is subadditive, so
-    # charging the fixed states' pages separately can only over-count)
-    if pages * pb > budget:
-        raise RuntimeError(f"RDR allocation needs {pages * pb} bytes for budget {budget}; this is a bug")
+    tiers, demoted = tiers_by_row(rows, frees, tier, per, pb, budget)
     return CompressPlan(tiers, alloc, n_before, demoted)
 
 
