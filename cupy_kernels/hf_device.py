@@ -59,7 +59,6 @@ class _DeviceLayer(CacheLayerMixin):
     def __init__(self, owner: "DeviceSphericalCache", index: int, slot: int):
         super().__init__()
         self.owner, self.index, self.slot = owner, index, slot
-        self.pending = None
 
     def lazy_initialization(self, key_states, value_states):
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -68,7 +67,6 @@ class _DeviceLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.pending = (key_states, value_states)
         return key_states, value_states
 
     def get_mask_sizes(self, query):
@@ -84,7 +82,7 @@ class _DeviceLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length
 
     def reset(self):
-        self.pending = None
+        """Nothing to drop: the states live in the owner's device cache (its ``reset``)."""
 
 
 class DeviceSphericalCache(Cache):
@@ -178,7 +176,6 @@ class DeviceSphericalCache(Cache):
                 self.kv.append(sid, lay.slot, key[b][:, idx], value[b][:, idx])
                 q = query[b][:, idx][:, -self.observe:]
                 self.kv.observe(sid, lay.slot, q.transpose(0, 1))
-        lay.pending = None
         return out
 
     def _open(self, device, scaling: float):
@@ -319,5 +316,4 @@ def device_attention(module, query, key, value, attention_mask, scaling=None, dr
         return cache._prefill(module, query, key, value, attention_mask, scale), None
     slot = cache.layers[layer].slot
     out = cache.step.attend(slot, query[:, :, 0], key[:, :, 0], value[:, :, 0])
-    cache.layers[layer].pending = None
     return out.to(query.dtype)[:, None], None

@@ -89,6 +89,11 @@ def _rotate_half(x):
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
 
 
+def dense_bytes_per_token(cfg) -> int:
+    """bf16 keys and values of every layer and kv-head."""
+    return 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+
+
 class Dense:
     """bf16 K/V buffers (L, B, H, context + steps, d) and SDPA over all of them (no mask, so
     torch picks its flash kernel; a static cache reads its whole buffer too, and a mask would
@@ -106,7 +111,7 @@ class Dense:
         self.at = torch.zeros(1, dtype=torch.long, device="cuda")
         self.context, self.n = context, n
         self.scale = cfg.head_dim ** -0.5
-        self.bytes_per_token = 2 * 2 * L * H * d
+        self.bytes_per_token = dense_bytes_per_token(cfg)
 
     def set_step(self, i):
         self.at.fill_(self.context + i)
@@ -304,8 +309,7 @@ def main(argv=None):
             extra = dict(prefill_s=pre, compress_s=comp, compress_over_prefill=comp / pre,
                          compress_parts_s=parts,
                          solver=solver, gap=float(np.mean([r.allocation.gap for r in reports])),
-                         bytes_fraction_of_bf16=bpt / (2 * 2 * model.config.num_hidden_layers
-                                                        * model.config.num_key_value_heads * 128))
+                         bytes_fraction_of_bf16=bpt / dense_bytes_per_token(model.config))
         step = Step(model, batch, meth)
         ms = time_graph(step, meth, args.steps, args.reps)
         if method_name == "dense":
@@ -338,21 +342,13 @@ def main(argv=None):
     if args.equal_memory:
         context = 32768
         room = args.memory_gib * GIB - weights - 2 * GIB        # activations and workspace
-        dense_b = int(room // (Dense.bytes_per_seq(model, context + args.steps)))
+        dense_b = int(room // (dense_bytes_per_token(model.config) * (context + args.steps)))
         run("dense", dense_b, context, equal_memory=True)
         ada_seq = ada_bytes_per_seq(model, context + args.steps)
         run("ada44", int(room // ada_seq), context, equal_memory=True)
     if args.plot:
         plot(rows, args.plot)
     return 0
-
-
-def _dense_bytes_per_seq(model, n):
-    cfg = model.config
-    return 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * n
-
-
-Dense.bytes_per_seq = staticmethod(_dense_bytes_per_seq)
 
 
 def ada_bytes_per_seq(model, n):
