@@ -4,11 +4,20 @@ still runs, its CTAs scheduled on the SMs that kernel's early CTAs leave, each w
 visible. CuPy's RawKernel launches without launch attributes, so this goes through the
 driver's ``cuLaunchKernelEx``; ``launch`` returns False where the driver has no such entry
 point (the caller then launches plainly: the wait returns at once after a plain launch).
+``SPHERICAL_KV_PDL=0`` in the environment turns it off (every launch plain), to measure what it
+buys and to tell its effects from others'.
+
+A stream being captured into a CUDA graph gets a plain launch. On the H200 (driver 580.159), a
+decode step captured with the merge as a programmatic dependent replayed different numbers from
+the same step run eagerly (up to 0.9 in a unit-scale output, from the first replay); captured
+with plain launches it replays them bit for bit (tests/test_device_cache.py, the graph and
+torch.compile cases). The merge's early start is an eager-path gain only.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import numpy as np
 
@@ -69,13 +78,16 @@ def launch(fn, grid, block, args, shared_mem: int = 0) -> bool:
     stream as a programmatic dependent of the work before it. False: not available here
     (no such driver entry point, or a GPU older than compute capability 9.0)."""
     launch_ex = _launch_ex()
-    if launch_ex is None or not _supported(cupy().cuda.Device().id):
+    if os.environ.get("SPHERICAL_KV_PDL", "1") == "0" or launch_ex is None or not _supported(cupy().cuda.Device().id):
+        return False
+    stream = cupy().cuda.get_current_stream()
+    if stream.is_capturing():
         return False
     vals = [_param(a) for a in args]
     ptrs = (ctypes.c_void_p * max(1, len(vals)))(
         *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     attr = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    cfg = _Config(shared_mem=int(shared_mem), stream=cupy().cuda.get_current_stream().ptr,
+    cfg = _Config(shared_mem=int(shared_mem), stream=stream.ptr,
                   attrs=ctypes.pointer(attr), num_attrs=1)
     cfg.grid[:] = _dim3(grid)
     cfg.block[:] = _dim3(block)

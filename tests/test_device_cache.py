@@ -278,6 +278,39 @@ def test_torch_compile_reduce_overhead_replays_the_eager_step():
     _captured("compile")
 
 
+def test_a_captured_step_allocates_nothing_through_cupy():
+    """Memory CuPy's pool hands out while a graph is captured goes back to the pool when the
+    capture ends, and a replay would write into whatever holds it next: the ops allocate
+    nothing of their own."""
+    c = DeviceKVCache(L, H, 128, num_q_heads=H * G, policy=POLICY, pool_bytes=4 << 20)
+    _fill(SphericalKVCache(L, H, 128, num_q_heads=H * G, policy=POLICY, pool_bytes=4 << 20), c,
+          [300, 77], 128, np.random.default_rng(3))
+    step = c.decode_step([0, 1], 2)
+    q, k, v = (torch.tensor(x, device="cuda", dtype=torch.float32)
+               for x in _step_tokens(np.random.default_rng(4), 1, 2, 128)[0])
+    step.set_step(0)
+
+    def run():
+        step.slots()
+        return [step.attend(layer, q, k[layer], v[layer]) for layer in range(L)]
+    run()                                 # warm-up: kernels loaded, tables on the device
+    torch.cuda.synchronize()
+    pool, asked = cp.get_default_memory_pool(), []
+
+    def counting(n):
+        asked.append(n)
+        return pool.malloc(n)
+    graph = torch.cuda.CUDAGraph()
+    cp.cuda.set_allocator(counting)
+    try:
+        with torch.cuda.graph(graph):
+            run()
+    finally:
+        cp.cuda.set_allocator(pool.malloc)
+    step.close(0)
+    assert asked == [], f"CuPy allocations during capture: {asked}"
+
+
 def test_errors_leave_the_cache_unchanged():
     rng = np.random.default_rng(2)
     dev = DeviceKVCache(L, H, 64, num_q_heads=H * G, policy=POLICY, pool_bytes=64 * 4096)
@@ -340,40 +373,81 @@ def _batch(lengths, pad=0):
     return ids, mask, prompts
 
 
-def test_generate_left_padded_batch_equals_the_cpu_reference():
+def generate_against_the_reference(monkeypatch, cpu, gpu, ids, mask, prompts, make_device_cache,
+                                   make_reference, budget_of, steps: int, pad: int = 0):
+    """Greedy generation of a left-padded batch through a device cache that compresses after
+    prefill, against the CPU reference cache run one prompt at a time on the same tokens.
+
+    The GPU model's keys and values differ from the CPU model's by float32 rounding (~1e-7),
+    which moves RDR's statistics by as much and can flip a near-tied choice, an eviction
+    included, and one evicted state can move a small model's logits by ~10 % (seen on the
+    H200). So the GPU's own decision is checked on its own (most tiers agree), and the logits
+    are compared under one decision: a second generation hands the device cache the
+    reference's plan for each sequence. Returns, per sequence, the largest error of a step's
+    logits relative to the reference's largest |logit|."""
+    import cupy_kernels.device_cache as device_cache
+    from spherical_kv_ref import cache as ref_cache
+    from spherical_kv_ref.hf import use_spherical_attention
+    use_spherical_attention(cpu)
+    refs, plans, first = [], [], []
+    real_plan = ref_cache.plan_compress
+    monkeypatch.setattr(ref_cache, "plan_compress", lambda *a: plans.append(real_plan(*a)) or plans[-1])
+    for p in prompts:
+        refs.append(make_reference())
+        with torch.no_grad():
+            first.append(cpu(p[None], past_key_values=refs[-1]).logits[0, -1])
+            refs[-1].compress(budget_of(p))
+    monkeypatch.undo()
+    assert len(plans) == len(prompts)
+
+    def generate(handed):
+        if handed:
+            given = iter(plans)
+            monkeypatch.setattr(device_cache, "plan_compress", lambda *a: next(given))
+        cache = make_device_cache()
+        with cache.bound(gpu), torch.no_grad():
+            out = gpu.generate(ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache,
+                               max_new_tokens=steps, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=pad)
+        monkeypatch.undo()
+        assert len(cache.reports) == len(prompts)
+        assert all(r.bytes_after < r.bytes_before for r in cache.reports)
+        return cache, out
+    own, _ = generate(False)
+    for plan, report in zip(plans, own.reports):
+        assert np.mean(plan.allocation.tier == report.allocation.tier) >= 0.95
+    cache, out = generate(True)
+    new = out.sequences[:, ids.shape[1]:].cpu()
+    errs = []
+    for b, ref in enumerate(refs):
+        assert np.array_equal(cache.reports[b].allocation.tier, plans[b].allocation.tier)
+        logits = [first[b]]
+        with torch.no_grad():
+            for tok in new[b, :-1]:
+                logits.append(cpu(tok.view(1, 1), past_key_values=ref).logits[0, -1])
+        want = torch.stack(logits).numpy()
+        got = torch.stack([lg[b] for lg in out.logits]).float().cpu().numpy()
+        errs.append(np.max(np.abs(got - want), axis=1) / np.abs(want).max())
+    return errs
+
+
+def test_generate_left_padded_batch_equals_the_cpu_reference(monkeypatch):
     """Batch 2, prompts of 70 and 45 tokens (left padded), compressed to 50 % of their bf16
     bytes, 12 greedy steps: every step's logits equal the CPU reference cache's (the same
     prefill, compress and tokens, one sequence at a time) within the kernels' fp16 budget."""
     import copy
     from cupy_kernels.hf_device import DeviceSphericalCache
-    from spherical_kv_ref.hf import SphericalCache, use_spherical_attention
+    from spherical_kv_ref.hf import SphericalCache
     cpu = _tiny_llama()
     gpu = copy.deepcopy(cpu).cuda()
     ids, mask, prompts = _batch([70, 45])
-    cache = DeviceSphericalCache(gpu.config, budget_fraction=0.5, policy=POLICY, observe=8)
-    with cache.bound(gpu), torch.no_grad():
-        out = gpu.generate(ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache,
-                           max_new_tokens=12, do_sample=False, output_logits=True,
-                           return_dict_in_generate=True, pad_token_id=0)
-    assert len(cache.reports) == 2 and all(r.bytes_after < r.bytes_before for r in cache.reports)
-    new = out.sequences[:, ids.shape[1]:].cpu()
-    use_spherical_attention(cpu)
-    for b, p in enumerate(prompts):
-        ref = SphericalCache(cpu.config, observe=8, policy=POLICY)
-        with torch.no_grad():
-            logits = [cpu(p[None], past_key_values=ref).logits[0, -1]]
-            ref_report = ref.compress(int(0.5 * 2 * 2 * 64 * 2 * 2 * len(p)))   # 50 % of bf16
-            for tok in new[b, :-1]:
-                logits.append(cpu(tok.view(1, 1), past_key_values=ref).logits[0, -1])
-        want = torch.stack(logits).numpy()
-        got = torch.stack([lg[b] for lg in out.logits]).float().cpu().numpy()
-        # The GPU model's keys and values differ from the CPU model's by float32 rounding
-        # (~1e-7), which moves RDR's statistics by as much and can flip near-tied choices
-        # (97 % of the tiers agreed on the H200); the logits stay within the fp16 budget.
-        same = np.mean(ref_report.allocation.tier == cache.reports[b].allocation.tier)
-        err = np.max(np.abs(got - want), axis=1) / np.abs(want).max()
-        assert same >= 0.95, (b, same, err)
-        assert np.max(err) <= 2e-2, (b, same, err)
+    errs = generate_against_the_reference(
+        monkeypatch, cpu, gpu, ids, mask, prompts,
+        lambda: DeviceSphericalCache(gpu.config, budget_fraction=0.5, policy=POLICY, observe=8),
+        lambda: SphericalCache(cpu.config, observe=8, policy=POLICY),
+        lambda p: int(0.5 * 2 * 2 * 64 * 2 * 2 * len(p)), 12)      # 50 % of bf16
+    for b, err in enumerate(errs):
+        assert np.max(err) <= 2e-2, (b, err)
 
 
 def test_generate_left_padded_batch_at_one_tier_equals_the_cpu_reference():
