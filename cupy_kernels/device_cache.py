@@ -38,6 +38,7 @@ Bytes. ``bytes_in_use(seq)`` counts pages × page_bytes (as the reference);
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -46,7 +47,7 @@ import numpy as np
 from spherical_kv_ref import codebooks
 from spherical_kv_ref.cache import (CompressPolicy, CompressReport, RowForCompress,
                                     SphericalKVCache, compress_method, plan_compress,
-                                    set_cache_settings, tier_pages, tiers_by_row)
+                                    set_cache_settings)
 from spherical_kv_ref.codec import SphericalCodec, whole
 from spherical_kv_ref.paged import PoolExhaustedError
 from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT
@@ -486,15 +487,15 @@ class DeviceKVCache:
 
     def stored_rotated(self, page, slot, tier: int):
         """(keys, values) (n, d) float64 device tensors: ŷ = s·ĉ, the rotated, centred
-        vectors the states at (page, slot) (host int arrays, all of tier ``tier``) stand for
+        vectors the states at (page, slot) (int arrays or device tensors, all of tier ``tier``) stand for
         (``paged.stored_rotated``), decoded from the pool on the device."""
         torch = _torch()
         g = self.tables.geom[tier]
         kb, vb, _, kw, vw, voff, ksoff, vsoff = (int(x) for x in g)
         words = self.pages.view(torch.int32)
         halves = self.pages.view(torch.float16)
-        pg = torch.as_tensor(np.asarray(page, np.int64), device=self.device)[:, None]
-        sl = torch.as_tensor(np.asarray(slot, np.int64), device=self.device)[:, None]
+        pg = torch.as_tensor(page, device=self.device).long()[:, None]
+        sl = torch.as_tensor(slot, device=self.device).long()[:, None]
         out = []
         for bits, nw, off, soff in ((kb, kw, 0, ksoff), (vb, vw, voff, vsoff)):
             w = words[pg, off + sl * nw + torch.arange(nw, device=self.device)[None, :]]
@@ -502,15 +503,14 @@ class DeviceKVCache:
         return out[0], out[1]
 
     def _stored_rows(self, page, slot, tier):
-        """(keys, values) (n, d) float64 device tensors of states of any tiers, in order."""
+        """(keys, values) (n, d) float64 device tensors of states of any tiers, in order:
+        page, slot, tier int64 device tensors (n,)."""
         torch = _torch()
-        yk = torch.empty((page.size, self.head_dim), dtype=torch.float64, device=self.device)
+        yk = torch.empty((page.numel(), self.head_dim), dtype=torch.float64, device=self.device)
         yv = torch.empty_like(yk)
-        for t in np.unique(tier):
-            sel = np.flatnonzero(tier == t)
-            a, b = self.stored_rotated(page[sel], slot[sel], int(t))
-            idx = torch.as_tensor(sel, device=self.device)
-            yk[idx], yv[idx] = a, b
+        for t in torch.unique(tier).tolist():
+            idx = torch.nonzero(tier == t).squeeze(1)
+            yk[idx], yv[idx] = self.stored_rotated(page[idx], slot[idx], int(t))
         return yk, yv
 
     def _rotated_queries(self, s: _Seq, layer: int, heads):
@@ -524,19 +524,70 @@ class DeviceKVCache:
         return torch.stack([q[:, h * G:(h + 1) * G].reshape(-1, d) @ self._rotation(layer, h).T
                             for h in heads])
 
-    def _layer_stats(self, s: _Seq, layer: int, h: int, page, slot, tier, candidates):
-        """Per-state statistics of one row on the device (``rdr_device.row_statistics``);
-        returned as the host arrays ``rdr.distortion`` takes."""
+    def _state_index(self, sid: int, s: _Seq) -> "_States":
+        """Every state of a sequence on the device (``_States``), built from the host's page
+        lists: O(pages) on the host, O(states) only on the device."""
+        torch = _torch()
+        dev = lambda x: torch.as_tensor(np.ascontiguousarray(x), device=self.device)
+        rows = [row for layer in s.rows for row in layer]
+        R = len(rows)
+        cat = lambda f, dt: (np.concatenate([f(r) for r in rows]).astype(dt) if R else np.zeros(0, dt))
+        counts = cat(lambda r: r.counts, np.int64)
+        n_row = np.array([int(r.counts.sum()) for r in rows], np.int64)
+        off = np.concatenate([[0], np.cumsum(n_row)])
+        N = int(off[-1])
+        c = dev(counts)
+        page = torch.repeat_interleave(dev(cat(lambda r: r.pages, np.int64)), c)
+        first = torch.cumsum(c, 0) - c
+        slot = torch.arange(N, device=self.device) - torch.repeat_interleave(first, c)
+        tier = torch.repeat_interleave(dev(cat(lambda r: r.tiers, np.int64)), c)
+        row = torch.repeat_interleave(torch.arange(R, device=self.device), dev(n_row))
+        idx = torch.arange(N, device=self.device) - dev(off[:-1])[row]
+        nk = np.array([r.kept.size for r in rows], np.int64)
+        tail = dev(np.array([r.tail_from for r in rows], np.int64) - nk)[row] + idx
+        if nk.any():
+            kept = dev(cat(lambda r: r.kept, np.int64))
+            koff = dev(np.cumsum(nk) - nk)[row]
+            inside = idx < dev(nk)[row]
+            pos = torch.where(inside, kept[torch.where(inside, koff + idx, 0)], tail)
+        else:
+            pos = tail
+        pol = self.policy
+        length = dev(s.length.astype(np.int64))[row // self.num_kv_heads]
+        prot = (pos < pol.sinks) | (pos >= length - pol.recent)
+        for a, b in s.spans:
+            prot |= (pos >= a) & (pos < b)
+        return _States(page, slot, tier, row, pos, prot, n_row, off)
+
+    def _statistics(self, s: _Seq, st: "_States"):
+        """RDR's per-state statistics of a sequence on the device (``rdr_device``), the rows
+        of a layer batched where they hold as many states: p, r, vn, res, kappa (N,) and q2
+        per row (R,), float64 device tensors in the states' order."""
         torch = _torch()
         from . import rdr_device
-        yk, yv = self._stored_rows(page, slot, tier)
-        cand = (torch.as_tensor(candidates, device=self.device)[None]
-                if self.policy.coherence else None)
-        out = rdr_device.row_statistics(yk[None], yv[None], self._rotated_queries(s, layer, [h]),
-                                        self.softmax_scale, self.policy.prior, cand)
-        p, q2, r, vn, res, kappa = (x[0] for x in out)
-        host = lambda x: x.cpu().numpy()
-        return host(p), float(q2), host(r), host(vn), host(res), host(kappa)
+        H, d = self.num_kv_heads, self.head_dim
+        N, R = int(st.off[-1]), len(st.n_row)
+        out = {k: torch.empty(N, dtype=torch.float64, device=self.device)
+               for k in ("p", "r", "vn", "res", "kappa")}
+        q2 = torch.zeros(R, dtype=torch.float64, device=self.device)
+        for layer in range(self.num_layers):
+            n = st.n_row[layer * H:(layer + 1) * H]
+            batches = [list(range(H))] if np.all(n == n[0]) else [[h] for h in range(H)]
+            for hs in batches:
+                r0 = layer * H + hs[0]
+                m = int(n[hs[0]])
+                if m == 0:
+                    continue
+                a, b = int(st.off[r0]), int(st.off[r0]) + m * len(hs)
+                yk, yv = self._stored_rows(st.page[a:b], st.slot[a:b], st.tier[a:b])
+                cand = (~st.protected[a:b]).view(len(hs), m) if self.policy.coherence else None
+                res = rdr_device.row_statistics(yk.view(len(hs), m, d), yv.view(len(hs), m, d),
+                                                self._rotated_queries(s, layer, hs),
+                                                self.softmax_scale, self.policy.prior, cand)
+                for k, v in zip(("p", "r", "vn", "res", "kappa"), (res[0],) + tuple(res[2:])):
+                    out[k][a:b] = v.reshape(-1)
+                q2[r0:r0 + len(hs)] = res[1]
+        return out, q2
 
     def compress(self, seq, budget_bytes: Optional[int] = None, method: Optional[str] = None, *,
                  budget_fraction: Optional[float] = None) -> CompressReport:
@@ -546,170 +597,185 @@ class DeviceKVCache:
         reference's solver on the host; "device": statistics, surrogate and an LP-greedy
         solver all on the device (``rdr_device``; its gap is reported in the allocation).
         Needs the new pages free before it releases the old ones (PoolExhaustedError,
-        nothing changed, otherwise)."""
+        nothing changed, otherwise). ``compress_seconds`` sums the time of its parts."""
+        import time
         s = self._seq(seq)
         self._open(s, "compress")
         sid = int(seq)
         budget = self._budget(sid, budget_bytes, budget_fraction)
-        if method == "device":
-            return self._compress_device(s, sid, budget)
-        method = compress_method(self.policy, method)
-        rows, where = [], []
-        for layer in range(self.num_layers):
-            for h in range(self.num_kv_heads):
-                row = s.rows[layer][h]
-                page, slot, tier = row.state_slots()
-                where.append((page, slot, tier))
-                if page.size == 0:
-                    rows.append(RowForCompress((sid, layer, h), tier, None, None))
-                    continue
-                pmask = self.protected_mask(sid, layer, row.positions())
-                stats = self._layer_stats(s, layer, h, page, slot, tier, ~pmask)
-                rows.append(RowForCompress((sid, layer, h), tier, pmask, stats))
+        if method != "device":
+            method = compress_method(self.policy, method)
+        torch = _torch()
+        t0 = time.perf_counter()
         before = self.bytes_in_use(sid)
+        st = self._state_index(sid, s)
+        if st.page.numel() == 0:
+            return CompressReport(before, before, budget, 0, 0, 0, None)
+        stats, q2 = self._statistics(s, st)
+        torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        if method == "device":
+            tier, alloc = self._solve_device(sid, st, stats, q2, budget)
+        else:
+            tier, alloc = self._solve_host(sid, st, stats, q2, budget, method)
+        torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        if tier is None:
+            return CompressReport(before, before, budget, 0, 0, 0, None)
+        demoted = int(((tier > 0) & (tier < st.tier)).sum())
+        self._apply(s, st, tier, budget)
+        after = self.bytes_in_use(sid)
+        if alloc.bytes is None:
+            alloc = dataclasses.replace(alloc, bytes=after)
+        took = dict(statistics=t1 - t0, solve=t2 - t1, apply=time.perf_counter() - t2)
+        for k, v in took.items():     # summed over the calls, for the benchmarks
+            self.compress_seconds[k] = self.compress_seconds.get(k, 0.0) + v
+        return CompressReport(before, after, budget, int(st.page.numel()), self.num_states(sid),
+                              demoted, alloc)
+
+    def _solve_host(self, sid, st, stats, q2, budget, method):
+        """The reference's decision (``plan_compress``) from the device's statistics, one
+        copy to the host; the tiers back on the device (N,)."""
+        torch = _torch()
+        host = {k: v.cpu().numpy() for k, v in stats.items()}
+        q2h, prot, tier = q2.cpu().numpy(), st.protected.cpu().numpy(), st.tier.cpu().numpy()
+        rows = []
+        for r in range(len(st.n_row)):
+            a, b = int(st.off[r]), int(st.off[r + 1])
+            key = (sid, r // self.num_kv_heads, r % self.num_kv_heads)
+            if a == b:
+                rows.append(RowForCompress(key, tier[a:b], None, None))
+                continue
+            row_stats = tuple(host[k][a:b] for k in ("p",)) + (float(q2h[r]),) + tuple(
+                host[k][a:b] for k in ("r", "vn", "res", "kappa"))
+            rows.append(RowForCompress(key, tier[a:b], prot[a:b], row_stats))
         plan = plan_compress(self, rows, budget, sid, method)
         if plan is None:
-            return CompressReport(before, before, budget, 0, 0, 0, None)
-        self._apply(s, rows, where, plan.tiers)
-        return CompressReport(before, self.bytes_in_use(sid), budget, plan.states_before,
-                              self.num_states(sid), plan.demoted, plan.allocation)
+            return None, None
+        new = np.concatenate([t for t in plan.tiers if t is not None])
+        return torch.as_tensor(new.astype(np.int64), device=self.device), plan.allocation
 
-    def _compress_device(self, s: _Seq, sid: int, budget: int) -> CompressReport:
-        """``compress`` with method="device" (rdr_device): only the answer leaves the device."""
-        import time
+    def _solve_device(self, sid, st, stats, q2, budget):
+        """``rdr_device``'s LP-greedy over the sequence's states; only the answer's figures
+        leave the device (the tiers, once, for the report)."""
         from spherical_kv_ref import rdr
         from spherical_kv_ref.rdr.problem import Allocation
         from . import rdr_device
-        torch = _torch()
-        t0 = time.perf_counter()
         T, d, pb = self.ladder.top, self.head_dim, self.page_bytes
-        H = self.num_kv_heads
         per = [0] + [self.ladder.states_per_page(t, d, pb) for t in range(1, T + 1)]
         share = [0.0] + [pb / p for p in per[1:]]
-        ek, ev = rdr.tier_error_constants(self.ladder.tiers, d, kind=self.codebook)
-        stats = {k: [] for k in ("p", "q2", "r", "vn", "res", "kappa")}
-        rows, where, cur, prot, group = [], [], [], [], []
-        need_pages = 0
-        for layer in range(self.num_layers):
-            slots = [row.state_slots() for row in s.rows[layer]]
-            masks = [self.protected_mask(sid, layer, row.positions()) for row in s.rows[layer]]
-            for h, ((page, slot, tier), m) in enumerate(zip(slots, masks)):
-                where.append((page, slot, tier))
-                rows.append(RowForCompress((sid, layer, h), tier, m if page.size else None, None))
-                if page.size:
-                    cur.append(tier)
-                    prot.append(m)
-                    group.append(np.full(page.size, layer * H + h, np.int64))
-                    need_pages += tier_pages(tier[m], per)
-            sizes = {x[0].size for x in slots}
-            batches = [list(range(H))] if len(sizes) == 1 else [[h] for h in range(H)]
-            for hs in batches:
-                n = slots[hs[0]][0].size
-                if n == 0:
-                    continue
-                yk, yv = self._stored_rows(*(np.concatenate([slots[h][i] for h in hs])
-                                             for i in range(3)))
-                qr = self._rotated_queries(s, layer, hs)
-                cand = None
-                if self.policy.coherence:
-                    cand = torch.as_tensor(~np.stack([masks[h] for h in hs]), device=self.device)
-                out = rdr_device.row_statistics(yk.view(len(hs), n, d), yv.view(len(hs), n, d), qr,
-                                                self.softmax_scale, self.policy.prior, cand)
-                p, q2, r, vn, res, kappa = out
-                for k, v in zip(("p", "r", "vn", "res", "kappa"), (p, r, vn, res, kappa)):
-                    stats[k].append(v.reshape(-1))
-                stats["q2"].append(q2[:, None].expand(len(hs), n).reshape(-1))
-        before = self.bytes_in_use(sid)
-        if not cur:
-            return CompressReport(before, before, budget, 0, 0, 0, None)
-        if need_pages * pb > budget:
-            raise ValueError(f"the protected states of sequence {sid} alone need {need_pages * pb} "
+        need = self._pages_of(st.row[st.protected], st.tier[st.protected], len(st.n_row))
+        if need * pb > budget:
+            raise ValueError(f"the protected states of sequence {sid} alone need {need * pb} "
                              f"bytes (sinks, recent window and protected spans, page padding "
                              f"included), more than budget_bytes = {budget}")
-        torch.cuda.synchronize(self.device)
-        t_stats = time.perf_counter()
-        cat = {k: torch.cat(v) for k, v in stats.items()}
-        D = rdr_device.distortion(cat["p"], cat["q2"], cat["r"], cat["vn"], cat["res"], ek, ev, d,
-                                  self.softmax_scale, cat["kappa"], self.policy.key_term)
-        dev = lambda x, dt: torch.as_tensor(np.concatenate(x), device=self.device).to(dt)
+        ek, ev = rdr.tier_error_constants(self.ladder.tiers, d, kind=self.codebook)
+        D = rdr_device.distortion(stats["p"], q2[st.row], stats["r"], stats["vn"], stats["res"],
+                                  ek, ev, d, self.softmax_scale, stats["kappa"],
+                                  self.policy.key_term)
         tier, objective, bound = rdr_device.greedy_allocation(
-            D, dev(cur, torch.long), dev(prot, torch.bool), dev(group, torch.long), share, pb,
-            float(budget), self.num_layers * H)
-        torch.cuda.synchronize(self.device)
-        tier = tier.cpu().numpy()
-        t1 = time.perf_counter()
-        frees = [None if row.protected is None else np.ones(row.tier.size, bool) for row in rows]
-        tiers, demoted = tiers_by_row(rows, frees, tier, per, pb, budget)
-        n_before = tier.size
-        self._apply(s, rows, where, tiers)
-        after = self.bytes_in_use(sid)
+            D, st.tier, st.protected, st.row, share, pb, float(budget), len(st.n_row))
         gap = (objective - bound) / objective if objective > 0 else 0.0
-        alloc = Allocation(tier=tier.astype(np.int64), objective=objective, lower_bound=bound,
-                           gap=gap, bytes=after, method="device", optimal=gap == 0.0)
-        took = dict(statistics=t_stats - t0, solve=t1 - t_stats, apply=time.perf_counter() - t1)
-        for k, v in took.items():     # summed over the calls, for the benchmarks
-            self.compress_seconds[k] = self.compress_seconds.get(k, 0.0) + v
-        return CompressReport(before, after, budget, n_before, self.num_states(sid), demoted, alloc)
+        alloc = Allocation(tier=tier.to(_torch().int8).cpu().numpy().astype(np.int64),
+                           objective=objective, lower_bound=bound, gap=gap, bytes=None,
+                           method="device", optimal=gap == 0.0)
+        return tier, alloc
 
-    def _apply(self, s: _Seq, rows, where, tiers) -> None:
-        """Rewrite every row whose tiers changed: its kept states into fresh pages, tiers in
-        ascending order (top last), by one ``retier`` launch; then release the old pages."""
+    def _group_counts(self, row, tier, R: int) -> np.ndarray:
+        """(R, T+1) int64 host array: states of each (row, tier)."""
         torch = _torch()
-        T = self.ladder.top
-        per = [0] + [self.ladder.states_per_page(t, self.head_dim, self.page_bytes) for t in range(1, T + 1)]
-        jobs = []
-        need = 0
-        for row, (page, slot, tier), new in zip(rows, where, tiers):
-            if new is None or np.array_equal(new, tier):
-                continue
-            layout = []
-            for t in range(1, T + 1):
-                sel = np.flatnonzero(new == t)
-                if sel.size:
-                    layout.append((t, sel, -(-sel.size // per[t])))
-                    need += layout[-1][2]
-            jobs.append((row.key, page, slot, layout))
+        T1 = self.ladder.top + 1
+        return torch.bincount(row * T1 + tier, minlength=R * T1).view(R, T1).cpu().numpy()
+
+    def _per(self) -> np.ndarray:
+        T, d, pb = self.ladder.top, self.head_dim, self.page_bytes
+        return np.array([1] + [self.ladder.states_per_page(t, d, pb) for t in range(1, T + 1)])
+
+    def _pages_of(self, row, tier, R: int) -> int:
+        """Pages the given states fill, each (row, tier) densely (tier 0 holds none)."""
+        c = self._group_counts(row, tier, R)[:, 1:]
+        return int(np.sum(-(-c // self._per()[1:])))
+
+    def _apply(self, s: _Seq, st: "_States", new, budget: int) -> None:
+        """Rewrite every row whose tiers changed (``new`` (N,) int64 device tensor, the
+        states' new tiers): its kept states into fresh pages, tiers in ascending order (top
+        last), each tier's in storage order, by one ``retier`` launch; then release the old
+        pages. Everything per state stays on the device; the host gets per-(row, tier)
+        counts and the kept states' positions."""
+        torch = _torch()
+        T1 = self.ladder.top + 1
+        R = len(st.n_row)
+        per = self._per()
+        changed = torch.zeros(R, dtype=torch.long, device=self.device).index_add_(
+            0, st.row, (new != st.tier).long()).cpu().numpy() > 0
+        alive = new > 0
+        cnt = self._group_counts(st.row[alive], new[alive], R)
+        npg = -(-cnt // per[None, :])
+        npg[:, 0] = 0
+        if int(npg.sum()) * self.page_bytes > budget:
+            raise RuntimeError(f"RDR allocation needs {int(npg.sum()) * self.page_bytes} bytes "
+                               f"for budget {budget}; this is a bug")
+        npg[~changed] = 0
+        need = int(npg.sum())
+        if not changed.any():
+            return
         if need > self._num_free:
             raise PoolExhaustedError(f"page pool exhausted: the allocation needs {need} new pages "
                                      f"before the old ones are released, {self._num_free} are free")
         fresh = self._allocate(need)
-        src_p, src_s, dst_p, dst_s = [], [], [], []
-        new_tier, new_count, olds, a = [], [], [], 0
-        for key, page, slot, layout in jobs:
-            _, layer, h = key
-            row = s.rows[layer][h]
-            pos = row.positions()
-            pages, tiers_, counts, kept = [], [], [], []
-            for t, sel, npg in layout:
-                ids = fresh[a:a + npg]
-                a += npg
-                src_p.append(page[sel])
-                src_s.append(slot[sel])
-                pg, sl = dense_slots(ids, per[t], sel.size)
-                dst_p.append(pg)
-                dst_s.append(sl)
-                pages.append(ids)
-                tiers_.append(np.full(npg, t, np.int32))
-                counts.append(dense_counts(npg, per[t], sel.size))
-                kept.append(pos[sel])
-            old = row.pages
-            row.pages = np.concatenate(pages) if pages else np.zeros(0, np.int32)
-            row.tiers = np.concatenate(tiers_) if tiers_ else np.zeros(0, np.int32)
-            row.counts = np.concatenate(counts) if counts else np.zeros(0, np.int32)
-            row.kept = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+        dev = lambda x: torch.as_tensor(np.ascontiguousarray(x), device=self.device)
+        flat = npg.reshape(-1)
+        base = np.cumsum(flat) - flat                     # first fresh page of each (row, tier)
+        cnt_moved = np.where(changed[:, None], cnt, 0).reshape(-1)
+        first = np.cumsum(cnt_moved) - cnt_moved          # first moved state of each (row, tier)
+        moving = alive & dev(changed)[st.row]
+        key = (st.row * T1 + new)[moving]
+        order = torch.sort(key, stable=True).indices
+        sel = torch.nonzero(moving).squeeze(1)[order]
+        key = key[order]
+        t_sel = new[sel]
+        rank = torch.arange(key.numel(), device=self.device) - dev(first)[key]
+        per_t = dev(per)[t_sel]
+        dst_p = dev(fresh.astype(np.int64))[dev(base)[key] + rank // per_t]
+        dst_s = rank % per_t
+        page_tier = np.repeat(np.tile(np.arange(T1, dtype=np.int32), R), flat)
+        page_count = np.full(need, 0, np.int32)
+        ends = np.cumsum(flat)[flat > 0] - 1              # each (row, tier)'s last page
+        page_count[:] = np.repeat(per[np.tile(np.arange(T1), R)], flat)
+        page_count[ends] = cnt_moved[flat > 0] - per[np.tile(np.arange(T1), R)][flat > 0] * (flat[flat > 0] - 1)
+        self._set_pages(fresh, page_tier, np.zeros(need))
+        i32 = lambda x: x.to(torch.int32).contiguous()
+        with _stream():
+            retier(self.pages, self.page_tier, self.tables, i32(st.page[sel]), i32(st.slot[sel]),
+                   i32(dst_p), i32(dst_s), check=False)
+        self._set_pages(fresh, page_tier, page_count)
+        kept = st.pos[sel].cpu().numpy()
+        moved_rows = cnt_moved.reshape(R, T1).sum(axis=1)
+        kept_at = np.cumsum(moved_rows) - moved_rows
+        page_at = np.cumsum(npg.sum(axis=1)) - npg.sum(axis=1)
+        olds = []
+        for r in np.flatnonzero(changed):
+            row = s.rows[r // self.num_kv_heads][r % self.num_kv_heads]
+            olds.append(row.pages)
+            a, n = int(page_at[r]), int(npg[r].sum())
+            row.pages = fresh[a:a + n].copy()
+            row.tiers = page_tier[a:a + n].copy()
+            row.counts = page_count[a:a + n].copy()
+            row.kept = kept[kept_at[r]:kept_at[r] + moved_rows[r]].copy()
             row.tail_from = row.tail_to
-            new_tier.append(row.tiers)
-            new_count.append(row.counts)
-            olds.append(old)
-        if need:
-            self._set_pages(fresh, np.concatenate(new_tier), np.zeros(need))
-            dev = lambda parts: torch.as_tensor(np.concatenate(parts).astype(np.int32), device=self.device)
-            with _stream():
-                retier(self.pages, self.page_tier, self.tables, dev(src_p), dev(src_s), dev(dst_p),
-                       dev(dst_s), check=False)
-            self._set_pages(fresh, np.concatenate(new_tier), np.concatenate(new_count))
         for old in olds:
             self._release(old)
+
+
+class _States:
+    """Every state of one sequence, rows in (layer, kv-head) order, each row's states in
+    storage order: page, slot, tier, row, token position (int64 device tensors (N,)) and
+    protected (bool); the host's states per row n_row (R,) and row offsets off (R+1,)."""
+    __slots__ = ("page", "slot", "tier", "row", "pos", "protected", "n_row", "off")
+
+    def __init__(self, page, slot, tier, row, pos, protected, n_row, off):
+        self.page, self.slot, self.tier, self.row = page, slot, tier, row
+        self.pos, self.protected, self.n_row, self.off = pos, protected, n_row, off
 
 
 def _stream():

@@ -50,3 +50,137 @@ def test_tail_slots_and_grow_follow_one_state_at_a_time(open_count, n, done):
     assert sorted(unused.tolist() + [p for p in row.pages.tolist() if p >= 100]) == ids.tolist()
     assert row.tail_to == row.tail_from + done
     assert row.positions().tolist() == list(range(row.counts.sum()))
+
+
+# ------------------------------------------------------------------ compress's index work
+torch = pytest.importorskip("torch")
+
+
+def _cpu_cache(rng, L=2, H=3, d=64):
+    """A DeviceKVCache whose tensors are on the CPU (its kernels are not called): one
+    sequence whose rows hold mixed-tier pages, kept positions and a top-tier tail."""
+    import cupy_kernels.device_cache as dc
+    from spherical_kv_ref.cache import CompressPolicy, set_cache_settings
+    from spherical_kv_ref.tiers import TierLadder
+    c = dc.DeviceKVCache.__new__(dc.DeviceKVCache)
+    _, pool = set_cache_settings(c, L, H, d, TierLadder(), 4096, 4096 * 400, 0, None, True,
+                                 CompressPolicy(sinks=2, recent=5), None)
+    c.tables = type("T", (), {"page_bytes": 4096})()
+    c.device = torch.device("cpu")
+    n = pool // 4096
+    c.pages = torch.zeros((n, 4096), dtype=torch.uint8)
+    c.page_tier = torch.zeros(n, dtype=torch.int32)
+    c.page_count = torch.zeros(n, dtype=torch.int32)
+    c._free = np.arange(n - 1, -1, -1, dtype=np.int32)
+    c._num_free = n
+    s = dc._Seq(L, H, d, torch, c.device)
+    T = c.ladder.top
+    per = c._per()
+    length = 60
+    for layer in range(L):
+        for h in range(H):
+            row = s.rows[layer][h]
+            kept = np.sort(rng.choice(40, size=int(rng.integers(0, 30)), replace=False))
+            tiers = np.sort(rng.integers(1, T + 1, kept.size))
+            pages, ptiers, counts = [], [], []
+            for t in np.unique(tiers):
+                k = int(np.sum(tiers == t))
+                npg = -(-k // per[t])
+                ids = c._allocate(npg)
+                pages += ids.tolist()
+                ptiers += [t] * npg
+                counts += dense_counts(npg, per[t], k).tolist()
+            tail = length - 40
+            ids = c._allocate(-(-tail // per[T]))
+            pages += ids.tolist()
+            ptiers += [T] * ids.size
+            counts += dense_counts(ids.size, per[T], tail).tolist()
+            row.pages, row.tiers = np.array(pages, np.int32), np.array(ptiers, np.int32)
+            row.counts, row.kept = np.array(counts, np.int32), kept.astype(np.int64)
+            row.tail_from, row.tail_to = 40, length
+            c._set_pages(row.pages, row.tiers, row.counts)
+    s.length[:] = length
+    s.spans.append((10, 13))
+    c._seqs = {0: s}
+    return c, s
+
+
+def test_state_index_is_the_rows_walked_one_by_one():
+    from spherical_kv_ref import SphericalKVCache
+    c, s = _cpu_cache(np.random.default_rng(0))
+    st = c._state_index(0, s)
+    at = 0
+    for layer in range(c.num_layers):
+        for h in range(c.num_kv_heads):
+            row = s.rows[layer][h]
+            page, slot, tier = row.state_slots()
+            n = page.size
+            assert st.page[at:at + n].tolist() == page.tolist()
+            assert st.slot[at:at + n].tolist() == slot.tolist()
+            assert st.tier[at:at + n].tolist() == tier.tolist()
+            assert st.pos[at:at + n].tolist() == row.positions().tolist()
+            want = SphericalKVCache.protected_mask(c, 0, layer, row.positions())
+            assert st.protected[at:at + n].tolist() == want.tolist()
+            assert set(st.row[at:at + n].tolist()) <= {layer * c.num_kv_heads + h}
+            at += n
+    assert at == st.page.numel() == int(st.off[-1])
+
+
+def test_apply_lays_each_changed_row_out_by_tier_in_storage_order(monkeypatch):
+    """New tiers (demotions, evictions, rows left as they were) applied: each changed row's
+    kept states move to fresh pages, tiers ascending, each tier's states in storage order,
+    pages filled densely; unchanged rows keep their pages; old pages go back to the pool."""
+    import contextlib
+    import cupy_kernels.device_cache as dc
+    rng = np.random.default_rng(1)
+    c, s = _cpu_cache(rng)
+    st = c._state_index(0, s)
+    new = st.tier.clone()
+    down = torch.as_tensor(rng.random(new.numel()) < 0.5) & ~st.protected
+    new[down] = torch.as_tensor(rng.integers(0, 3, int(down.sum())))
+    new = torch.minimum(new, st.tier)
+    first_row = st.row == 0
+    new[first_row] = st.tier[first_row]                   # row 0 keeps its tiers
+    calls = []
+    monkeypatch.setattr(dc, "retier", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(dc, "_stream", contextlib.nullcontext)
+    before = {(layer, h): (s.rows[layer][h].pages.copy(), *s.rows[layer][h].state_slots(),
+                           s.rows[layer][h].positions())
+              for layer in range(c.num_layers) for h in range(c.num_kv_heads)}
+    free_before = c.num_free_pages
+    c._apply(s, st, new, budget=10 ** 9)
+    (_, _, _, src_p, src_s, dst_p, dst_s), = calls
+    moved = {(int(a), int(b)): (int(x), int(y)) for a, b, x, y in zip(src_p, src_s, dst_p, dst_s)}
+    per = c._per()
+    released = fresh = k_total = 0
+    at = 0
+    for (layer, h), (old_pages, page, slot, tier, pos) in before.items():
+        row = s.rows[layer][h]
+        t_new = new[at:at + page.size].numpy()
+        at += page.size
+        if np.array_equal(t_new, tier):
+            assert np.array_equal(row.pages, old_pages)
+            continue
+        released += old_pages.size
+        fresh += row.pages.size
+        order = np.argsort(np.where(t_new > 0, t_new, 99), kind="stable")[:int(np.sum(t_new > 0))]
+        assert row.kept.tolist() == pos[order].tolist() and row.tail_from == row.tail_to
+        walk_pages, walk_tiers, walk_counts = [], [], []
+        k = 0
+        for t in range(1, c.ladder.top + 1):
+            sel = order[t_new[order] == t]
+            for i, j in enumerate(sel):
+                if i % per[t] == 0:
+                    walk_pages.append(row.pages[len(walk_pages)])
+                    walk_tiers.append(t)
+                    walk_counts.append(0)
+                assert moved[(int(page[j]), int(slot[j]))] == (walk_pages[-1], walk_counts[-1])
+                walk_counts[-1] += 1
+                k += 1
+        assert row.pages.tolist() == walk_pages and row.tiers.tolist() == walk_tiers
+        assert row.counts.tolist() == walk_counts
+        k_total += k
+        assert c.page_tier[torch.as_tensor(row.pages, dtype=torch.long)].tolist() == walk_tiers
+        assert c.page_count[torch.as_tensor(row.pages, dtype=torch.long)].tolist() == walk_counts
+    assert len(moved) == k_total
+    assert c.num_free_pages == free_before + released - fresh
