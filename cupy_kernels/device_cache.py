@@ -499,17 +499,28 @@ class DeviceKVCache:
         out = []
         for bits, nw, off, soff in ((kb, kw, 0, ksoff), (vb, vw, voff, vsoff)):
             w = words[pg, off + sl * nw + torch.arange(nw, device=self.device)[None, :]]
-            out.append(_points(w, bits, self.head_dim, self.codebook, halves, pg, sl, soff))
+            out.append(_points(w, bits, self.head_dim, self._levels(bits), halves, pg, sl, soff))
         return out[0], out[1]
 
-    def _stored_rows(self, page, slot, tier):
+    def _levels(self, bits: int):
+        """The codebook's levels at ``bits`` as a float64 device tensor (made once)."""
+        hit = self._rot.get(("levels", bits))
+        if hit is None:
+            hit = _torch().as_tensor(codebooks.codebook(bits, self.head_dim, self.codebook),
+                                     device=self.device)
+            self._rot[("levels", bits)] = hit
+        return hit
+
+    def _stored_rows(self, page, slot, tier, present):
         """(keys, values) (n, d) float64 device tensors of states of any tiers, in order:
-        page, slot, tier int64 device tensors (n,)."""
+        page, slot, tier int64 device tensors (n,); present: the tiers among them (host)."""
         torch = _torch()
+        if len(present) == 1:
+            return self.stored_rotated(page, slot, int(present[0]))
         yk = torch.empty((page.numel(), self.head_dim), dtype=torch.float64, device=self.device)
         yv = torch.empty_like(yk)
-        for t in torch.unique(tier).tolist():
-            idx = torch.nonzero(tier == t).squeeze(1)
+        for t in present:
+            idx = torch.nonzero(tier == int(t)).squeeze(1)
             yk[idx], yv[idx] = self.stored_rotated(page[idx], slot[idx], int(t))
         return yk, yv
 
@@ -579,7 +590,8 @@ class DeviceKVCache:
                 if m == 0:
                     continue
                 a, b = int(st.off[r0]), int(st.off[r0]) + m * len(hs)
-                yk, yv = self._stored_rows(st.page[a:b], st.slot[a:b], st.tier[a:b])
+                present = np.unique(np.concatenate([s.rows[layer][h].tiers for h in hs]))
+                yk, yv = self._stored_rows(st.page[a:b], st.slot[a:b], st.tier[a:b], present)
                 cand = (~st.protected[a:b]).view(len(hs), m) if self.policy.coherence else None
                 res = rdr_device.row_statistics(yk.view(len(hs), m, d), yv.view(len(hs), m, d),
                                                 self._rotated_queries(s, layer, hs),
@@ -749,7 +761,7 @@ class DeviceKVCache:
             retier(self.pages, self.page_tier, self.tables, i32(st.page[sel]), i32(st.slot[sel]),
                    i32(dst_p), i32(dst_s), check=False)
         self._set_pages(fresh, page_tier, page_count)
-        kept = st.pos[sel].cpu().numpy()
+        kept = st.pos[sel].to(torch.int32).cpu().numpy().astype(np.int64)
         moved_rows = cnt_moved.reshape(R, T1).sum(axis=1)
         kept_at = np.cumsum(moved_rows) - moved_rows
         page_at = np.cumsum(npg.sum(axis=1)) - npg.sum(axis=1)
@@ -763,8 +775,7 @@ class DeviceKVCache:
             row.counts = page_count[a:a + n].copy()
             row.kept = kept[kept_at[r]:kept_at[r] + moved_rows[r]].copy()
             row.tail_from = row.tail_to
-        for old in olds:
-            self._release(old)
+        self._release(np.concatenate(olds))
 
 
 class _States:
@@ -783,9 +794,10 @@ def _stream():
     return torch_stream()
 
 
-def _points(w, bits: int, dim: int, codebook: str, halves, pg, sl, soff: int):
-    """s·ĉ (n, d) float64 from packed words w (n, words) int32 of one part at ``bits``,
-    scales read at byte offset ``soff`` of each page (fp16; none at 16 bits)."""
+def _points(w, bits: int, dim: int, levels, halves, pg, sl, soff: int):
+    """s·ĉ (n, d) float64 from packed words w (n, words) int32 of one part at ``bits`` with
+    the codebook's ``levels`` (device), scales read at byte offset ``soff`` of each page (fp16;
+    none at 16 bits)."""
     torch = _torch()
     if bits == 16:
         return w.contiguous().view(torch.float16)[:, :dim].to(torch.float64)
@@ -801,6 +813,5 @@ def _points(w, bits: int, dim: int, codebook: str, halves, pg, sl, soff: int):
         codes = fields(u[:, :w2], 2) | (fields(u[:, w2:], 1) << 2)
     else:
         codes = fields(u, bits)
-    levels = torch.as_tensor(codebooks.codebook(bits, dim, codebook), device=w.device)
     scale = halves[pg[:, 0], soff // 2 + sl[:, 0]].to(torch.float64)
     return scale[:, None] * (levels[codes] / math.sqrt(dim))

@@ -79,3 +79,10 @@ def test_greedy_refuses_a_budget_below_the_protected_states():
     with pytest.raises(ValueError, match="protected states"):
         rdr_device.greedy_allocation(D, torch.full((10,), 2), prot, torch.zeros(10, dtype=torch.long),
                                      [0.0, 100.0, 200.0], 1024, 100.0, 1)
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 3 * 4096 + 17])
+def test_the_chunked_prefix_sum_is_the_prefix_sum(n):
+    from cupy_kernels.rdr_device import _cumsum
+    x = torch.as_tensor(np.random.default_rng(n).random(n) * 4096.0)
+    torch.testing.assert_close(_cumsum(x), torch.cumsum(x, dim=0), rtol=1e-12, atol=1e-6)

@@ -1,0 +1,72 @@
+"""Where ``DeviceKVCache.compress`` spends its time: a cache of the Llama-3.1-8B shape (32
+layers, 8 kv-heads, d 128) holding ``--batch`` sequences of ``--context`` random states at the
+top tier of the default ladder, 32 observed queries per layer, then RDR to ``--fraction`` of
+the bf16 bytes with the device solver, one sequence after another, under torch's profiler.
+Prints the parts' seconds and the ops that take the most CUDA and host time.
+
+    PYTHONPATH=. python3 lab/profile_compress.py --batch 8 --context 32768
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--fraction", type=float, default=0.2)
+    ap.add_argument("--rows", type=int, default=30, help="ops printed per table")
+    args = ap.parse_args()
+    import torch
+    from cupy_kernels.device_cache import DeviceKVCache
+    from spherical_kv_ref.tiers import TierLadder
+    L, H, Hq, d = 32, 8, 32, 128
+    ladder = TierLadder()
+    per = ladder.states_per_page(ladder.top, d, 4096)
+    pages = int(args.batch * L * H * (-(-(args.context + 64) // per)) * 1.35)
+    cache = DeviceKVCache(L, H, d, ladder, pool_bytes=pages * 4096, num_q_heads=Hq,
+                          codebook="uniform")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    seqs = []
+    for _ in range(args.batch):
+        s = cache.new_sequence()
+        for layer in range(L):
+            k = torch.randn((H, args.context, d), device="cuda", generator=g)
+            cache.append(s, layer, k, torch.randn((H, args.context, d), device="cuda", generator=g))
+            cache.observe(s, layer, torch.randn((32, Hq, d), device="cuda", generator=g))
+        seqs.append(s)
+    torch.cuda.synchronize()
+    cache.compress(seqs[0], budget_fraction=args.fraction, method="device")   # warm-up
+    cache.compress_seconds.clear()
+    t0 = time.perf_counter()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for s in seqs[1:]:
+            cache.compress(s, budget_fraction=args.fraction, method="device")
+        torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    n = len(seqs) - 1
+    print(f"{n} sequences of {L * H * args.context} states: {took:.2f} s (profiled), parts "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in cache.compress_seconds.items()))
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    cache.compress_seconds.clear()
+    t0 = time.perf_counter()
+    extra = cache.new_sequence()
+    for layer in range(L):
+        k = torch.randn((H, args.context, d), device="cuda", generator=g)
+        cache.append(extra, layer, k, torch.randn((H, args.context, d), device="cuda", generator=g))
+        cache.observe(extra, layer, torch.randn((32, Hq, d), device="cuda", generator=g))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    cache.compress(extra, budget_fraction=args.fraction, method="device")
+    torch.cuda.synchronize()
+    print(f"one sequence unprofiled: {time.perf_counter() - t0:.3f} s, parts "
+          + ", ".join(f"{k} {v:.3f} s" for k, v in cache.compress_seconds.items()))
+
+
+if __name__ == "__main__":
+    main()
