@@ -499,7 +499,8 @@ class DeviceKVCache:
         out = []
         for bits, nw, off, soff in ((kb, kw, 0, ksoff), (vb, vw, voff, vsoff)):
             w = words[pg, off + sl * nw + torch.arange(nw, device=self.device)[None, :]]
-            out.append(_points(w, bits, self.head_dim, self._levels(bits), halves, pg, sl, soff))
+            out.append(_points(w, bits, self.head_dim, None if bits == 16 else self._levels(bits),
+                               halves, pg, sl, soff))
         return out[0], out[1]
 
     def _levels(self, bits: int):

@@ -381,7 +381,8 @@ def generate_against_the_reference(monkeypatch, cpu, gpu, ids, mask, prompts, ma
     The GPU model's keys and values differ from the CPU model's by float32 rounding (~1e-7),
     which moves RDR's statistics by as much and can flip a near-tied choice, an eviction
     included, and one evicted state can move a small model's logits by ~10 % (seen on the
-    H200). So the GPU's own decision is checked on its own (most tiers agree), and the logits
+    H200). So the GPU's own decision is checked on its own (its objective is the
+    reference's within 2 %, on its own statistics), and the logits
     are compared under one decision: a second generation hands the device cache the
     reference's plan for each sequence. Returns, per sequence, the largest error of a step's
     logits relative to the reference's largest |logit|."""
@@ -415,7 +416,10 @@ def generate_against_the_reference(monkeypatch, cpu, gpu, ids, mask, prompts, ma
         return cache, out
     own, _ = generate(False)
     for plan, report in zip(plans, own.reports):
-        assert np.mean(plan.allocation.tier == report.allocation.tier) >= 0.95
+        # near-ties abound under a tight budget: the tiers themselves may differ widely
+        # (49 % agreed for SmolLM2 on the H200), the objective they reach may not
+        ours, theirs = report.allocation.objective, plan.allocation.objective
+        assert abs(ours - theirs) <= 0.02 * theirs, (ours, theirs)
     cache, out = generate(True)
     new = out.sequences[:, ids.shape[1]:].cpu()
     errs = []
