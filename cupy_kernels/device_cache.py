@@ -611,40 +611,64 @@ class DeviceKVCache:
         solver all on the device (``rdr_device``; its gap is reported in the allocation).
         Needs the new pages free before it releases the old ones (PoolExhaustedError,
         nothing changed, otherwise). ``compress_seconds`` sums the time of its parts."""
+        return self.compress_all([seq], budget_bytes, method, budget_fraction=budget_fraction)[0]
+
+    def compress_all(self, seqs, budget_bytes: Optional[int] = None,
+                     method: Optional[str] = None, *,
+                     budget_fraction: Optional[float] = None) -> List[CompressReport]:
+        """``compress`` of several sequences, each to its own budget (``budget_bytes`` or
+        ``budget_fraction`` of its own bf16 bytes); one report per sequence, in order.
+        Every decision is made before any sequence changes, so a budget that cannot hold a
+        sequence's protected states is a ValueError with nothing changed; with "device" one
+        solve serves them all (``rdr_device.greedy_allocation`` over one problem per
+        sequence, each solved as alone). The sequences are then rewritten in order; an
+        exhausted pool stops at the sequence that does not fit (PoolExhaustedError), those
+        before it compressed, it and those after unchanged."""
         import time
-        s = self._seq(seq)
-        self._open(s, "compress")
-        sid = int(seq)
-        budget = self._budget(sid, budget_bytes, budget_fraction)
+        torch = _torch()
+        seqs = self._seq_list(seqs)
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"seqs names a sequence twice: {seqs}")
+        ss = [self._seq(x) for x in seqs]
+        for s in ss:
+            self._open(s, "compress")
+        budgets = [self._budget(x, budget_bytes, budget_fraction) for x in seqs]
         if method != "device":
             method = compress_method(self.policy, method)
-        torch = _torch()
         t0 = time.perf_counter()
-        before = self.bytes_in_use(sid)
-        st = self._state_index(sid, s)
-        if st.page.numel() == 0:
-            return CompressReport(before, before, budget, 0, 0, 0, None)
-        stats, q2 = self._statistics(s, st)
+        befores = [self.bytes_in_use(x) for x in seqs]
+        sts = [self._state_index(x, s) for x, s in zip(seqs, ss)]
+        live = [i for i, st in enumerate(sts) if st.page.numel()]
+        stats = {i: self._statistics(ss[i], sts[i]) for i in live}
         torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         if method == "device":
-            tier, alloc = self._solve_device(sid, st, stats, q2, budget)
+            answers = dict(zip(live, self._solve_device([seqs[i] for i in live],
+                                                        [sts[i] for i in live],
+                                                        [stats[i] for i in live],
+                                                        [budgets[i] for i in live])))
         else:
-            tier, alloc = self._solve_host(sid, st, stats, q2, budget, method)
+            answers = {i: self._solve_host(seqs[i], sts[i], *stats[i], budgets[i], method)
+                       for i in live}
         torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        if tier is None:
-            return CompressReport(before, before, budget, 0, 0, 0, None)
-        demoted = int(((tier > 0) & (tier < st.tier)).sum())
-        self._apply(s, st, tier, budget)
-        after = self.bytes_in_use(sid)
-        if alloc.bytes is None:
-            alloc = dataclasses.replace(alloc, bytes=after)
+        reports = []
+        for i, (x, s, st, budget, before) in enumerate(zip(seqs, ss, sts, budgets, befores)):
+            tier, alloc = answers.get(i, (None, None))
+            if tier is None:
+                reports.append(CompressReport(before, before, budget, 0, 0, 0, None))
+                continue
+            demoted = int(((tier > 0) & (tier < st.tier)).sum())
+            self._apply(s, st, tier, budget)
+            after = self.bytes_in_use(x)
+            if alloc.bytes is None:
+                alloc = dataclasses.replace(alloc, bytes=after)
+            reports.append(CompressReport(before, after, budget, int(st.page.numel()),
+                                          self.num_states(x), demoted, alloc))
         took = dict(statistics=t1 - t0, solve=t2 - t1, apply=time.perf_counter() - t2)
         for k, v in took.items():     # summed over the calls, for the benchmarks
             self.compress_seconds[k] = self.compress_seconds.get(k, 0.0) + v
-        return CompressReport(before, after, budget, int(st.page.numel()), self.num_states(sid),
-                              demoted, alloc)
+        return reports
 
     def _solve_host(self, sid, st, stats, q2, budget, method):
         """The reference's decision (``plan_compress``) from the device's statistics, one
@@ -668,31 +692,45 @@ class DeviceKVCache:
         new = np.concatenate([t for t in plan.tiers if t is not None])
         return torch.as_tensor(new.astype(np.int64), device=self.device), plan.allocation
 
-    def _solve_device(self, sid, st, stats, q2, budget):
-        """``rdr_device``'s LP-greedy over the sequence's states; only the answer's figures
-        leave the device (the tiers, once, for the report)."""
+    def _solve_device(self, sids, sts, stats, budgets):
+        """``rdr_device``'s LP-greedy over the states of the sequences ``sids`` (their state
+        indices, statistics and budgets), one problem per sequence in one solve; per
+        sequence (its tiers (N,) on the device, its Allocation). Only the answer's figures
+        leave the device (the tiers, once, for the reports)."""
         from spherical_kv_ref import rdr
         from spherical_kv_ref.rdr.problem import Allocation
         from . import rdr_device
+        torch = _torch()
         T, d, pb = self.ladder.top, self.head_dim, self.page_bytes
         per = [0] + [self.ladder.states_per_page(t, d, pb) for t in range(1, T + 1)]
         share = [0.0] + [pb / p for p in per[1:]]
-        need = self._pages_of(st.row[st.protected], st.tier[st.protected], len(st.n_row))
-        if need * pb > budget:
-            raise ValueError(f"the protected states of sequence {sid} alone need {need * pb} "
-                             f"bytes (sinks, recent window and protected spans, page padding "
-                             f"included), more than budget_bytes = {budget}")
+        for sid, st, budget in zip(sids, sts, budgets):
+            need = self._pages_of(st.row[st.protected], st.tier[st.protected], len(st.n_row))
+            if need * pb > budget:
+                raise ValueError(f"the protected states of sequence {sid} alone need {need * pb} "
+                                 f"bytes (sinks, recent window and protected spans, page "
+                                 f"padding included), more than budget_bytes = {budget}")
         ek, ev = rdr.tier_error_constants(self.ladder.tiers, d, kind=self.codebook)
-        D = rdr_device.distortion(stats["p"], q2[st.row], stats["r"], stats["vn"], stats["res"],
-                                  ek, ev, d, self.softmax_scale, stats["kappa"],
-                                  self.policy.key_term)
+        R = len(sts[0].n_row)
+        cat = lambda f: torch.cat([f(i, st) for i, st in enumerate(sts)])
+        D = cat(lambda i, st: rdr_device.distortion(
+            stats[i][0]["p"], stats[i][1][st.row], stats[i][0]["r"], stats[i][0]["vn"],
+            stats[i][0]["res"], ek, ev, d, self.softmax_scale, stats[i][0]["kappa"],
+            self.policy.key_term))
         tier, objective, bound = rdr_device.greedy_allocation(
-            D, st.tier, st.protected, st.row, share, pb, float(budget), len(st.n_row))
-        gap = (objective - bound) / objective if objective > 0 else 0.0
-        alloc = Allocation(tier=tier.to(_torch().int8).cpu().numpy().astype(np.int64),
-                           objective=objective, lower_bound=bound, gap=gap, bytes=None,
-                           method="device", optimal=gap == 0.0)
-        return tier, alloc
+            D, cat(lambda i, st: st.tier), cat(lambda i, st: st.protected),
+            cat(lambda i, st: st.row + i * R), share, pb, [float(b) for b in budgets],
+            R * len(sts), segment=cat(lambda i, st: torch.full_like(st.row, i)))
+        host = tier.to(torch.int8).cpu().numpy().astype(np.int64)
+        out, a = [], 0
+        for st, obj, lb in zip(sts, objective, bound):
+            n = st.page.numel()
+            gap = (obj - lb) / obj if obj > 0 else 0.0
+            out.append((tier[a:a + n], Allocation(tier=host[a:a + n], objective=obj,
+                                                  lower_bound=lb, gap=gap, bytes=None,
+                                                  method="device", optimal=gap == 0.0)))
+            a += n
+        return out
 
     def _group_counts(self, row, tier, R: int) -> np.ndarray:
         """(R, T+1) int64 host array: states of each (row, tier)."""

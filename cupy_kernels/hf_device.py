@@ -188,8 +188,8 @@ class DeviceSphericalCache(Cache):
     def _compress(self) -> None:
         if self.budget_fraction is None and self.budget_bytes is None:
             return
-        for sid in self.seqs:
-            self.reports.append(self.kv.compress(sid, self.budget_bytes, method=self.compress_method,
+        self.reports.extend(self.kv.compress_all(self.seqs, self.budget_bytes,
+                                                 method=self.compress_method,
                                                  budget_fraction=self.budget_fraction))
 
     def begin_step(self) -> None:

@@ -123,18 +123,29 @@ def distortion(p, q2, r, vn, res, key_error, value_error, dim: int, softmax_scal
     return out
 
 
-def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget: float,
-                      num_groups: int):
+def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget,
+                      num_groups: int, segment=None):
     """Tiers (n,) int64 (device) for free states with distortion D (n, T+1), current tiers
     cur (n,), protected (n,) bool (kept at the top tier T), group ids (n,) in
     [0, num_groups), per-state byte shares share (T+1,) (share[0] = 0), within ``budget``
     bytes paged (page padding of every (group, tier) set aside). Returns (tier, objective,
     lower_bound) with the LP bound described in the module docstring; ValueError if the
-    protected states alone exceed the budget."""
+    protected states alone exceed the budget.
+
+    Several problems at once (the sequences of a batch, each with its own budget): segment
+    (n,) int64 in [0, S) names each state's problem (a group lies in one), budget is then
+    S budgets, and objective and lower_bound are lists of S; every problem is solved as it
+    would be alone, with one sort and one bisection (of S cuts) for all of them."""
     torch = _torch()
     dev = D.device
     n, T1 = D.shape
     T = T1 - 1
+    alone = segment is None
+    if alone:
+        segment = torch.zeros(n, dtype=torch.long, device=dev)
+        budget = [budget]
+    S = len(budget)
+    bud = torch.as_tensor(np.asarray(budget, np.float64), device=dev)
     c = torch.as_tensor(np.asarray(share, np.float64), device=dev)
     free = ~protected
     # options above a state's current tier are removed (never promote)
@@ -153,72 +164,93 @@ def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget: 
                 on = keep[:, a] & keep[:, b] & (Dm[:, j] >= chord)
                 keep[:, j] &= ~on
     # increments between consecutive hull points: from each kept point to the next kept one
-    idx = torch.arange(T1, device=dev).expand(n, T1)
-    nxt = torch.full((n, T1), -1, dtype=torch.long, device=dev)
-    last = torch.full((n,), -1, dtype=torch.long, device=dev)
+    # (n, T+1) tables hold tiers and ranks in the narrowest type: at 67M states (a batch of
+    # 32K-token Llama-8B sequences) each int64 table would be 4.3 GB
+    nxt = torch.full((n, T1), -1, dtype=torch.int8, device=dev)
+    last = torch.full((n,), -1, dtype=torch.int8, device=dev)
     for j in range(T1 - 1, -1, -1):
         nxt[:, j] = last
-        last = torch.where(keep[:, j], idx[:, j], last)
+        last = torch.where(keep[:, j], torch.full_like(last, j), last)
     step_from = keep & (nxt >= 0) & free[:, None]
     si, sj = torch.nonzero(step_from, as_tuple=True)
-    sk = nxt[si, sj]
+    sk = nxt[si, sj].long()
     dbytes = c[sk] - c[sj]
     saved = D[si, sj] - D[si, sk]
     slope = saved / dbytes
     # bytes: protected states stay at their tiers, padding set aside
     pb = float(page_bytes)
-    fixed = float(c[cur[protected]].sum())
-    slack = pb * num_groups * T
-    room_lp = budget - fixed
-    if room_lp < 0:
-        raise ValueError(f"the protected states alone need {fixed:.0f} bytes (at page shares), "
-                         f"more than the budget of {budget} bytes")
+    zeros = lambda dt=torch.float64: torch.zeros(S, dtype=dt, device=dev)
+    fixed = zeros().index_add_(0, segment[protected], c[cur[protected]])
+    group_seg = torch.zeros(num_groups, dtype=torch.long, device=dev).scatter_(0, group, segment)
+    slack = pb * T * torch.bincount(group_seg, minlength=S).double()
+    room_lp = bud - fixed
+    short = torch.nonzero(room_lp < 0).squeeze(1).tolist()
+    if short:
+        i = short[0]
+        raise ValueError(f"the protected states alone need {float(fixed[i]):.0f} bytes (at page "
+                         f"shares), more than the budget of {budget[i]} bytes"
+                         + ("" if alone else f" (problem {i})"))
+    # slope order within each problem, the problems one after another
     order = torch.sort(slope, descending=True, stable=True).indices
-    cum = _cumsum(dbytes[order])
+    order = order[torch.sort(segment[si][order], stable=True).indices]
+    seg = segment[si][order]
+    m = torch.bincount(seg, minlength=S)
+    start = torch.cumsum(m, 0) - m
+    cum_all = _cumsum(dbytes[order])
+    before_seg = torch.where(start > 0, cum_all[(start - 1).clamp(min=0)], zeros())
+    cum = cum_all - before_seg[seg]
     base_tier = torch.where(protected, cur, torch.zeros_like(cur))
-    pos = torch.cumsum(keep.long(), dim=1) - 1          # rank of each kept point
+    pos = (torch.cumsum(keep, dim=1, dtype=torch.int8) - 1)   # rank of each kept point
     per = torch.as_tensor([1] + [round(pb / float(x)) for x in c[1:].tolist()], device=dev)
 
     # a state's increments run along its hull with falling slopes, so in slope order they
-    # come in hull order: after the first k increments a state has taken those of rank < k
+    # come in hull order: after the first k increments of its problem a state has taken
+    # those of rank < k
     rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=dev)
-    ranks = torch.full((n, T1), order.numel(), dtype=torch.long, device=dev)
-    ranks[si, pos[si, sj]] = rank
+    rank[order] = torch.arange(order.numel(), device=dev) - start[seg]
+    ranks = torch.full((n, T1), order.numel(), dtype=torch.int32, device=dev)
+    ranks[si, pos[si, sj].long()] = rank.to(torch.int32)
     ki, kj = torch.nonzero(keep, as_tuple=True)
-    hull = torch.zeros((n, T1), dtype=torch.long, device=dev)
-    hull[ki, pos[ki, kj]] = kj                           # the p-th hull point's tier
+    hull = torch.zeros((n, T1), dtype=torch.int8, device=dev)
+    hull[ki, pos[ki, kj].long()] = kj.to(torch.int8)    # the p-th hull point's tier
 
-    def tiers_after(k: int):
-        """Every state's tier once the first k increments in slope order are taken."""
-        reach = hull.gather(1, (ranks < k).sum(dim=1, keepdim=True))[:, 0]
+    def tiers_after(k):
+        """Every state's tier once the first k[s] increments of each problem s are taken."""
+        reach = hull.gather(1, (ranks < k[segment][:, None]).sum(dim=1, keepdim=True))[:, 0].long()
         return torch.where(free, reach, base_tier)
 
-    def paged(tier) -> float:
+    def paged(tier):
         counts = torch.bincount(group * T1 + tier, minlength=num_groups * T1).view(num_groups, T1)
-        return float(((counts[:, 1:] + per[1:] - 1) // per[1:]).sum()) * pb
+        pages = ((counts[:, 1:] + per[1:] - 1) // per[1:]).sum(dim=1)
+        return zeros().index_add_(0, group_seg, pages.double()) * pb
 
-    # the most increments whose paged bytes fit: at least those that fit with every
-    # (group, tier)'s padding set aside, at most those that fit at page shares
-    lo = int((cum <= max(room_lp - slack, 0.0)).sum())
-    hi = int((cum <= room_lp).sum())
-    if paged(tiers_after(lo)) > budget:
-        lo = 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if paged(tiers_after(mid)) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
+    # per problem, the most increments whose paged bytes fit: at least those that fit with
+    # every (group, tier)'s padding set aside, at most those that fit at page shares
+    count = lambda mask: torch.bincount(seg[mask], minlength=S)
+    lo = count(cum <= torch.clamp(room_lp - slack, min=0.0)[seg])
+    hi = count(cum <= room_lp[seg])
+    lo = torch.where(paged(tiers_after(lo)) > bud, torch.zeros_like(lo), lo)
+    while bool((lo < hi).any()):
+        active = lo < hi
+        mid = torch.where(active, (lo + hi + 1) // 2, lo)
+        fits = paged(tiers_after(mid)) <= bud
+        lo = torch.where(active & fits, mid, lo)
+        hi = torch.where(active & ~fits, mid - 1, hi)
     tier = tiers_after(lo)
-    objective = float(D.gather(1, tier[:, None]).sum())
+    objective = zeros().index_add_(0, segment, D.gather(1, tier[:, None])[:, 0])
     # LP bound at the whole room: whole increments while they fit, then a fraction of the next
-    within = cum <= room_lp
-    base = float(D[free, 0].sum()) + float(D[protected].gather(1, cur[protected][:, None]).sum())
-    got = float(saved[order][within].sum())
-    k = int(within.sum())
-    if k < order.numel():
-        before = float(cum[k - 1]) if k else 0.0
-        frac = (room_lp - before) / float(dbytes[order[k]])
-        got += frac * float(saved[order[k]])
-    return tier, objective, min(base - got, objective)
+    within = cum <= room_lp[seg]
+    base = (zeros().index_add_(0, segment[free], D[free, 0])
+            + zeros().index_add_(0, segment[protected], D[protected].gather(1, cur[protected][:, None])[:, 0]))
+    got = zeros().index_add_(0, seg, torch.where(within, saved[order], 0.0))
+    k = count(within)
+    nxt_inc = (start + k).clamp(max=max(order.numel() - 1, 0))
+    has_next = k < m
+    if order.numel():
+        prior = torch.where(k > 0, cum[(start + k - 1).clamp(min=0)], zeros())
+        frac = (room_lp - prior) / dbytes[order[nxt_inc]]
+        got = got + torch.where(has_next, frac * saved[order[nxt_inc]], zeros())
+    bound = torch.minimum(base - got, objective)
+    if alone:
+        return tier, float(objective[0]), float(bound[0])
+    return tier, objective.tolist(), bound.tolist()

@@ -137,6 +137,42 @@ def test_device_solver_fits_the_budget_and_bounds_the_host_decision():
         assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("method", ["device", "fast"])
+def test_compress_all_is_compress_of_each(method):
+    """Two sequences compressed in one call (one device solve for both) hold what two calls
+    leave, on twin caches: the same reports, page tiers and stored states; a budget that
+    cannot hold one sequence's protected states changes neither."""
+    caches = [DeviceKVCache(L, H, 64, num_q_heads=H * G, policy=POLICY, pool_bytes=4 << 20)
+              for _ in range(2)]
+    for c in caches:
+        _fill(SphericalKVCache(L, H, 64, num_q_heads=H * G, policy=POLICY, pool_bytes=4 << 20), c,
+              [400, 150], 64, np.random.default_rng(9))
+    pages = caches[0].pages.clone()
+    with pytest.raises(ValueError, match="protected states"):
+        caches[0].compress_all([0, 1], None, method, budget_fraction=0.001)
+    assert torch.equal(caches[0].pages, pages) and caches[0].num_states(0) == 400 * L * H
+    both = caches[0].compress_all([0, 1], method=method, budget_fraction=0.3)
+    each = [caches[1].compress(s, method=method, budget_fraction=0.3) for s in (0, 1)]
+    for a, b in zip(both, each):
+        assert (a.bytes_before, a.bytes_after, a.states_kept, a.states_demoted) == \
+               (b.bytes_before, b.bytes_after, b.states_kept, b.states_demoted)
+        assert np.array_equal(a.allocation.tier, b.allocation.tier)
+    for s in (0, 1):
+        for layer in range(L):
+            for h in range(H):
+                rows = [c._seq(s).rows[layer][h] for c in caches]
+                assert np.array_equal(rows[0].positions(), rows[1].positions())
+                assert np.array_equal(rows[0].tiers, rows[1].tiers)
+                assert np.array_equal(rows[0].counts, rows[1].counts)
+                slots = [r.state_slots() for r in rows]
+                for t in np.unique(slots[0][2]):
+                    got = [c.stored_rotated(sl[0][sl[2] == t], sl[1][sl[2] == t], int(t))
+                           for c, sl in zip(caches, slots)]
+                    torch.testing.assert_close(got[0], got[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="twice"):
+        caches[0].compress_all([0, 0], method=method, budget_fraction=0.3)
+
+
 def _step_tokens(rng, steps, B, d):
     f32 = lambda x: x.astype(np.float32).astype(np.float64)
     return [(f32(rng.standard_normal((B, H * G, d))), f32(rng.standard_normal((L, B, H, d)) + 0.5),

@@ -46,10 +46,10 @@ def test_distortion_equals_the_reference():
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-12)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_greedy_answer_is_feasible_and_its_bound_holds(seed):
+def _greedy_problem(seed, groups=4, pb=1024, d=64):
+    """A random allocation problem (rdr.Problem) with states at mixed current tiers, a few
+    protected, and the per-state page shares the device solver charges."""
     rng = np.random.default_rng(seed)
-    d, pb, groups = 64, 1024, 4
     lad = TierLadder()
     T = lad.top
     cost = lad.costs(d)
@@ -62,6 +62,13 @@ def test_greedy_answer_is_feasible_and_its_bound_holds(seed):
     problem = rdr.Problem(D, cost, group, prot, int(rng.uniform(0.2, 0.7) * n * cost[T]), pb)
     per = problem.states_per_page
     share = [0.0] + [pb / per[t] for t in range(1, T + 1)]
+    return problem, D, cur, prot, group, share, T
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_answer_is_feasible_and_its_bound_holds(seed):
+    problem, D, cur, prot, group, share, T = _greedy_problem(seed)
+    pb, groups = problem.page_bytes, 4
     tier, obj, lb = rdr_device.greedy_allocation(
         torch.tensor(D), torch.tensor(cur), torch.tensor(prot), torch.tensor(group), share, pb,
         float(problem.budget_bytes), groups)
@@ -71,6 +78,26 @@ def test_greedy_answer_is_feasible_and_its_bound_holds(seed):
     assert obj == pytest.approx(problem.objective_of(tier))
     fast = rdr.solve(problem, "fast")
     assert lb <= fast.objective * (1 + 1e-9) and lb <= obj * (1 + 1e-12)
+
+
+def test_greedy_over_several_problems_solves_each_as_alone():
+    """Three problems in one call (the sequences of a batch, each its own budget): the same
+    tiers, objective and bound as three calls."""
+    parts = [_greedy_problem(seed) for seed in (11, 12, 13)]
+    alone = []
+    for problem, D, cur, prot, group, share, _ in parts:
+        alone.append(rdr_device.greedy_allocation(
+            torch.tensor(D), torch.tensor(cur), torch.tensor(prot), torch.tensor(group), share,
+            problem.page_bytes, float(problem.budget_bytes), 4))
+    cat = lambda i: torch.tensor(np.concatenate([p[i] for p in parts]))
+    groups = torch.tensor(np.concatenate([p[4] + 4 * k for k, p in enumerate(parts)]))
+    segment = torch.tensor(np.concatenate([np.full(p[1].shape[0], k) for k, p in enumerate(parts)]))
+    tier, obj, lb = rdr_device.greedy_allocation(
+        cat(1), cat(2), cat(3), groups, parts[0][5], parts[0][0].page_bytes,
+        [float(p[0].budget_bytes) for p in parts], 12, segment=segment)
+    assert torch.equal(tier, torch.cat([a[0] for a in alone]))
+    assert obj == pytest.approx([a[1] for a in alone], rel=1e-12)
+    assert lb == pytest.approx([a[2] for a in alone], rel=1e-9)
 
 
 def test_greedy_refuses_a_budget_below_the_protected_states():
