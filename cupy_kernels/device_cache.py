@@ -571,36 +571,50 @@ class DeviceKVCache:
             prot |= (pos >= a) & (pos < b)
         return _States(page, slot, tier, row, pos, prot, n_row, off)
 
-    def _statistics(self, s: _Seq, st: "_States"):
-        """RDR's per-state statistics of a sequence on the device (``rdr_device``), the rows
-        of a layer batched where they hold as many states: p, r, vn, res, kappa (N,) and q2
-        per row (R,), float64 device tensors in the states' order."""
+    def _statistics(self, ss: List[_Seq], sts: List["_States"]):
+        """RDR's per-state statistics of sequences on the device (``rdr_device``): per layer,
+        the rows of every sequence that hold as many states and queries in one batch. Per
+        sequence (p, r, vn, res, kappa (N,) and q2 per row (R,)), float64 device tensors in
+        its states' order."""
         torch = _torch()
         from . import rdr_device
         H, d = self.num_kv_heads, self.head_dim
-        N, R = int(st.off[-1]), len(st.n_row)
-        out = {k: torch.empty(N, dtype=torch.float64, device=self.device)
+        sizes = [int(st.off[-1]) for st in sts]
+        first = np.concatenate([[0], np.cumsum(sizes)])
+        R = len(sts[0].n_row) if sts else 0
+        out = {k: torch.empty(int(first[-1]), dtype=torch.float64, device=self.device)
                for k in ("p", "r", "vn", "res", "kappa")}
-        q2 = torch.zeros(R, dtype=torch.float64, device=self.device)
+        q2 = torch.zeros(len(sts) * R, dtype=torch.float64, device=self.device)
+        cat = lambda f: torch.cat([f(st) for st in sts])
+        page, slot, tier = cat(lambda st: st.page), cat(lambda st: st.slot), cat(lambda st: st.tier)
+        prot = cat(lambda st: st.protected)
         for layer in range(self.num_layers):
-            n = st.n_row[layer * H:(layer + 1) * H]
-            batches = [list(range(H))] if np.all(n == n[0]) else [[h] for h in range(H)]
-            for hs in batches:
-                r0 = layer * H + hs[0]
-                m = int(n[hs[0]])
-                if m == 0:
-                    continue
-                a, b = int(st.off[r0]), int(st.off[r0]) + m * len(hs)
-                present = np.unique(np.concatenate([s.rows[layer][h].tiers for h in hs]))
-                yk, yv = self._stored_rows(st.page[a:b], st.slot[a:b], st.tier[a:b], present)
-                cand = (~st.protected[a:b]).view(len(hs), m) if self.policy.coherence else None
-                res = rdr_device.row_statistics(yk.view(len(hs), m, d), yv.view(len(hs), m, d),
-                                                self._rotated_queries(s, layer, hs),
+            groups: Dict[tuple, list] = {}
+            for i, (s, st) in enumerate(zip(ss, sts)):
+                q = s.queries[layer]
+                m = -1 if q is None else int(q.shape[0])
+                for h in range(H):
+                    n = int(st.n_row[layer * H + h])
+                    if n:
+                        groups.setdefault((n, m), []).append((i, h))
+            for (n, _), members in groups.items():
+                start = torch.as_tensor([int(first[i] + sts[i].off[layer * H + h])
+                                         for i, h in members], device=self.device)
+                idx = (start[:, None] + torch.arange(n, device=self.device)[None, :]).reshape(-1)
+                present = np.unique(np.concatenate([ss[i].rows[layer][h].tiers for i, h in members]))
+                yk, yv = self._stored_rows(page[idx], slot[idx], tier[idx], present)
+                qr = [self._rotated_queries(ss[i], layer, [h]) for i, h in members]
+                qr = None if qr[0] is None else torch.cat(qr)
+                B = len(members)
+                cand = (~prot[idx]).view(B, n) if self.policy.coherence else None
+                res = rdr_device.row_statistics(yk.view(B, n, d), yv.view(B, n, d), qr,
                                                 self.softmax_scale, self.policy.prior, cand)
                 for k, v in zip(("p", "r", "vn", "res", "kappa"), (res[0],) + tuple(res[2:])):
-                    out[k][a:b] = v.reshape(-1)
-                q2[r0:r0 + len(hs)] = res[1]
-        return out, q2
+                    out[k][idx] = v.reshape(-1)
+                rows = torch.as_tensor([i * R + layer * H + h for i, h in members], device=self.device)
+                q2[rows] = res[1]
+        return [({k: v[int(first[i]):int(first[i + 1])] for k, v in out.items()},
+                 q2[i * R:(i + 1) * R]) for i in range(len(sts))]
 
     def compress(self, seq, budget_bytes: Optional[int] = None, method: Optional[str] = None, *,
                  budget_fraction: Optional[float] = None) -> CompressReport:
@@ -639,7 +653,7 @@ class DeviceKVCache:
         befores = [self.bytes_in_use(x) for x in seqs]
         sts = [self._state_index(x, s) for x, s in zip(seqs, ss)]
         live = [i for i, st in enumerate(sts) if st.page.numel()]
-        stats = {i: self._statistics(ss[i], sts[i]) for i in live}
+        stats = dict(zip(live, self._statistics([ss[i] for i in live], [sts[i] for i in live])))
         torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         if method == "device":

@@ -56,19 +56,25 @@ def test_tail_slots_and_grow_follow_one_state_at_a_time(open_count, n, done):
 torch = pytest.importorskip("torch")
 
 
-def _cpu_cache(rng, L=2, H=3, d=64):
+def _cpu_cache(rng, L=2, H=3, d=64, c=None):
     """A DeviceKVCache whose tensors are on the CPU (its kernels are not called): one
     sequence whose rows hold mixed-tier pages, kept positions and a top-tier tail."""
     import cupy_kernels.device_cache as dc
     from spherical_kv_ref.cache import CompressPolicy, set_cache_settings
     from spherical_kv_ref.tiers import TierLadder
     c = dc.DeviceKVCache.__new__(dc.DeviceKVCache)
-    _, pool = set_cache_settings(c, L, H, d, TierLadder(), 4096, 4096 * 400, 0, None, True,
+    _, pool = set_cache_settings(c, L, H, d, TierLadder(), 4096, 4096 * 400, 0, 2 * H, True,
                                  CompressPolicy(sinks=2, recent=5), None)
-    c.tables = type("T", (), {"page_bytes": 4096})()
+    from cupy_kernels.kernel_tables import kernel_tables
+    c.codebook = "uniform"
+    c.tables = kernel_tables(c.ladder, d, 4096, codebook=c.codebook)
     c.device = torch.device("cpu")
+    c._codecs, c._rot = {}, {}
     n = pool // 4096
-    c.pages = torch.zeros((n, 4096), dtype=torch.uint8)
+    # random codes; every fp16 field finite (scales, 16-bit states)
+    c.pages = torch.as_tensor(rng.integers(0, 256, (n, 4096), dtype=np.uint8))
+    halves = c.pages.view(torch.float16)
+    halves[~torch.isfinite(halves)] = 0.75
     c.page_tier = torch.zeros(n, dtype=torch.int32)
     c.page_count = torch.zeros(n, dtype=torch.int32)
     c._free = np.arange(n - 1, -1, -1, dtype=np.int32)
@@ -101,6 +107,8 @@ def _cpu_cache(rng, L=2, H=3, d=64):
             c._set_pages(row.pages, row.tiers, row.counts)
     s.length[:] = length
     s.spans.append((10, 13))
+    for layer in range(L):                 # observed queries (float64, as ``observe`` keeps them)
+        s.queries[layer] = torch.as_tensor(rng.standard_normal((4, c.num_q_heads, d)))
     c._seqs = {0: s}
     return c, s
 
@@ -184,3 +192,34 @@ def test_apply_lays_each_changed_row_out_by_tier_in_storage_order(monkeypatch):
         assert c.page_count[torch.as_tensor(row.pages, dtype=torch.long)].tolist() == walk_counts
     assert len(moved) == k_total
     assert c.num_free_pages == free_before + released - fresh
+
+
+def test_statistics_of_a_batch_are_each_sequence_s_own():
+    """The statistics of two sequences computed in one pass (a layer's rows of both in one
+    batch where they hold as many states and queries: here every row, the two sequences
+    having the same layout) are those of each sequence alone, in its own order."""
+    c, s0 = _cpu_cache(np.random.default_rng(2))
+    other, s1 = _cpu_cache(np.random.default_rng(2))       # the same layout, other content
+    rng = np.random.default_rng(3)
+    other.pages = torch.as_tensor(rng.integers(0, 256, tuple(other.pages.shape), dtype=np.uint8))
+    halves = other.pages.view(torch.float16)
+    halves[~torch.isfinite(halves)] = 0.75
+    for layer in range(c.num_layers):
+        s1.queries[layer] = torch.as_tensor(rng.standard_normal(tuple(s1.queries[layer].shape)))
+    # one pool holding both: s1's pages after s0's
+    shift = c.pages.shape[0]
+    c.pages = torch.cat([c.pages, other.pages])
+    for rows in s1.rows:
+        for row in rows:
+            row.pages = row.pages + np.int32(shift)
+    c._seqs = {0: s0, 1: s1}
+    st = [c._state_index(i, s) for i, s in enumerate((s0, s1))]
+    assert np.array_equal(st[0].n_row, st[1].n_row)
+    both = c._statistics([s0, s1], st)
+    for i, s in enumerate((s0, s1)):
+        (alone, q2), = c._statistics([s], [st[i]])
+        for k, v in alone.items():
+            assert torch.isfinite(v).all()
+            torch.testing.assert_close(both[i][0][k], v, rtol=1e-12, atol=1e-300)
+        torch.testing.assert_close(both[i][1], q2, rtol=1e-12, atol=0)
+    assert not torch.allclose(both[0][0]["vn"], both[1][0]["vn"])
