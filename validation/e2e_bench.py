@@ -1,5 +1,6 @@
 """End-to-end decode throughput on one GPU: a Llama-3.1-8B-shaped model whose whole decode
-step runs as one CUDA graph, over (a) a dense bf16 cache with torch SDPA, (c) the device
+step runs as one CUDA graph, over (a) a dense bf16 cache with torch SDPA, (b) FlashInfer's
+paged decode over bf16 and fp8 pages (``flashinfer-bf16``, ``flashinfer-fp8``), (c) the device
 cache at 4/4 (uniform codebook) and (d) RDR at a fraction of the bf16 bytes after a real
 prefill (docs/PERF_NOTES.md, "End to end").
 
@@ -134,6 +135,64 @@ class Dense:
         return o[:, :, 0]
 
 
+class FlashInfer:
+    """FlashInfer's paged decode (``BatchDecodeWithPagedKVCacheWrapper``, NHD pages of 16
+    tokens) over bf16 or fp8 e4m3 K/V, one pool per layer, every layer read through one page
+    table, as engines run it: in the graph the step's token is written into its page slot by
+    index (cast to the pool's type) and the wrapper's ``run`` reads the pages; outside it,
+    per step, the wrapper's ``plan`` (page table and last-page lengths into the fixed
+    buffers of its CUDA-graph mode). Random states, as the dense row's."""
+
+    page = 16
+
+    def __init__(self, model, batch, context, steps, dtype_name):
+        import torch
+        import flashinfer
+        cfg = model.config
+        L, H, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        self.Hq, self.H, self.d, self.batch, self.context = cfg.num_attention_heads, H, d, batch, context
+        self.dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float8_e4m3fn
+        self.pps = -(-(context + steps) // self.page)          # pages per sequence, every step's
+        total = batch * self.pps
+        g = torch.Generator(device="cuda").manual_seed(1)
+        self.kv = [torch.randn((total, 2, self.page, H, d), device="cuda", dtype=torch.bfloat16,
+                               generator=g).to(self.dtype) for _ in range(L)]
+        self.order = torch.randperm(total, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+        self.indptr = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
+        self.indices = torch.zeros(total, dtype=torch.int32, device="cuda")
+        self.last = torch.zeros(batch, dtype=torch.int32, device="cuda")
+        self.tok_page = torch.zeros(batch, dtype=torch.long, device="cuda")
+        self.tok_slot = torch.zeros(batch, dtype=torch.long, device="cuda")
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        self.w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=self.indptr,
+            paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last)
+        elem = self.kv[0].element_size()
+        self.bytes_per_token = (2 * L * H * d * elem * self.pps * self.page / context
+                                + 4 * (self.pps + 2) / context)          # pages + page table
+        self.set_step(0)
+
+    def set_step(self, i):
+        import torch
+        pos = self.context + i                      # the step's token
+        n = pos // self.page + 1                    # pages each sequence reads
+        table = self.order.view(self.batch, self.pps)[:, :n]
+        indptr = torch.arange(self.batch + 1, dtype=torch.int32) * n
+        last = torch.full((self.batch,), pos % self.page + 1, dtype=torch.int32)
+        self.w.plan(indptr, table.reshape(-1).contiguous(), last, self.Hq, self.H, self.d, self.page,
+                    pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=self.dtype)
+        self.tok_page.copy_(table[:, -1].long())
+        self.tok_slot.fill_(pos % self.page)
+
+    def __call__(self, layer, q, k, v):
+        import torch
+        kv = self.kv[layer]
+        raw = kv.view(torch.uint8)           # index_put_ on bytes: no float8 kernel needed
+        raw[self.tok_page, 0, self.tok_slot] = k.to(self.dtype).view(torch.uint8)
+        raw[self.tok_page, 1, self.tok_slot] = v.to(self.dtype).view(torch.uint8)
+        return self.w.run(q.contiguous(), kv)
+
+
 class Ada:
     """The device cache's DecodeStep in the engine's order: append the token, then decode
     (the token reads itself from its code, as vLLM reads a quantized cache)."""
@@ -250,7 +309,8 @@ def main(argv=None):
     p.add_argument("--shapes", default="32x8192,8x32768,2x131072,1x131072",
                    help="(batch)x(context) pairs, comma separated")
     p.add_argument("--methods", default="dense,ada44,rdr,rdr-host",
-                   help="dense, ada44, rdr (device solver), rdr-host (the host's fast solver)")
+                   help="dense, ada44, rdr (device solver), rdr-host (the host's fast solver), "
+                        "flashinfer-bf16, flashinfer-fp8 (where the flashinfer package imports)")
     p.add_argument("--rdr-shapes", default="32x8192,8x32768,2x131072,1x131072",
                    help="shapes RDR (device solver) runs at (the prefill is real)")
     p.add_argument("--rdr-host-shapes", default="1x32768",
@@ -296,6 +356,9 @@ def main(argv=None):
         if method_name == "dense":
             meth = Dense(model, batch, context, args.steps)
             bpt = meth.bytes_per_token
+        elif method_name.startswith("flashinfer"):
+            meth = FlashInfer(model, batch, context, args.steps, method_name.split("-")[1])
+            bpt = meth.bytes_per_token
         elif method_name == "ada44":
             cache, seqs = fill_ada(model, batch, context)
             meth = Ada(cache, seqs, args.steps)
@@ -322,7 +385,7 @@ def main(argv=None):
         record(dict(method=method_name, batch=batch, context=context, ms_per_step=ms,
                     kv_bytes_per_token=bpt, equal_memory=equal_memory,
                     peak_gib=torch.cuda.max_memory_allocated() / GIB, **extra))
-        if method_name != "dense":
+        if hasattr(meth, "step"):
             meth.step.close(0)
         del meth, step
         import gc
@@ -366,9 +429,11 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    style = {"dense": ("tab:gray", "o"), "ada44": ("tab:blue", "s"), "rdr": ("tab:red", "^"),
-             "rdr-host": ("tab:orange", "v")}
-    names = {"dense": "dense bf16 (SDPA)", "ada44": "Spherical KV 4/4", "rdr": "RDR ~20 % (device solver)",
+    style = {"dense": ("tab:gray", "o"), "flashinfer-bf16": ("tab:green", "D"),
+             "flashinfer-fp8": ("tab:olive", "d"), "ada44": ("tab:blue", "s"),
+             "rdr": ("tab:red", "^"), "rdr-host": ("tab:orange", "v")}
+    names = {"dense": "dense bf16 (SDPA)", "flashinfer-bf16": "FlashInfer paged bf16",
+             "flashinfer-fp8": "FlashInfer paged fp8 e4m3", "ada44": "Spherical KV 4/4", "rdr": "RDR ~20 % (device solver)",
              "rdr-host": "RDR ~20 % (host solver)"}
     for m in style:
         pts = [r for r in rows if r["method"] == m]

@@ -99,10 +99,17 @@ for stage in "$@"; do
       rc=$?; note "compute-sanitizer memcheck (device cache) rc=$rc: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_device_cache.log" | tail -n 1)"
       [ $rc -ne 0 ] && tail -n 30 "$OUT/sanitizer_device_cache.log";;
     e2e)
-      # whole-model decode throughput (E2E_SHAPES, E2E_METHODS, E2E_FLAGS such as --equal-memory)
-      timeout ${E2E_LIMIT:-420} python3 -m validation.e2e_bench --out "$OUT/e2e_h200.json" \
-        --plot "$OUT/e2e_h200.png" --shapes ${E2E_SHAPES:-32x8192,8x32768,2x131072,1x131072} \
-        --methods ${E2E_METHODS:-dense,ada44,rdr,rdr-host} ${E2E_FLAGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -n 40
+      # whole-model decode throughput (E2E_SHAPES, E2E_METHODS, E2E_FLAGS such as --equal-memory);
+      # FlashInfer's rows join the default methods when its wheel is carried in .whl/
+      methods=${E2E_METHODS:-dense,ada44,rdr,rdr-host}
+      if [ -z "${E2E_METHODS:-}" ] && ls .whl/flashinfer*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashinfer*.whl \
+          > "$OUT/flashinfer_install.log" 2>&1 && methods=dense,flashinfer-bf16,flashinfer-fp8,ada44,rdr,rdr-host
+      fi
+      PYTHONPATH=/tmp/site:$PYTHONPATH timeout ${E2E_LIMIT:-420} python3 -m validation.e2e_bench \
+        --out "$OUT/e2e_h200.json" --plot "$OUT/e2e_h200.png" \
+        --shapes ${E2E_SHAPES:-32x8192,8x32768,2x131072,1x131072} \
+        --methods $methods ${E2E_FLAGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
     asv)
       # stage asv: the GPU benchmarks' asv results for the committed history, in
