@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from spherical_kv_ref.rdr.surrogate import LOG_FLOAT_MAX
+
 
 def _torch():
     import torch
@@ -117,8 +119,10 @@ def distortion(p, q2, r, vn, res, key_error, value_error, dim: int, softmax_scal
     out[:, 0] = eviction_factor * p2 * res2
     sigma2 = ((softmax_scale ** 2) * q2 * r * r / dim)[:, None] * ek[None, :]
     if key_term == "lognormal":
-        sigma2 = torch.clamp(torch.expm1(2.0 * sigma2) - 2.0 * torch.expm1(0.5 * sigma2),
-                             max=np.finfo(float).max)
+        lognormal = torch.clamp(torch.expm1(2.0 * sigma2) - 2.0 * torch.expm1(0.5 * sigma2),
+                                max=np.finfo(float).max)
+        sigma2 = torch.where(2.0 * sigma2 > LOG_FLOAT_MAX,     # rdr.surrogate's cut: no inf − inf
+                             torch.full_like(sigma2, np.finfo(float).max), lognormal)
     out[:, 1:] = p2[:, None] * (res2[:, None] * sigma2 + (vn * vn)[:, None] * ev[None, :])
     return out
 

@@ -17,6 +17,9 @@ def _stat(name, x, n):
         raise ValueError(f"{name} must be non-negative")
     return a
 
+#: log of float64's largest value: e^x overflows past it
+LOG_FLOAT_MAX = float(np.log(np.finfo(float).max))
+
 
 def distortion(attn_prob, query_sq_norm, key_radius, value_norm, value_residual,
                key_error, value_error, dim, softmax_scale=None, eviction_factor=1.0,
@@ -81,8 +84,13 @@ def distortion(attn_prob, query_sq_norm, key_radius, value_norm, value_residual,
     logit_var = (s * s) * q2 * r * r / dim                  # E[δ²] per unit E[ε_θ²]
     sigma2 = logit_var[:, None] * ek[None, :]
     if key_term == "lognormal":
-        with np.errstate(over="ignore"):
-            sigma2 = np.minimum(np.expm1(2.0 * sigma2) - 2.0 * np.expm1(0.5 * sigma2), np.finfo(float).max)
+        # e^{2σ²} overflows past σ² ≈ 354.9 (the term is then past float's range: its
+        # largest value); without the cut, past σ² ≈ 1419.6 both terms overflow and inf − inf
+        # would be NaN
+        big = 2.0 * sigma2 > LOG_FLOAT_MAX
+        with np.errstate(over="ignore", invalid="ignore"):
+            lognormal = np.expm1(2.0 * sigma2) - 2.0 * np.expm1(0.5 * sigma2)
+        sigma2 = np.where(big, np.finfo(float).max, np.minimum(lognormal, np.finfo(float).max))
     out[:, 1:] = p2[:, None] * (res2[:, None] * sigma2 + (vn * vn)[:, None] * ev[None, :])
     return out
 
