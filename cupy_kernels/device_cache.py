@@ -536,7 +536,7 @@ class DeviceKVCache:
         return torch.stack([q[:, h * G:(h + 1) * G].reshape(-1, d) @ self._rotation(layer, h).T
                             for h in heads])
 
-    def _state_index(self, sid: int, s: _Seq) -> "_States":
+    def _state_index(self, s: _Seq) -> "_States":
         """Every state of a sequence on the device (``_States``), built from the host's page
         lists: O(pages) on the host, O(states) only on the device."""
         torch = _torch()
@@ -650,7 +650,7 @@ class DeviceKVCache:
             method = compress_method(self.policy, method)
         t0 = time.perf_counter()
         befores = [self.bytes_in_use(x) for x in seqs]
-        sts = [self._state_index(x, s) for x, s in zip(seqs, ss)]
+        sts = [self._state_index(s) for s in ss]
         live = [i for i, st in enumerate(sts) if st.page.numel()]
         stats = dict(zip(live, self._statistics([ss[i] for i in live], [sts[i] for i in live])))
         self._sync()
@@ -719,9 +719,8 @@ class DeviceKVCache:
         from spherical_kv_ref.rdr.problem import Allocation
         from . import rdr_device
         torch = _torch()
-        T, d, pb = self.ladder.top, self.head_dim, self.page_bytes
-        per = [0] + [self.ladder.states_per_page(t, d, pb) for t in range(1, T + 1)]
-        share = [0.0] + [pb / p for p in per[1:]]
+        d, pb = self.head_dim, self.page_bytes
+        share = [0.0] + [pb / p for p in self._per()[1:]]
         for sid, st, budget in zip(sids, sts, budgets):
             need = self._pages_of(st.row[st.protected], st.tier[st.protected], len(st.n_row))
             if need * pb > budget:
@@ -750,11 +749,15 @@ class DeviceKVCache:
             a += n
         return out
 
-    def _group_counts(self, row, tier, R: int) -> np.ndarray:
-        """(R, T+1) int64 host array: states of each (row, tier)."""
+    def _group_pages(self, row, tier, R: int):
+        """(states, pages), (R, T+1) int64 host arrays: the given states of each (row, tier)
+        and the pages they fill densely (tier 0 holds none)."""
         torch = _torch()
         T1 = self.ladder.top + 1
-        return torch.bincount(row * T1 + tier, minlength=R * T1).view(R, T1).cpu().numpy()
+        cnt = torch.bincount(row * T1 + tier, minlength=R * T1).view(R, T1).cpu().numpy()
+        pages = -(-cnt // self._per()[None, :])
+        pages[:, 0] = 0
+        return cnt, pages
 
     def _per(self) -> np.ndarray:
         T, d, pb = self.ladder.top, self.head_dim, self.page_bytes
@@ -762,8 +765,7 @@ class DeviceKVCache:
 
     def _pages_of(self, row, tier, R: int) -> int:
         """Pages the given states fill, each (row, tier) densely (tier 0 holds none)."""
-        c = self._group_counts(row, tier, R)[:, 1:]
-        return int(np.sum(-(-c // self._per()[1:])))
+        return int(self._group_pages(row, tier, R)[1].sum())
 
     def _apply(self, s: _Seq, st: "_States", new, budget: int) -> None:
         """Rewrite every row whose tiers changed (``new`` (N,) int64 device tensor, the
@@ -778,9 +780,7 @@ class DeviceKVCache:
         changed = torch.zeros(R, dtype=torch.long, device=self.device).index_add_(
             0, st.row, (new != st.tier).long()).cpu().numpy() > 0
         alive = new > 0
-        cnt = self._group_counts(st.row[alive], new[alive], R)
-        npg = -(-cnt // per[None, :])
-        npg[:, 0] = 0
+        cnt, npg = self._group_pages(st.row[alive], new[alive], R)
         if int(npg.sum()) * self.page_bytes > budget:
             raise RuntimeError(f"RDR allocation needs {int(npg.sum()) * self.page_bytes} bytes "
                                f"for budget {budget}; this is a bug")
@@ -807,11 +807,12 @@ class DeviceKVCache:
         per_t = dev(per)[t_sel]
         dst_p = dev(fresh.astype(np.int64))[dev(base)[key] + rank // per_t]
         dst_s = rank % per_t
-        page_tier = np.repeat(np.tile(np.arange(T1, dtype=np.int32), R), flat)
-        page_count = np.full(need, 0, np.int32)
-        ends = np.cumsum(flat)[flat > 0] - 1              # each (row, tier)'s last page
-        page_count[:] = np.repeat(per[np.tile(np.arange(T1), R)], flat)
-        page_count[ends] = cnt_moved[flat > 0] - per[np.tile(np.arange(T1), R)][flat > 0] * (flat[flat > 0] - 1)
+        group_tier = np.tile(np.arange(T1, dtype=np.int32), R)    # the tier of each (row, tier)
+        page_tier = np.repeat(group_tier, flat)
+        # full pages, then each (row, tier)'s last page with what is left (dense_counts)
+        page_count = np.repeat(per[group_tier], flat).astype(np.int32)
+        used = flat > 0
+        page_count[np.cumsum(flat)[used] - 1] = cnt_moved[used] - per[group_tier][used] * (flat[used] - 1)
         self._set_pages(fresh, page_tier, np.zeros(need))
         i32 = lambda x: x.to(torch.int32).contiguous()
         with _stream():

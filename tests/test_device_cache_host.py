@@ -122,7 +122,7 @@ def _cpu_cache(rng, L=2, H=3, d=64):
 def test_state_index_is_the_rows_walked_one_by_one():
     from spherical_kv_ref import SphericalKVCache
     c, s = _cpu_cache(np.random.default_rng(0))
-    st = c._state_index(0, s)
+    st = c._state_index(s)
     at = 0
     for layer in range(c.num_layers):
         for h in range(c.num_kv_heads):
@@ -148,7 +148,7 @@ def test_apply_lays_each_changed_row_out_by_tier_in_storage_order(monkeypatch):
     import cupy_kernels.device_cache as dc
     rng = np.random.default_rng(1)
     c, s = _cpu_cache(rng)
-    st = c._state_index(0, s)
+    st = c._state_index(s)
     new = st.tier.clone()
     down = torch.as_tensor(rng.random(new.numel()) < 0.5) & ~st.protected
     new[down] = torch.as_tensor(rng.integers(0, 3, int(down.sum())))
@@ -230,7 +230,7 @@ def test_statistics_of_a_batch_are_each_sequence_s_own():
     batch where they hold as many states and queries: here every row, the two sequences
     having the same layout) are those of each sequence alone, in its own order."""
     c, s0, s1 = _two_sequences()
-    st = [c._state_index(i, s) for i, s in enumerate((s0, s1))]
+    st = [c._state_index(s) for s in (s0, s1)]
     assert np.array_equal(st[0].n_row, st[1].n_row)
     both = c._statistics([s0, s1], st)
     for i, s in enumerate((s0, s1)):
