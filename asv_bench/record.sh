@@ -7,8 +7,9 @@
 # COMMIT defaults to HEAD (the checkout, which must hold no uncommitted library changes); any
 # other commit's library is taken from git under HEAD's benchmark files. ASV_RESULTS moves the
 # results folder (default asv_bench/results). A copy of the working tree without .git names
-# its commit through .asv_git/repo.bundle (made in the checkout by `git bundle create
-# .asv_git/repo.bundle HEAD`); only HEAD can be recorded there.
+# its commits through .asv_git/repo.bundle (made in the checkout by `git bundle create
+# .asv_git/repo.bundle HEAD`, the whole history): HEAD is the tree itself, any other commit
+# is taken from the bundle.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 machine=${1:?usage: asv_bench/record.sh MACHINE [COMMIT] [-- asv run options]}
@@ -29,16 +30,22 @@ if git -C "$root" rev-parse -q --verify HEAD > /dev/null 2>&1; then
   src=$(source_tree "$commit")
 else
   bundle=$root/.asv_git/repo.bundle
-  if [ ! -f "$bundle" ] || [ "$commit_name" != HEAD ]; then
-    echo "record: no .git here; HEAD can be recorded with $bundle beside the working tree"
+  if [ ! -f "$bundle" ]; then
+    echo "record: no .git here; commits can be recorded with $bundle beside the working tree"
     exit 2
   fi
   git clone -q --bare "$bundle" "$scratch/repo"
   repo=$scratch/repo
   # asv looks up the configured branch even when it is told the commit
   git -C "$repo" rev-parse -q --verify main > /dev/null || git -C "$repo" branch main HEAD
-  commit=$(git -C "$repo" rev-parse HEAD)
-  src=$root
+  commit=$(git -C "$repo" rev-parse --verify "$commit_name^{commit}")
+  if [ "$commit" = "$(git -C "$repo" rev-parse HEAD)" ]; then
+    src=$root                   # the working tree is the bundle's HEAD
+  else
+    src=$scratch/src-$commit    # another commit of the bundle: its files from git
+    mkdir -p "$src"
+    git -C "$repo" archive "$commit" | tar -x -C "$src"
+  fi
 fi
 mkdir -p "$results"
 write_conf "$results" "$repo"

@@ -118,12 +118,20 @@ for stage in "$@"; do
       rc=${PIPESTATUS[0]};;
     asv)
       # stage asv: the GPU benchmarks' asv results for the committed history, in
-      # $OUT/asv_results/h200/ (docs/benchmarks.md; asv's wheels in .whl/, .asv_git/repo.bundle)
+      # $OUT/asv_results/h200/ (docs/benchmarks.md; asv's wheels in .asv_whl/ or .whl/,
+      # .asv_git/repo.bundle). ASV_COMMITS (default HEAD) names the commits to record, each
+      # once per ASV_REPEAT (default 1; more gives the run-to-run spread of one commit)
       python3 -m asv --version > /dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps \
-        --no-compile --target /tmp/site .whl/*.whl > "$OUT/asv_install.log" 2>&1
-      PYTHONPATH=/tmp/site:$PYTHONPATH ASV_RESULTS="$OUT/asv_results" timeout ${ASV_LIMIT:-420} \
-        asv_bench/record.sh h200 -- --bench "${ASV_GPU_BENCH:-\.track_(gpu_us|gbps)\(}" > "$OUT/asv.log" 2>&1
-      rc=$?; tail -n 30 "$OUT/asv.log";;
+        --no-compile --target /tmp/asv_site $(ls .asv_whl/*.whl .whl/asv*.whl 2>/dev/null) > "$OUT/asv_install.log" 2>&1
+      rc=0
+      for commit in ${ASV_COMMITS:-HEAD}; do
+        for rep in $(seq ${ASV_REPEAT:-1}); do
+          PYTHONPATH=/tmp/asv_site:$PYTHONPATH ASV_RESULTS="$OUT/asv_results${rep#1}" timeout ${ASV_LIMIT:-420} \
+            asv_bench/record.sh h200 "$commit" -- --bench "${ASV_GPU_BENCH:-\.track_(gpu_us|gbps)\(}" >> "$OUT/asv.log" 2>&1
+          r=$?; [ $r -ne 0 ] && rc=$r; note "asv $commit rep $rep rc=$r"
+        done
+      done
+      tail -n 30 "$OUT/asv.log";;
     *) note "unknown stage $stage"; rc=2;;
   esac
   note "stage $stage rc=$rc in $(( $(date +%s) - t0 )) s"
