@@ -395,23 +395,39 @@ def main(argv=None):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
+    failed = []
+
+    def attempt(method_name, batch, context, equal_memory=False):
+        # one method failing (a peer's JIT build, an out-of-memory) must not cost the rows
+        # after it: the error is printed and counted, and the run goes on
+        try:
+            run(method_name, batch, context, equal_memory)
+        except Exception as e:           # noqa: BLE001 (reported, and the exit code says so)
+            failed.append(f"{method_name} {batch}x{context}: {type(e).__name__}: {e}")
+            print(f"FAILED {failed[-1]}", flush=True)
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
+
     for shape in args.shapes.split(","):
         batch, context = (int(x) for x in shape.split("x"))
         for m in methods:
             if m.startswith("rdr") and shape not in (args.rdr_shapes if m == "rdr"
                                                      else args.rdr_host_shapes).split(","):
                 continue
-            run(m, batch, context)
+            attempt(m, batch, context)
     if args.equal_memory:
         context = 32768
         room = args.memory_gib * GIB - weights - 2 * GIB        # activations and workspace
         dense_b = int(room // (dense_bytes_per_token(model.config) * (context + args.steps)))
-        run("dense", dense_b, context, equal_memory=True)
+        attempt("dense", dense_b, context, equal_memory=True)
         ada_seq = ada_bytes_per_seq(model, context + args.steps)
-        run("ada44", int(room // ada_seq), context, equal_memory=True)
+        attempt("ada44", int(room // ada_seq), context, equal_memory=True)
     if args.plot:
         plot(rows, args.plot)
-    return 0
+    for f in failed:
+        print(f"FAILED {f}")
+    return 1 if failed else 0
 
 
 def ada_bytes_per_seq(model, n):
