@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from spherical_kv_eval.model import QKV
 from spherical_kv_ref.codec import SphericalCodec, vector_bytes
 from validation import engine_dppl as ed
 from validation.engine_frontier import summarise
@@ -23,6 +24,35 @@ def test_e4m3_rounds_like_vllm_per_tensor_fp8():
     assert np.array_equal(ed.e4m3(np.array([1e4, -1e4]) * s, s), np.array([448.0, -448.0]) * s)
     tiny = rng.uniform(0, 2.0 ** -6, 100) * s
     assert np.all(np.abs(ed.e4m3(tiny, s) - tiny) <= 2.0 ** -10 * s)
+
+
+def test_fp8_rows_bytes_and_per_tensor_scales():
+    """An fp8 row stores one byte per key and value element of every kv-head (exactly half of
+    bf16's bytes) and holds two float32 scales per layer once; each layer's keys read back
+    through its key scale and its values through its value scale. amax/448 puts a layer's
+    largest |x| at e4m3's largest value: nothing saturates, that element comes back exact,
+    every normal element within e4m3's 2^-4 relative step."""
+    layers, H, d, T = [0, 4, 7], 3, 64, 17
+    rng = np.random.default_rng(3)
+    keys = [rng.standard_normal((H, T, d)) * (1 + l) for l in range(8)]
+    values = [rng.standard_normal((H, T, d)) * 0.01 for _ in range(8)]
+    scales = ed.amax_scales(QKV(keys, keys, values), layers)
+    fmt = ed.Format("fp8-amax", {l: ("fp8",) + scales[l] for l in layers}, d, H)
+    assert fmt.bytes_per_token == len(layers) * H * 2 * d
+    assert 2 * fmt.bytes_per_token == fmt.bf16_bytes_per_token
+    assert fmt.fixed_bytes == len(layers) * 2 * 4
+    for l in layers:
+        for part, x in ((0, keys[l]), (1, values[l])):
+            s = scales[l][part]
+            assert s == np.abs(x).max() / ed.E4M3_MAX
+            y = fmt.stored(l, x, part)
+            assert np.array_equal(y, ed.e4m3(x, s))
+            top = np.unravel_index(np.abs(x).argmax(), x.shape)
+            assert math.isclose(y[top], x[top], rel_tol=1e-12)
+            normal = np.abs(x) >= 2.0 ** -6 * s
+            assert np.all(np.abs(y - x)[normal] <= 2.0 ** -4 * np.abs(x)[normal])
+            assert np.all(np.abs(y - x)[~normal] <= 2.0 ** -10 * s)
+    assert fmt.tiers() == {l: "fp8" for l in layers}
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
