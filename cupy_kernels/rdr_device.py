@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spherical_kv_ref.rdr.surrogate import LOG_FLOAT_MAX
+from spherical_kv_ref.rdr.surrogate import DISTORTION_MAX, LOG_FLOAT_MAX
 
 
 def _torch():
@@ -120,11 +120,12 @@ def distortion(p, q2, r, vn, res, key_error, value_error, dim: int, softmax_scal
     sigma2 = ((softmax_scale ** 2) * q2 * r * r / dim)[:, None] * ek[None, :]
     if key_term == "lognormal":
         lognormal = torch.clamp(torch.expm1(2.0 * sigma2) - 2.0 * torch.expm1(0.5 * sigma2),
-                                max=np.finfo(float).max)
+                                max=DISTORTION_MAX)
         sigma2 = torch.where(2.0 * sigma2 > LOG_FLOAT_MAX,     # rdr.surrogate's cut: no inf − inf
-                             torch.full_like(sigma2, np.finfo(float).max), lognormal)
-    out[:, 1:] = p2[:, None] * (res2[:, None] * sigma2 + (vn * vn)[:, None] * ev[None, :])
-    return out
+                             torch.full_like(sigma2, DISTORTION_MAX), lognormal)
+    inner = res2[:, None] * sigma2 + (vn * vn)[:, None] * ev[None, :]
+    out[:, 1:] = p2[:, None] * inner.clamp_(max=DISTORTION_MAX)     # rdr.surrogate's ceiling
+    return out.clamp_(max=DISTORTION_MAX)
 
 
 def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget,

@@ -363,6 +363,39 @@ def test_surrogate_rejects_nan_statistics():
         rdr.distortion([0.5, 0.5], 1.0, [1.0, 1, 1], [1, 1], [1, 1], [0.1], [0.1], 8)
 
 
+def test_surrogate_of_huge_finite_statistics_is_finite_and_capped():
+    """Keys with norms in the hundreds (no queries seen: Q² is the keys' mean r²) put the
+    lognormal key term far past float's range; every entry stays at most DISTORTION_MAX, a
+    zero probability gives 0 (never 0 · inf), and a sum over 2^32 capped states is finite."""
+    from spherical_kv_ref.rdr.surrogate import DISTORTION_MAX
+    p = np.array([0.0, 0.3, 1.0, 1.0])
+    r = np.array([800.0, 800.0, 800.0, 1.0])
+    ek, ev = rdr.tier_error_constants([(2, 2), (4, 4), (16, 16)], 64)
+    D = rdr.distortion(p, 800.0 ** 2, r, np.full(4, 1e4), np.full(4, 1e4), ek, ev, 64,
+                       key_term="lognormal")
+    assert np.isfinite(D).all() and (D <= DISTORTION_MAX).all()
+    assert (D[0] == 0).all()                                   # p = 0: nothing to lose
+    assert D[1, 1] == D[1, 2] == 0.09 * DISTORTION_MAX          # 2 and 4 bits past measure
+    assert D[1, 0] < D[1, 1] and D[1, 3] < 1e-200 * D[1, 1]   # evicting and 16 bits measured
+    assert D[3, 1] < DISTORTION_MAX * 1e-200                   # a small key is measured as ever
+    assert np.isfinite(np.float64(2.0 ** 32) * DISTORTION_MAX)
+
+
+def test_compress_of_keys_with_norms_in_the_hundreds_succeeds():
+    """The regression: such keys made every quantised tier's distortion inf, and compress
+    refused a finite input with "distortion has NaN or infinite entries"."""
+    import spherical_kv_ref as skv
+    rng = np.random.default_rng(0)
+    k, v = rng.standard_normal((2, 2, 300, 64)) * 100.0      # key norms ~800
+    cache = skv.SphericalKVCache(num_layers=1, num_kv_heads=2, head_dim=64)
+    seq = cache.new_sequence()
+    cache.append(seq, 0, k, v)
+    report = cache.compress(seq, budget_fraction=0.25)
+    assert report.bytes_after <= report.budget_bytes
+    assert np.isfinite(report.allocation.objective)
+    assert np.isfinite(cache.decode(seq, 0, rng.standard_normal((2, 64)))).all()
+
+
 def test_tier_error_constants():
     ek, ev = rdr.tier_error_constants([(4, 2), (16, 16)], 128, error={2: 0.12, 4: 0.01, 16: 0.0})
     assert np.array_equal(ek, [0.01, 0.0]) and np.array_equal(ev, [0.12, 0.0])

@@ -115,12 +115,13 @@ def test_the_chunked_prefix_sum_is_the_prefix_sum(n):
     torch.testing.assert_close(_cumsum(x), torch.cumsum(x, dim=0), rtol=1e-12, atol=1e-6)
 
 
-def test_distortion_of_huge_key_errors_is_the_largest_float_not_nan():
+def test_distortion_of_huge_key_errors_is_the_ceiling_not_nan():
     """The lognormal key term past float's range (e^{2σ²} and e^{σ²/2} both overflow when
-    σ² > 1419.6) is the largest float on the host and the device, never inf − inf = NaN."""
-    n = 4
-    p, q2, vn, res = np.full(n, 0.1), np.full(n, 64.0), np.ones(n), np.ones(n)
-    r = np.array([1.0, 1e3, 1e5, 1e8])          # logit error variance up to ~1e16
+    σ² > 1419.6) is rdr.surrogate's ceiling on the host and the device, never inf − inf =
+    NaN, and a product past float's range (‖v − o‖ of 1e4 here) is capped the same way."""
+    n = 5
+    p, q2, vn, res = np.full(n, 0.1), np.full(n, 64.0), np.ones(n), np.array([1.0] * 4 + [1e4])
+    r = np.array([1.0, 1e3, 1e5, 1e8, 1e8])          # logit error variance up to ~1e16
     ek, ev = rdr.tier_error_constants(TierLadder().tiers, 64, kind="uniform")
     want = rdr.distortion(p, q2, r, vn, res, ek, ev, 64, softmax_scale=0.125, key_term="lognormal")
     got = rdr_device.distortion(*(torch.tensor(x) for x in (p, q2, r, vn, res)), ek, ev, 64,

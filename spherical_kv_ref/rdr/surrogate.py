@@ -19,6 +19,11 @@ def _stat(name, x, n):
 
 #: log of float64's largest value: e^x overflows past it
 LOG_FLOAT_MAX = float(np.log(np.finfo(float).max))
+#: the ceiling of every surrogate distortion: float64's largest value / 2^64, so that the
+#: solvers' sums over up to 2^64 states and their differences stay finite. An entry there
+#: is an error past measure (a key tier whose logit error is astronomically large, as
+#: with key norms in the hundreds): evicting, or a tier below the ceiling, is preferred
+DISTORTION_MAX = float(np.ldexp(np.finfo(float).max, -64))
 
 
 def distortion(attn_prob, query_sq_norm, key_radius, value_norm, value_residual,
@@ -47,7 +52,8 @@ def distortion(attn_prob, query_sq_norm, key_radius, value_norm, value_residual,
     variance) or "lognormal": E[(e^δ − 1)²] = e^{2σ²} − 2e^{σ²/2} + 1 for δ ~ N(0, σ²),
     the squared change of the state's softmax weight to all orders (equal to σ² + O(σ⁴);
     at 2 bits on SmolLM2 σ² reaches ~1, where it is several times the first-order term).
-    Returns D (n, T+1) float64, column 0 = evict.
+    Returns D (n, T+1) float64, column 0 = evict, every entry at most ``DISTORTION_MAX``
+    (finite statistics always give a finite problem, however large).
     """
     if key_term not in ("linear", "lognormal"):
         raise ValueError(f"key_term must be 'linear' or 'lognormal', got {key_term!r}")
@@ -90,9 +96,11 @@ def distortion(attn_prob, query_sq_norm, key_radius, value_norm, value_residual,
         big = 2.0 * sigma2 > LOG_FLOAT_MAX
         with np.errstate(over="ignore", invalid="ignore"):
             lognormal = np.expm1(2.0 * sigma2) - 2.0 * np.expm1(0.5 * sigma2)
-        sigma2 = np.where(big, np.finfo(float).max, np.minimum(lognormal, np.finfo(float).max))
-    out[:, 1:] = p2[:, None] * (res2[:, None] * sigma2 + (vn * vn)[:, None] * ev[None, :])
-    return out
+        sigma2 = np.where(big, DISTORTION_MAX, np.minimum(lognormal, DISTORTION_MAX))
+    with np.errstate(over="ignore"):            # an inf here is capped (no 0 · inf: p ≤ 1)
+        inner = res2[:, None] * sigma2 + (vn * vn)[:, None] * ev[None, :]
+    out[:, 1:] = p2[:, None] * np.minimum(inner, DISTORTION_MAX)
+    return np.minimum(out, DISTORTION_MAX, out=out)
 
 
 def tier_error_constants(ladder, dim, error=None, kind="lloyd-max"):
