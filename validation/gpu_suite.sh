@@ -111,8 +111,9 @@ for stage in "$@"; do
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashinfer*.whl \
           > "$OUT/flashinfer_install.log" 2>&1 && methods=dense,flashinfer-bf16,flashinfer-fp8,ada44,rdr,rdr-host
       fi
+      # E2E_NAME names the files by the card (e2e_h200, e2e_h100)
       PYTHONPATH=/tmp/site:$PYTHONPATH timeout ${E2E_LIMIT:-420} python3 -m validation.e2e_bench \
-        --out "$OUT/e2e_h200.json" --plot "$OUT/e2e_h200.png" \
+        --out "$OUT/${E2E_NAME:-e2e_h200}.json" --plot "$OUT/${E2E_NAME:-e2e_h200}.png" \
         --shapes ${E2E_SHAPES:-32x8192,8x32768,2x131072,1x131072} \
         --methods $methods ${E2E_FLAGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
