@@ -107,3 +107,19 @@ def test_summary_over_seeds():
     assert math.isclose(s["bytes_frac"], 100 / 256) and s["ci95"] > 0 and not s["lab"]
     with pytest.raises(ValueError, match="twice"):
         summarise(rows + rows[:1])
+
+
+def test_frontier_labels_do_not_overlap():
+    """Three formats at one point and one far away: the three labels take three places, the
+    lone one the first choice."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from validation.engine_frontier import LABEL_PLACES, place_labels
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.set_xlim(0, 100)
+    ax.set_ylim(0, 100)
+    labels = [("8/4", 50, 50), ("8/4 LM", 50, 50), ("rdr:8/4", 50, 50), ("fp8", 10, 90)]
+    got = place_labels(ax, labels, [(x, y) for _, x, y in labels])
+    assert len(set(got[:3])) == 3 and got[3] == LABEL_PLACES[0]
+    plt.close(fig)

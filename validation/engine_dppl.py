@@ -36,8 +36,11 @@ does not serve sliding windows; the passage is shorter than their window).
 
 Prints one line per (format, codebook, seed): the PPL and ΔPPL against the dense model over
 the passage of tests/test_vllm_e2e.py, and the format's bytes per token. ``--json`` keeps the
-rows. Needs torch, transformers and the model's package (spherical_kv_eval.model); CPU, a
-few seconds per run (SmolLM2, one thread).
+rows, each with the ``arithmetic`` that made it (arithmetic()): a seed's ΔPPL is one draw,
+and float32 kernels of another instruction set draw again (fp8 at scale 1.0 on SmolLM2:
++1.57 % with MKL's AVX2 kernels, +1.23 % with its AVX-512 ones). Needs torch, transformers
+and the model's package (spherical_kv_eval.model); CPU, a few seconds per run (SmolLM2, one
+thread).
 """
 from __future__ import annotations
 
@@ -79,6 +82,18 @@ def calibration_ids(tok):
     from spherical_kv_eval.data import load_austen
     text = next(iter(load_austen().texts.values()))
     return tok(text[:20000])["input_ids"][:CALIBRATION_TOKENS]
+
+
+def arithmetic() -> str:
+    """What the dense parts of the model run on: torch's version and the CPU kernels it
+    picks (ATen's instruction set; MKL_ENABLE_INSTRUCTIONS, when set, lowers MKL's), scipy's
+    version (the uniform codebook's scale)."""
+    import os
+    import scipy
+    import torch
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+    return (f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
+            + (f", MKL {mkl}" if mkl else "") + f", scipy {scipy.__version__}")
 
 
 def e4m3(x: np.ndarray, scale: float) -> np.ndarray:
@@ -402,7 +417,7 @@ def main(argv=None) -> int:
                        "ppl": math.exp(nll), "dense_ppl": math.exp(dense), "dppl": dp,
                        "bytes_per_token": fmt.bytes_per_token,
                        "bf16_bytes_per_token": fmt.bf16_bytes_per_token,
-                       "fixed_bytes": fmt.fixed_bytes}
+                       "fixed_bytes": fmt.fixed_bytes, "arithmetic": arithmetic()}
                 if a.variant:
                     row["variant"] = list(a.variant)
                 if name.startswith("rdr") or name == "fp8-amax":

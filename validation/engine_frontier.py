@@ -82,6 +82,39 @@ def table(summary) -> str:
     return "\n".join(lines)
 
 
+#: where a label may sit beside its point, offset points (dx, dy), in order of preference
+LABEL_PLACES = ((5, 3), (5, -11), (5, 13), (-5, 3), (-5, -11), (5, -21), (5, 23), (-5, 13))
+
+
+def place_labels(ax, labels, marks, fontsize=8) -> list:
+    """Offset (dx, dy) in points from LABEL_PLACES for each (text, x, y) of ``labels`` (data
+    units, ``ax`` as laid out now): the first place whose text box, estimated from the
+    font size, overlaps no label already placed and no point of ``marks`` (x, y) but its
+    own; where every place is taken, the one with the fewest overlaps."""
+    px = ax.figure.dpi / 72.0
+    h, w = fontsize * px, 0.6 * fontsize * px          # a line's height, a character's width
+    dots = ax.transData.transform(np.asarray(marks, dtype=float))
+    boxes, out = [], []
+    for text, x, y in labels:
+        ox, oy = ax.transData.transform((x, y))
+        best = None
+        for dx, dy in LABEL_PLACES:
+            x0 = ox + dx * px - (len(text) * w if dx < 0 else 0)
+            y0 = oy + dy * px
+            box = (x0, y0, x0 + len(text) * w, y0 + h)
+            hits = sum(b[0] < box[2] and box[0] < b[2] and b[1] < box[3] and box[1] < b[3]
+                       for b in boxes)
+            hits += sum(box[0] - 4 < qx < box[2] + 4 and box[1] - 4 < qy < box[3] + 4
+                        and (abs(qx - ox) > 1 or abs(qy - oy) > 1) for qx, qy in dots)
+            if best is None or hits < best[0]:
+                best = (hits, (dx, dy), box)
+            if hits == 0:
+                break
+        boxes.append(best[2])
+        out.append(best[1])
+    return out
+
+
 def picture(summary, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -90,9 +123,12 @@ def picture(summary, path: Path) -> None:
     default = "/".join(map(str, DEFAULT_TIER))
     models = list(dict.fromkeys(s["model"] for s in summary))
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False)
+    placed = []
     for ax, model in zip(axes[0], models):
+        labels, marks = [], []
         for s in (s for s in summary if s["model"] == model):
             x, m = 100 * s["bytes_frac"], 100 * s["mean"]
+            marks.append((x, m))
             colour = ("tab:purple" if s["tier"].startswith("fp8") else
                       "tab:green" if s["tier"].startswith("rdr") else
                       "tab:orange" if s["codebook"] == "lloyd-max" else "tab:blue")
@@ -101,13 +137,17 @@ def picture(summary, path: Path) -> None:
                         color=colour, mfc=face, capsize=3)
             if s["seeds"] > 1:
                 ax.plot(x, 100 * s["max"], "v", color=colour, mfc="none", ms=6)
+                marks.append((x, 100 * s["max"]))
             label = s["tier"] + (" LM" if s["codebook"] == "lloyd-max" else "")
             if s["tier"] == default and s["codebook"] == "uniform":
                 label += " (plugin default)"
-            ax.annotate(label, (x, m), textcoords="offset points", xytext=(5, 3), fontsize=8)
+            labels.append((label, x, m))
+        placed.append((ax, labels, marks))
         ax.axhline(100 * TARGET_DPPL, color="k", ls="--", lw=0.8)
         ax.axvline(100 * TARGET_BYTES, color="k", ls=":", lw=0.8)
         ax.set_yscale("symlog", linthresh=1.0)
+        lo, hi = ax.get_xlim()
+        ax.set_xlim(lo, hi + 0.08 * (hi - lo))     # room for the rightmost labels
         ax.set_xlabel("bytes per token, % of bf16")
         ax.set_ylabel("engine ΔPPL, %  (● mean ± 95 % CI, ▽ max over seeds)")
         ax.set_title(TITLES.get(model, model), fontsize=10)
@@ -116,6 +156,10 @@ def picture(summary, path: Path) -> None:
              "format lacks (emulated); purple: fp8 e4m3 (per-tensor scale); green: per-layer "
              "tiers by RDR; dashed: ΔPPL 1 %; dotted: 30 % of bf16", fontsize=8)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
+    for ax, labels, marks in placed:             # placed once the axes are laid out
+        for (label, x, m), offset in zip(labels, place_labels(ax, labels, marks)):
+            ax.annotate(label, (x, m), textcoords="offset points", xytext=offset,
+                        ha="left" if offset[0] > 0 else "right", fontsize=8)
     fig.savefig(path, dpi=120)
 
 
