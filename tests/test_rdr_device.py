@@ -98,6 +98,13 @@ def test_greedy_over_several_problems_solves_each_as_alone():
     assert torch.equal(tier, torch.cat([a[0] for a in alone]))
     assert obj == pytest.approx([a[1] for a in alone], rel=1e-12)
     assert lb == pytest.approx([a[2] for a in alone], rel=1e-9)
+    # the problems' states interleaved (no problem one slice): the same answer, state by state
+    mix = torch.as_tensor(np.random.default_rng(5).permutation(segment.numel()))
+    tier2, obj2, lb2 = rdr_device.greedy_allocation(
+        cat(1)[mix], cat(2)[mix], cat(3)[mix], groups[mix], parts[0][5], parts[0][0].page_bytes,
+        [float(p[0].budget_bytes) for p in parts], 12, segment=segment[mix])
+    assert torch.equal(tier2, tier[mix])
+    assert obj2 == pytest.approx(obj, rel=1e-12) and lb2 == pytest.approx(lb, rel=1e-9)
 
 
 def test_greedy_refuses_a_budget_below_the_protected_states():
