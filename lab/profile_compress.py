@@ -1,7 +1,8 @@
 """Where ``DeviceKVCache.compress`` spends its time: a cache of the Llama-3.1-8B shape (32
 layers, 8 kv-heads, d 128) holding ``--batch`` sequences of ``--context`` random states at the
 top tier of the default ladder, 32 observed queries per layer, then RDR to ``--fraction`` of
-the bf16 bytes with the device solver, one sequence after another, under torch's profiler.
+the bf16 bytes with the device solver, one sequence after another (``--together``: in one
+``compress_all``), under torch's profiler.
 Prints the parts' seconds and the ops that take the most CUDA and host time.
 
     PYTHONPATH=. python3 lab/profile_compress.py --batch 8 --context 32768
@@ -18,6 +19,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--fraction", type=float, default=0.2)
     ap.add_argument("--rows", type=int, default=30, help="ops printed per table")
+    ap.add_argument("--together", action="store_true",
+                    help="the profiled sequences in one compress_all (the batched decision)")
     args = ap.parse_args()
     import torch
     from cupy_kernels.device_cache import DeviceKVCache
@@ -43,12 +46,16 @@ def main() -> None:
     t0 = time.perf_counter()
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for s in seqs[1:]:
-            cache.compress(s, budget_fraction=args.fraction, method="device")
+        if args.together:
+            cache.compress_all(seqs[1:], budget_fraction=args.fraction, method="device")
+        else:
+            for s in seqs[1:]:
+                cache.compress(s, budget_fraction=args.fraction, method="device")
         torch.cuda.synchronize()
     took = time.perf_counter() - t0
     n = len(seqs) - 1
-    print(f"{n} sequences of {L * H * args.context} states: {took:.2f} s (profiled), parts "
+    print(f"{n} sequences of {L * H * args.context} states{' together' if args.together else ''}: "
+          f"{took:.2f} s (profiled), parts "
           + ", ".join(f"{k} {v:.2f} s" for k, v in cache.compress_seconds.items()))
     table = prof.key_averages()
     print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows))
