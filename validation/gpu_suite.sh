@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
-#   validation/gpu_suite.sh build tests device-cache fixed-cost e2e sanitize ncu profile bench-quick bench-encode bench flashinfer
+#   validation/gpu_suite.sh build tests device-cache fixed-cost e2e profile-compress sanitize ncu profile bench-quick bench-encode bench flashinfer asv
 # (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines;
 #  BENCH_GEOMETRY=d256 times the head_dim-256 layer of validation.decode_cases.BENCH_GEOMETRIES)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
@@ -98,6 +98,11 @@ for stage in "$@"; do
         python3 -m validation.sanitize_device_cache > "$OUT/sanitizer_device_cache.log" 2>&1
       rc=$?; note "compute-sanitizer memcheck (device cache) rc=$rc: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_device_cache.log" | tail -n 1)"
       [ $rc -ne 0 ] && tail -n 30 "$OUT/sanitizer_device_cache.log";;
+    profile-compress)
+      # where compress_all spends its time at (PC_BATCH, PC_CONTEXT), under torch's profiler
+      timeout ${PC_LIMIT:-240} python3 lab/profile_compress.py --together --batch ${PC_BATCH:-5} \
+        --context ${PC_CONTEXT:-32768} --rows 25 > "$OUT/profile_compress.txt" 2>&1
+      rc=$?; head -n 3 "$OUT/profile_compress.txt"; tail -n 2 "$OUT/profile_compress.txt";;
     fixed-cost)
       # the decode kernel's fixed cost per call in a graph, and eager with and without PDL
       timeout ${FC_LIMIT:-200} python3 lab/fixed_cost.py --out "$OUT/fixed_cost.json" \
