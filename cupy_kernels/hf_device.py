@@ -42,6 +42,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from spherical_kv_ref.codec import whole
 from spherical_kv_ref.hf import FULL, layer_kinds
+from spherical_kv_ref.hf_store import observing
 
 from .device_cache import DeviceKVCache
 
@@ -180,6 +181,9 @@ class DeviceSphericalCache(Cache):
 
     def _open(self, device, scaling: float):
         kw = dict(self.cache_kwargs)
+        # RDR reads every one of the ``observe`` recorded queries, as the CPU cache's does
+        # (the policy's own window, 8 by default, would keep only the last few of them)
+        kw["policy"] = observing(kw.get("policy"), self.observe)
         kw.setdefault("softmax_scale", scaling)
         kw.setdefault("pool_bytes", 1 << 30)
         self.kv = DeviceKVCache(len(self.store_layers), self.num_kv_heads, self.head_dim,

@@ -274,3 +274,25 @@ def test_compress_all_leaves_what_compress_of_each_leaves(monkeypatch, method):
                 assert np.array_equal(getattr(ra, f), getattr(rb, f)), f
     assert torch.equal(a.page_tier, b.page_tier) and torch.equal(a.page_count, b.page_count)
     assert set(a.compress_seconds) == {"statistics", "solve", "apply"}
+
+
+@pytest.mark.parametrize("policy_window, observe", [(None, 16), (4, 8), (32, 8)])
+def test_the_gpu_transformers_cache_reads_every_recorded_query(monkeypatch, policy_window, observe):
+    """DeviceSphericalCache(observe=N) hands its DeviceKVCache a policy whose query window
+    holds all N recorded queries, as the CPU SphericalCache does: with the policy's default
+    window of 8 it kept only the last 8 of 16, and RDR's estimates (and the decision) came
+    out unlike the CPU reference's on the same tokens."""
+    pytest.importorskip("transformers")
+    import transformers
+    from cupy_kernels import hf_device
+    from spherical_kv_ref.cache import CompressPolicy
+    made = {}
+    monkeypatch.setattr(hf_device, "DeviceKVCache", lambda *a, **kw: made.update(kw) or object())
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    kw = {} if policy_window is None else dict(policy=CompressPolicy(window=policy_window, sinks=3))
+    cache = hf_device.DeviceSphericalCache(cfg, observe=observe, **kw)
+    cache._open("cpu", 0.25)
+    assert made["policy"].window == max(observe, policy_window or CompressPolicy().window)
+    if policy_window is not None:
+        assert made["policy"].sinks == 3             # the rest of the caller's policy kept
