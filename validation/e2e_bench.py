@@ -466,7 +466,8 @@ def plot(rows, path):
     ax.set_yscale("log")
     ax.set_xlabel("resident KV bytes per token (KiB, every byte counted)")
     ax.set_ylabel("decode tokens/s (whole model, one CUDA graph)")
-    ax.set_title("Llama-3.1-8B shape, one H200: throughput against KV bytes")
+    gpu = rows[0].get("gpu", "one GPU").replace("NVIDIA ", "") if rows else "one GPU"
+    ax.set_title(f"Llama-3.1-8B shape, {gpu}: throughput against KV bytes")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
