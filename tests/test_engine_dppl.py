@@ -1,6 +1,7 @@
 """The serving frontier's lab pieces (validation/engine_dppl.py, validation/engine_frontier.py):
-fp8 e4m3 as vLLM stores it, the emulated widths, byte budgets and the per-seed summary. No
-model is loaded here; the frontier's figures come from the scripts (validation/results/engine)."""
+fp8 e4m3 as vLLM stores it (rounded to nearest; toward zero, as its CPU build does), the
+emulated widths, byte budgets and the per-seed summary. No model is loaded here; the
+frontier's figures come from the scripts (validation/results/engine)."""
 import math
 
 import numpy as np
@@ -24,6 +25,28 @@ def test_e4m3_rounds_like_vllm_per_tensor_fp8():
     assert np.array_equal(ed.e4m3(np.array([1e4, -1e4]) * s, s), np.array([448.0, -448.0]) * s)
     tiny = rng.uniform(0, 2.0 ** -6, 100) * s
     assert np.all(np.abs(ed.e4m3(tiny, s) - tiny) <= 2.0 ** -10 * s)
+
+
+def test_e4m3_toward_zero_is_the_largest_value_not_above():
+    """x -> e4m3 rounded toward zero (fp8-rtz, vLLM's CPU fp8 cache): of every finite e4m3
+    value (all 256 bit patterns), the one of largest magnitude not above |x|, with x's sign;
+    saturated at ±448·s; on subnormals, normals and values that e4m3 holds exactly."""
+    import torch
+    s = 0.5
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    grid = grid.double().numpy()
+    grid = np.unique(np.abs(grid[np.isfinite(grid)]))
+    rng = np.random.default_rng(1)
+    mags = np.concatenate([rng.uniform(0, 2.0 ** -6, 200), rng.uniform(2.0 ** -6, 448, 800),
+                           grid, [448.5, 1e4]])
+    x = mags * rng.choice([-1, 1], mags.size) * s
+    got = ed.e4m3_toward_zero(x, s)
+    below = grid[np.searchsorted(grid, np.minimum(mags, 448.0), side="right") - 1]
+    assert np.array_equal(np.abs(got), below * s)
+    assert np.all(np.sign(got) * np.sign(x) >= 0)
+    assert np.array_equal(ed.e4m3_toward_zero(grid * s, s), grid * s)
+    # it differs from rounding to nearest: half the normal values round up there
+    assert np.mean(np.abs(ed.e4m3(x, s)) > np.abs(got)) > 0.3
 
 
 def test_fp8_rows_bytes_and_per_tensor_scales():

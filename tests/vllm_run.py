@@ -2,7 +2,8 @@
 
     python tests/vllm_run.py config.json result.json
 
-config: {"tier": "4/4" or null (vLLM's own attention), "engine": {LLM keyword arguments},
+config: {"tier": "4/4" or null (vLLM's own attention), "seed": the plugin's rotation seed
+(SPHERICAL_KV_SEED; absent: the plugin's default, 0), "engine": {LLM keyword arguments},
 "jobs": [{"name", "prompts": [str], "max_tokens", "prompt_logprobs": bool}],
 "too_long": str or null (a prompt longer than max_model_len, expected to be refused)}.
 result: per job the generated token ids and, if asked, each prompt token's log-probability;
@@ -27,6 +28,8 @@ def main(config_path, result_path):
         os.environ["SPHERICAL_KV_TIER"] = cfg["tier"]
     else:
         os.environ.pop("SPHERICAL_KV_TIER", None)
+    if cfg.get("seed") is not None:
+        os.environ["SPHERICAL_KV_SEED"] = str(cfg["seed"])
     from vllm import LLM, SamplingParams
     from spherical_kv_eval.model import model_folder
 

@@ -14,7 +14,9 @@ Formats (``--tier``, several at once):
   e4m3 · scale, one scale per layer for the keys and one for the values (vLLM's per-tensor
   convention). vLLM takes the scales from the checkpoint and uses 1.0 when it has none, as
   for these GGUF-converted models: ``fp8`` is scale 1.0. ``fp8-amax``: the scales a
-  calibrated checkpoint ships, amax / 448 per layer, measured on the calibration text;
+  calibrated checkpoint ships, amax / 448 per layer, measured on the calibration text.
+  Both round to nearest e4m3; ``fp8-rtz``: scale 1.0 rounded toward zero, as vLLM 0.32's CPU
+  build stores its fp8 cache (tests/test_vllm_e2e.py compares it with that kernel);
 * ``K/V`` with K or V in 5, 6, 7: widths the format does not have (docs/format.md), emulated
   here to see what the kernels would gain: the same rotation, per-vector fp16 scale and
   codebook construction at that width (a 2^b-level codebook of spherical_kv_ref.codebooks),
@@ -103,6 +105,16 @@ def e4m3(x: np.ndarray, scale: float) -> np.ndarray:
     return y.double().numpy() * scale
 
 
+def e4m3_toward_zero(x: np.ndarray, scale: float) -> np.ndarray:
+    """x as vLLM 0.32's CPU fp8 cache returns it: e4m3(x / scale) · scale with the dropped
+    mantissa bits cut (rounded toward zero, saturating), float64. e4m3 has 3 mantissa bits
+    and subnormals below 2^-6, so the step at |y| is 2^(max(⌊log2 |y|⌋, -6) - 3)."""
+    y = np.clip(x / scale, -E4M3_MAX, E4M3_MAX)
+    _, e = np.frexp(np.maximum(np.abs(y), 2.0 ** -6))       # |y| = m · 2^e, m in [0.5, 1)
+    step = np.ldexp(1.0, e - 1 - 3)
+    return np.trunc(y / step) * step * scale
+
+
 def parse_bits(text: str):
     """'6/3' -> (6, 3): the format's widths (spherical_kv_vllm.parse_tier) or LAB_BITS."""
     from spherical_kv_vllm import BITS
@@ -151,9 +163,10 @@ class LabTier:
 
 
 class Format:
-    """What one run stores: per compressed layer either ('fp8', key scale, value scale) or
-    a BlockFormat. ``bytes_per_token``: bytes of one token's keys and values over the
-    compressed layers (every kv-head); ``fixed_bytes``: bytes held once per layer (fp8's
+    """What one run stores: per compressed layer either (rounding, key scale, value scale),
+    rounding 'fp8' (to nearest) or 'fp8-rtz' (toward zero), or a BlockFormat.
+    ``bytes_per_token``: bytes of one token's keys and values over the compressed layers
+    (every kv-head); ``fixed_bytes``: bytes held once per layer (fp8's
     scales, float32), not per token."""
 
     def __init__(self, name, layers, head_dim, num_kv_heads):
@@ -164,7 +177,7 @@ class Format:
         """x (H, T, d) as the format holds it (part 0: keys, 1: values)."""
         f = self.layers[layer]
         if isinstance(f, tuple):
-            return e4m3(x, f[1 + part])
+            return (e4m3_toward_zero if f[0] == "fp8-rtz" else e4m3)(x, f[1 + part])
         out = np.empty(x.shape)
         if isinstance(f, LabTier):
             for h in range(x.shape[0]):
@@ -193,8 +206,8 @@ class Format:
         return sum(8 for f in self.layers.values() if isinstance(f, tuple))
 
     def tiers(self):
-        """{layer: 'K/V' or 'fp8'} of the run (the JSON rows keep it)."""
-        return {l: "fp8" if isinstance(f, tuple) else f"{f.key_bits}/{f.value_bits}"
+        """{layer: 'K/V', 'fp8' or 'fp8-rtz'} of the run (the JSON rows keep it)."""
+        return {l: f[0] if isinstance(f, tuple) else f"{f.key_bits}/{f.value_bits}"
                 for l, f in self.layers.items()}
 
 
@@ -357,8 +370,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 or gemma3-270m")
     ap.add_argument("--tier", nargs="+", default=["4/4"],
-                    help="formats: K/V, fp8, fp8-amax, rdr:K/V, rdr:NN%%, rdr-grad:K/V, rdr-grad:NN%% "
-                         "(see the module's docstring)")
+                    help="formats: K/V, fp8, fp8-amax, fp8-rtz, rdr:K/V, rdr:NN%%, rdr-grad:K/V, "
+                         "rdr-grad:NN%% (see the module's docstring)")
     ap.add_argument("--codebook", nargs="+", default=["uniform", "lloyd-max"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--variant", nargs="*", default=[],
@@ -388,11 +401,11 @@ def main(argv=None) -> int:
     softmax_scale = float(model.model.layers[layers[0]].self_attn.scaling)
     rows, chosen = [], {}
     for name in a.tier:
-        fp8 = name in ("fp8", "fp8-amax")
+        fp8 = name in ("fp8", "fp8-amax", "fp8-rtz")
         for cb in (["-"] if fp8 else a.codebook):
             for seed in ([0] if fp8 else a.seeds):
-                if name == "fp8":
-                    per = {l: ("fp8", 1.0, 1.0) for l in layers}
+                if name in ("fp8", "fp8-rtz"):
+                    per = {l: (name, 1.0, 1.0) for l in layers}
                 elif name == "fp8-amax":
                     per = {l: ("fp8",) + s for l, s in amax_scales(qkv, layers).items()}
                 elif name.startswith("rdr:"):
