@@ -149,14 +149,16 @@ def test_crop_drops_dense_tokens_and_refuses_once_compressed(model):
         short = SphericalCache(m.config, budget_fraction=None, observe=16)
         m(ids[:, :40], past_key_values=short)
         assert cropped.get_seq_length() == 40
+        # equal up to float32 rounding: a 50-row and a 40-row projection may round apart
+        # (CPU matmul kernels block by size: AVX-512 builds differ in the last bit)
         for i in range(2):
-            assert np.array_equal(cropped.dense_kv(i)[0], short.dense_kv(i)[0])
+            np.testing.assert_allclose(cropped.dense_kv(i)[0], short.dense_kv(i)[0], rtol=1e-5, atol=1e-6)
         # the queries of the dropped tokens go too: 6 of the 16 recorded stay
         assert cropped.observed[0].shape == (4, 6, 16)
         np.testing.assert_allclose(cropped.observed[0], short.observed[0][:, -6:], atol=1e-6)
         a = m(ids[:, 40:45], past_key_values=cropped).logits
         b = m(ids[:, 40:45], past_key_values=short).logits
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         cropped.compress(budget_fraction=0.8)
         with pytest.raises(NotImplementedError, match="compressed"):
             cropped.crop(-1)
