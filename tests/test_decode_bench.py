@@ -81,3 +81,21 @@ def test_synthetic_layout_moves_the_last_page():
         assert np.array_equal(np.sort(lay.page_count), np.sort(base.page_count))
     with pytest.raises(ValueError, match="last_page_at"):
         synthetic_layout(2, 2, 3 * per + 5, tables, {3: 3 * per + 5}, last_page_at=4)
+
+
+def test_the_plugin_default_tier_has_a_case_of_its_own_ladder():
+    """decode_bench --tiers 8/4 (the vLLM plugin's default tier): its pool is built with a
+    ladder of its own whose tier 4 is (8, 4), every page of that tier, holding 8-bit keys and
+    4-bit values; the other cases keep BENCH_LADDER and its tables."""
+    import numpy as np
+    from cupy_kernels.kernel_tables import kernel_tables
+    from spherical_kv_ref.tiers import TierLadder
+    from validation.decode_cases import BENCH_LADDER, bench_ladder, bench_layout
+    assert bench_ladder("4/4") is BENCH_LADDER and bench_ladder("rdr-mix") is BENCH_LADDER
+    ladder = bench_ladder("8/4")
+    assert ladder[3] == (8, 4)
+    tables = kernel_tables(ladder, 128, codebook="uniform")
+    lay = bench_layout(2, 300, "8/4", tables)
+    assert np.all(lay.page_tier[lay.indices] == 4)
+    per = TierLadder(ladder).states_per_page(4, 128, tables.page_bytes)
+    assert lay.indices.size == 2 * 8 * -(-300 // per)        # 8 kv-heads a sequence

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from validation.decode_cases import (BENCH_GEOMETRIES, BENCH_LADDER as LADDER, BENCH_TIERS as TIERS, ada_step,
+                                     bench_ladder,
                                 encode_inputs, encode_keys_values, encoded_pool, rdr_mix)
 
 SHAPES = [(32, 8192), (8, 32768), (2, 131072), (1, 131072)]
@@ -105,11 +106,13 @@ def encode_rows(shapes, tiers_list, codebooks, timer, copy_gbps, all_tables, not
     """Encode-only timing: keys then values of every state of each (shape, tiers, codebook)
     into a shuffled pool (median of the timer's reps, L2 flushed)."""
     import cupy as cp
+    from cupy_kernels import kernel_tables
     from cupy_kernels.encode import raise_status
     rows = []
     for (batch, context), tiers_name, cb in [(s, t, c) for s in shapes for t in tiers_list
                                              for c in codebooks]:
-        tables = all_tables[cb]
+        tables = all_tables[cb] if bench_ladder(tiers_name) is LADDER else \
+            kernel_tables(bench_ladder(tiers_name), D, codebook=cb)
         lay, inp = encode_inputs(batch, context, tiers_name, tables, num_kv_heads=HKV)
         nbytes = encode_bytes(lay)
         pages = cp.zeros((lay.page_tier.size, tables.page_bytes), cp.uint8)
@@ -249,7 +252,8 @@ def main(argv=None):
     ap.add_argument("--out", default="validation/results/kernels/decode_h200.json")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 32x8192,1x131072")
-    ap.add_argument("--tiers", default="4/4,3/3,2/2,rdr-mix")
+    ap.add_argument("--tiers", default="4/4,3/3,2/2,rdr-mix",
+                    help="tier sets: 4/4, 3/3, 2/2, rdr-mix, or 8/4 (the plugin's default, its own ladder)")
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--codebooks", default="lloyd-max,uniform")
     ap.add_argument("--encode-only", action="store_true",
@@ -332,7 +336,8 @@ def main(argv=None):
                                      error=f"{type(e).__name__}: {e}"[:300]))
         q_c = cp.from_dlpack(q_t[:, :, 0, :].float().contiguous())
         for tiers_name, cb in [(t, c) for t in tiers_list for c in codebooks]:
-            tables = all_tables[cb]
+            tables = all_tables[cb] if bench_ladder(tiers_name) is LADDER else \
+                kernel_tables(bench_ladder(tiers_name), D, codebook=cb)
             state, (enc_us, enc_bytes) = build_ada(batch, context, tiers_name, tables, timer=timer)
             lay = state["layout"]
             row("ada_encode", tiers_name, enc_us, enc_bytes, cb)

@@ -239,6 +239,19 @@ BENCH_HQ, BENCH_HKV, BENCH_D = 32, 8, 128
 BENCH_GEOMETRIES = {"llama8b": (BENCH_HQ, BENCH_HKV, BENCH_D), "d256": (16, 8, 256)}
 BENCH_LADDER = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
 BENCH_TIERS = {"4/4": 3, "3/3": 2, "2/2": 1}   # tier sets of one tier: name -> tier
+#: one-tier sets outside BENCH_LADDER, each with a ladder of its own (BENCH_LADDER with the
+#: tier in its place), so the cases above keep their tables: name -> (ladder, tier). 8/4 is
+#: the vLLM plugin's default tier (docs/serving.md)
+EXTRA_TIERS = {"8/4": ([(2, 2), (3, 3), (4, 4), (8, 4), (8, 8), (16, 16)], 4)}
+
+
+def bench_ladder(tiers_name: str):
+    """The ladder a tier set's benchmark pool is built with."""
+    return EXTRA_TIERS[tiers_name][0] if tiers_name in EXTRA_TIERS else BENCH_LADDER
+
+
+def _one_tier(tiers_name: str) -> int:
+    return EXTRA_TIERS[tiers_name][1] if tiers_name in EXTRA_TIERS else BENCH_TIERS[tiers_name]
 
 
 def rdr_mix(context: int) -> dict:
@@ -255,8 +268,9 @@ def rdr_mix(context: int) -> dict:
 def bench_layout(batch, context, tiers_name, tables, seed=0, order="shuffled", last_page_at=None,
                  num_kv_heads=BENCH_HKV):
     """The page table of (batch, context) states per kv-head row at one tier set (a name of
-    BENCH_TIERS, or "rdr-mix"), ``num_kv_heads`` rows per sequence."""
-    counts = rdr_mix(context) if tiers_name == "rdr-mix" else {BENCH_TIERS[tiers_name]: context}
+    BENCH_TIERS or EXTRA_TIERS, or "rdr-mix"; ``tables`` of ``bench_ladder(tiers_name)``),
+    ``num_kv_heads`` rows per sequence."""
+    counts = rdr_mix(context) if tiers_name == "rdr-mix" else {_one_tier(tiers_name): context}
     return synthetic_layout(batch, num_kv_heads, context, tables, counts, seed=seed, order=order,
                             last_page_at=last_page_at)
 
