@@ -152,7 +152,12 @@ def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(),
     seq = fill_cache(kv, prefill.keys, prefill.values, prefill.queries, protect)
     if budget_bytes is not None:
         kv.compress(seq, int(budget_bytes))
-    return SphericalStore(kv, seq), kv.bytes_in_use(seq) + prefill.window_bytes
+    if prefill.device is None:
+        store = SphericalStore(kv, seq)
+    else:
+        from spherical_kv_eval.device_store import DeviceSphericalStore
+        store = DeviceSphericalStore(kv, seq, device=prefill.device)
+    return store, kv.bytes_in_use(seq) + prefill.window_bytes
 
 
 def _compressed_store(c, nq, window_bytes=0, device=None):

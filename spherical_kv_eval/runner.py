@@ -39,8 +39,10 @@ class Runner:
     dense reference, the scored and greedy passes), the attention statistics, the dense
     stores (the reference's and the baselines', ``Prefill.device``) and what kvpress's
     presses and the QuantizedCache run unless ``peer_device`` names another device.
-    Spherical KV's stores stay NumPy on the CPU: each store-phase attention call moves its
-    queries there and its output back (``spherical_kv_ref.hf.spherical_attention``)."""
+    Spherical KV's sequences stay in the reference's NumPy cache (encoding, RDR, the pages
+    and bytes); on a device their decoded code points are held there and attended to there
+    (``device_store.DeviceSphericalStore``), so a store-phase attention call moves only its
+    queries and output (``spherical_kv_ref.hf.spherical_attention``)."""
 
     def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None, window_bits: int = 16,
                  peer_device: Optional[str] = None, device: str = "cpu"):

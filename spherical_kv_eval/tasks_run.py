@@ -28,7 +28,7 @@ QUICK = {"lengths": [512], "instances": 2, "tasks": ["niah-single", "toolcall"],
          "methods": ["dense", "h2o", "skv-rdr"], "budgets": [0.25], "protect": False}
 # the settings a unit's result depends on (its length, task and instance are its own): a run
 # resumes only units made with the same ones
-UNIT_SETTINGS = ("model", "budgets", "methods", "peers", "seed", "protect")
+UNIT_SETTINGS = ("model", "budgets", "methods", "peers", "seed", "protect", "device")
 #: options that mean here what they mean in ``spherical-kv evaluate``: taken from its parser,
 #: so that their checks and help text are one
 SHARED = ("budgets", "peers", "jobs", "resume", "max_units")
@@ -46,7 +46,7 @@ def greedy_answer(runner, store, pre, inst, tok) -> str:
     cache = runner._cache(store, pre)
     out = []
     with torch.no_grad():
-        lg = runner.model(torch.as_tensor(inst.question)[None], past_key_values=cache,
+        lg = runner.model(runner._ids(inst.question), past_key_values=cache,
                           logits_to_keep=1).logits[0, -1]
         for _ in range(inst.max_new):
             t = int(torch.argmax(lg))
@@ -55,7 +55,7 @@ def greedy_answer(runner, store, pre, inst, tok) -> str:
             out.append(t)
             if verdict(tok.decode(out), inst.answer) is not None:
                 break
-            lg = runner.model(torch.tensor([[t]]), past_key_values=cache).logits[0, -1]
+            lg = runner.model(runner._ids([t]), past_key_values=cache).logits[0, -1]
     return tok.decode(out)
 
 
@@ -92,8 +92,8 @@ def run(args):
     from spherical_kv_eval.model import model_spec
     t0 = time.time()
     spec = model_spec(args.model)
-    # the model and the project's methods on the CPU; the peers' prefills where --device says
-    options = {"window_bits": 16, "device": "cpu", "peer_device": args.peer_device}
+    # the model, its statistics and the stores where --device says, as in the evaluation
+    options = {"window_bits": 16, "device": args.device, "peer_device": args.peer_device}
     cfg, tok = _main_setup(args.jobs, args.model, options)
     args.bos = tok.bos_token_id if spec.bos else None
     methods = _methods(cfg, args)
@@ -151,9 +151,10 @@ def parser() -> argparse.ArgumentParser:
                    help="leave out the rows of RDR with the planted items protected "
                         "(skv-rdr@B%%+protect; run by default beside the unprotected rows)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu (default) runs everything on the CPU; cuda runs the peers' own "
-                        "prefills and quantization on the GPU and needs one (the model's forward "
-                        "and the project's methods stay on the CPU)")
+                   help="cpu (default) runs everything on the CPU; cuda runs the model's "
+                        "forward passes, the attention statistics, the context stores' attention "
+                        "and the peers' prefills on the GPU, as spherical-kv evaluate --device "
+                        "cuda does, and needs one")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the instances: instance i of a task at length T is made from "
                         "(seed, task, T, i) alone (default 0)")

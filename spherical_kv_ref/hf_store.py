@@ -227,13 +227,12 @@ class SphericalStore(ContextStore):
         out = np.empty(q.shape)
         lse = np.empty(q.shape[:2])
         for h, (kbuf, vbuf) in enumerate(self._snapshot(layer)):
-            krot, vrot = kbuf.rows, vbuf.rows
             qh = q[h * G:(h + 1) * G]
-            if krot.shape[0] == 0:
+            if kbuf.rows.shape[0] == 0:
                 out[h * G:(h + 1) * G], lse[h * G:(h + 1) * G] = 0.0, -np.inf
                 continue
             qr = kv.codec(layer, h, kb, KEY_SALT).rotation.apply(qh)
-            o, l = _softmax_part(qr, krot, vrot, scale)
+            o, l = self._softmax(qr, kbuf, vbuf, scale)
             if kv.centre:       # the logit shift q·μ_K keeps lse equal to the reference's
                 l = l + scale * np.einsum("gtd,d->gt", qh, s.mean_k[layer, h].astype(np.float64))
             o = kv.codec(layer, h, vb, VALUE_SALT).rotation.inverse(o)
@@ -241,6 +240,11 @@ class SphericalStore(ContextStore):
                 o = o + s.mean_v[layer, h].astype(np.float64)
             out[h * G:(h + 1) * G], lse[h * G:(h + 1) * G] = o, l
         return out, lse
+
+    def _softmax(self, q, k, v, scale):
+        """Attention of the rotated queries q (G, T, d) over one kv-head's snapshot rows k, v:
+        (out, lse) as NumPy (``spherical_kv_eval.device_store`` holds the rows on a device)."""
+        return _softmax_part(q, k.rows, v.rows, scale)
 
     def append(self, layer, k, v):
         kv = self.kv

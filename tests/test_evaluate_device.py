@@ -148,6 +148,47 @@ def test_the_device_dense_store_is_the_reference_dense_store(device):
         DeviceDenseStore([[np.full((2, d), np.nan)]], [[np.zeros((2, d))]], 1, 0, device=device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_device_spherical_store_is_the_reference_spherical_store(device):
+    """DeviceSphericalStore against SphericalStore over one compressed sequence (centred,
+    RDR to a budget that evicts and demotes, so several tiers and an empty-headed layer can
+    occur): attention of a strided query block before and after appends of a chunk and of
+    one token, the held states an append returns and the bytes, equal up to float64
+    rounding; the sequence's pages are the reference cache's own."""
+    from spherical_kv_eval.device_store import DeviceSphericalStore
+    from spherical_kv_ref.cache import CompressPolicy, SphericalKVCache
+    from spherical_kv_ref.hf import SphericalStore, fill_cache
+    from spherical_kv_ref.tiers import TierLadder
+    rng = np.random.default_rng(5)
+    L, H, nq, d, n = 2, 2, 4, 16, 120
+
+    def build():
+        kv = SphericalKVCache(L, H, d, TierLadder(), page_bytes=512, pool_bytes=1 << 20, seed=3,
+                              num_q_heads=nq, policy=CompressPolicy(sinks=2, recent=8, window=8))
+        g = np.random.default_rng(11)
+        seq = fill_cache(kv, [g.standard_normal((H, n, d)) for _ in range(L)],
+                         [g.standard_normal((H, n, d)) for _ in range(L)],
+                         [g.standard_normal((nq, 8, d)) for _ in range(L)])
+        kv.compress(seq, int(0.25 * kv.bytes_in_use(seq)))
+        return kv, seq
+    ref = SphericalStore(*build())
+    dev = DeviceSphericalStore(*build(), device=device)
+    assert len({t for layer in range(L) for h in range(H)
+                for t in ref.kv.paged.gather((ref.seq, layer, h))}) > 1     # a mix of tiers
+    q = rng.standard_normal((nq, 9, 2 * d))[:, :, ::2]
+    for chunk in (5, 1, 0):
+        for layer in range(L):
+            (o1, l1), (o2, l2) = ref.attend(layer, q, 0.3), dev.attend(layer, q, 0.3)
+            assert o2.dtype == np.float64 and o2.shape == (nq, 9, d) and l2.shape == (nq, 9)
+            np.testing.assert_allclose(o2, o1, rtol=1e-11, atol=1e-12)
+            np.testing.assert_allclose(l2, l1, rtol=1e-11, atol=1e-12)
+            if chunk:
+                k, v = rng.standard_normal((2, H, chunk, d))
+                for a, b in zip(ref.append(layer, k, v), dev.append(layer, k, v)):
+                    np.testing.assert_array_equal(a, b)
+        assert dev.nbytes() == ref.nbytes()
+
+
 @pytest.mark.skipif(CUDA, reason="checks the refusal where torch sees no CUDA device")
 def test_device_cuda_without_cuda_fails_at_once(runner, capsys):
     with pytest.raises(SystemExit):

@@ -186,6 +186,43 @@ def test_a_tiny_run_on_smollm2_writes_the_rows(tmp_path):
     assert len((tmp_path / "units.jsonl").read_text().splitlines()) == 3
 
 
+@pytest.mark.gpu
+def test_a_tiny_run_on_the_gpu_answers_as_on_the_cpu(tmp_path):
+    """The same two instances at 160 tokens on the CPU and with --device cuda (the model,
+    its statistics and the stores' attention on the GPU): the same outputs, scores and bytes
+    for dense, H2O and RDR at 50 %."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    from spherical_kv_eval.model import ModelUnavailable, load_model
+    try:
+        load_model("smollm2")
+    except ModelUnavailable as e:
+        pytest.skip(str(e))
+    units = {}
+    for device in ("cpu", "cuda"):
+        TR._WORKER.clear()
+        try:
+            assert TR.main(["--lengths", "160", "--instances", "2", "--tasks", "span", "niah-single",
+                            "--methods", "skv-rdr", "h2o", "--budgets", "0.5", "--no-protect",
+                            "--no-peers", "--jobs", "1", "--device", device,
+                            "--out", str(tmp_path / device)]) == 0
+        finally:
+            TR._WORKER.clear()
+        lines = (tmp_path / device / "units.jsonl").read_text().splitlines()
+        assert json.loads(lines[0])["settings"]["device"] == device
+        units[device] = [{k: v for k, v in json.loads(x).items() if k != "seconds"}
+                         for x in lines[1:]]
+    assert len(units["cpu"]) == 4
+    for c, g in zip(units["cpu"], units["cuda"]):
+        assert c["w"] == g["w"] and set(c["methods"]) == set(g["methods"]) and len(c["methods"]) == 3
+        for name, m in c["methods"].items():
+            assert g["methods"][name]["output"] == m["output"], (c["w"], name)
+            assert g["methods"][name]["correct"] == m["correct"]
+            assert g["methods"][name]["bytes"] == pytest.approx(m["bytes"], abs=0.01)
+
+
 def test_rows_pair_each_baseline_with_the_rdr_point_at_no_more_bytes(tmp_path):
     """From logged units alone: the protected RDR run is a row of its own, a baseline meets
     the unprotected RDR point with the most bytes not above its own, dense comes first."""
