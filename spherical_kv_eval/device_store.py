@@ -9,7 +9,7 @@ Spherical KV's twin computes the reference's function (the code points the store
 name, logits and value sum in float64), not the CUDA kernels' (fp32 accumulation within the
 fp16 error budget, docs/PERF_NOTES.md): the evaluation measures the method, and a GPU run's
 rows must be the CPU run's. The kernels' agreement with the reference is tested on its own
-(``tests/test_hf_device.py``)."""
+(``tests/test_device_cache_smollm2.py``)."""
 from __future__ import annotations
 
 import numpy as np
