@@ -59,6 +59,9 @@ class Prefill:
     window_bits: int = 16                       # the windows' storage: 16 = bf16, else the codec
     exact_windows: Optional[list] = None        # the model's own windows, when those are coded
     device: object = None                       # where the dense stores live (None: NumPy)
+    # Spherical KV caches filled from this prefill, before any protection or compression,
+    # by their settings (``_spherical_store``): every RDR point of a unit starts from a copy
+    filled: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def reference(self) -> "Prefill":
         """This prefill with the model's own windows: what the dense reference (ΔPPL, KL,
@@ -145,11 +148,19 @@ def _spherical_store(prefill: Prefill, cfg, ladder, budget_bytes, *, protect=(),
     # room for the context and the tokens scoring/generation append (at the top tier)
     per_page = max(1, page_bytes // ladder.bytes_per_state(ladder.top, d))
     pool = (L * H * ((T + extra_tokens) // per_page + len(ladder) + 2) + 16) * page_bytes
-    kv = SphericalKVCache(L, H, d, ladder, page_bytes=page_bytes, pool_bytes=pool, seed=seed,
-                          num_q_heads=cfg.num_attention_heads, centre=centre,
-                          softmax_scale=prefill.scale, rope_inv_freq=rope_frequencies(cfg),
-                          policy=observing(policy or _rdr_policy(), prefill.queries[0].shape[1]))
-    seq = fill_cache(kv, prefill.keys, prefill.values, prefill.queries, protect)
+    policy = observing(policy or _rdr_policy(), prefill.queries[0].shape[1])
+    # the same prefill encoded with the same settings is the same cache: encoded once per
+    # unit, each method compresses its own copy (fill_cache then protect, as in one call)
+    key = (tuple(ladder.tiers), centre, policy, page_bytes, seed, pool, cfg.num_attention_heads)
+    if key not in prefill.filled:
+        kv = SphericalKVCache(L, H, d, ladder, page_bytes=page_bytes, pool_bytes=pool, seed=seed,
+                              num_q_heads=cfg.num_attention_heads, centre=centre,
+                              softmax_scale=prefill.scale, rope_inv_freq=rope_frequencies(cfg),
+                              policy=policy)
+        prefill.filled[key] = (kv, fill_cache(kv, prefill.keys, prefill.values, prefill.queries))
+    kv, seq = copy.deepcopy(prefill.filled[key])
+    for a, b in protect:
+        kv.protect(seq, a, b)
     if budget_bytes is not None:
         kv.compress(seq, int(budget_bytes))
     if prefill.device is None:

@@ -189,6 +189,27 @@ def test_the_device_spherical_store_is_the_reference_spherical_store(device):
         assert dev.nbytes() == ref.nbytes()
 
 
+def test_rdr_points_of_a_unit_share_one_encoding_and_give_what_fresh_builds_give(runner):
+    """Every RDR point (and the probe's protected build) of a unit compresses its own copy of
+    one filled cache: the same bytes and attention, to the bit, as a build from a prefill that
+    has filled none, and no build changes the cache the next one copies."""
+    import dataclasses
+    from spherical_kv_eval.lineup import lineup
+    pre = runner.prefill(np.arange(400) % 101)
+    rdr = [m for m in lineup(runner.cfg, [0.6, 0.45], peers=False) if m.family == "skv-rdr"]
+    assert len(rdr) == 2
+    q = np.random.default_rng(3).standard_normal((runner.cfg.num_attention_heads, 5, 16))
+    for m in rdr + rdr:
+        for protect in ((), ((40, 60),)):
+            shared, n1 = m.build(pre, protect=protect)
+            fresh, n2 = m.build(dataclasses.replace(pre, filled={}), protect=protect)
+            assert n1 == n2
+            for layer in range(runner.cfg.num_hidden_layers):
+                for a, b in zip(shared.attend(layer, q, 0.25), fresh.attend(layer, q, 0.25)):
+                    np.testing.assert_array_equal(a, b)
+    assert len(pre.filled) == 1
+
+
 @pytest.mark.skipif(CUDA, reason="checks the refusal where torch sees no CUDA device")
 def test_device_cuda_without_cuda_fails_at_once(runner, capsys):
     with pytest.raises(SystemExit):
