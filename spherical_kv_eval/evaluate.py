@@ -152,6 +152,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-units", type=int, default=None,
                    help="run at most this many of the units still to do, then stop (a long run "
                         "in parts; --resume goes on, and the last part writes the reports)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="end within about this many seconds: a unit starts only while the "
+                        "slowest unit so far would still end in time, and those running "
+                        "finish, so a part of a run under a wall-clock limit loses none "
+                        "(--resume goes on)")
     p.add_argument("--method-parts", type=int, default=1,
                    help="split each window's line-up into N units (every N-th method, each "
                         "with its own prefill), so that no unit runs longer than a part of a "

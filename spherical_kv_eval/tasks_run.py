@@ -31,7 +31,7 @@ QUICK = {"lengths": [512], "instances": 2, "tasks": ["niah-single", "toolcall"],
 UNIT_SETTINGS = ("model", "budgets", "methods", "peers", "seed", "protect", "device")
 #: options that mean here what they mean in ``spherical-kv evaluate``: taken from its parser,
 #: so that their checks and help text are one
-SHARED = ("budgets", "peers", "jobs", "resume", "max_units")
+SHARED = ("budgets", "peers", "jobs", "resume", "max_units", "time_limit")
 
 
 def _say(msg: str) -> None:
@@ -110,7 +110,7 @@ def run(args):
     todo = [j + (i % max(args.jobs, 1),) for i, j in enumerate(todo)]
     if todo:
         _pool_run(todo, args.jobs, unit=_task_unit, model_name=args.model, options=options,
-                  done=log.add)
+                  done=log.add, time_limit=getattr(args, "time_limit", None))
     missing = sum(log.find(T, w, 0, 1) is None for T, w, _ in jobs)
     if missing:
         raise Unfinished(f"{missing} of {len(jobs)} units still to run: the same command with "

@@ -262,21 +262,63 @@ def run_windows(tok, args, unit):
     return _pool_run(jobs, args.jobs, unit=unit)
 
 
+def _as_they_end(pool, unit, jobs, procs: int, may_start: Callable):
+    """Results of ``unit`` over ``jobs`` in ``pool``, as each ends: ``procs`` run at once,
+    and a job starts only while ``may_start(slowest)`` (``slowest``: the longest a unit has
+    taken so far, in seconds; None before one ends); a unit's exception is raised here."""
+    import queue
+    ended = queue.Queue()
+    todo = iter(jobs)
+    running, slowest = 0, None
+
+    def start() -> int:
+        if not may_start(slowest):
+            return 0
+        job = next(todo, None)
+        if job is None:
+            return 0
+        t0 = time.monotonic()
+        pool.apply_async(unit, (job,), callback=lambda r: ended.put((r, time.monotonic() - t0)),
+                         error_callback=lambda e: ended.put((e, None)))
+        return 1
+
+    for _ in range(procs):
+        running += start()
+    while running:
+        result, took = ended.get()
+        running -= 1
+        if isinstance(result, BaseException):
+            raise result
+        slowest = max(slowest or 0.0, took)
+        yield result
+        running += start()
+
+
 def _pool_run(jobs, procs: int, unit=None, model_name: str = "smollm2",
-              options: Optional[dict] = None, done: Optional[Callable] = None):
+              options: Optional[dict] = None, done: Optional[Callable] = None,
+              time_limit: Optional[float] = None):
     """Run ``unit`` (default ``_unit``) over the jobs, in ``procs`` worker processes of one
     thread each (two processes on two cores beat one process of two threads: numpy's BLAS
     and torch's threads fight); ``options``: each worker's ``Runner`` (``runner_options``:
     with ``device`` "cuda" every worker holds its own copy of the model on the GPU and runs
     its forward passes there, its NumPy work on its own core; docs/evaluate.md "On a GPU");
-    ``done(result)``, if given, is called on each result as it comes (in this process)."""
+    ``done(result)``, if given, is called on each result as it comes (in this process).
+    ``time_limit``: seconds from now within which to end: a unit starts only while the
+    slowest unit so far (none: any) would still end within it, and those running finish, so
+    a part of a run under a wall-clock limit loses no unit to it. Returns the results."""
     unit = _unit if unit is None else unit
     done = done or (lambda result: None)
+    stop = None if time_limit is None else time.monotonic() + time_limit
+    may_start = lambda slowest: stop is None or time.monotonic() + (slowest or 0.0) < stop
     if procs <= 1:
         _worker_setup(None, model_name, options)
-        out = []
+        out, slowest = [], None
         for j in jobs:
+            if not may_start(slowest):
+                break
+            t0 = time.monotonic()
             out.append(unit(j))
+            slowest = max(slowest or 0.0, time.monotonic() - t0)
             done(out[-1])
         return out
     import multiprocessing as mp
@@ -286,8 +328,9 @@ def _pool_run(jobs, procs: int, unit=None, model_name: str = "smollm2",
         with mp.get_context("spawn").Pool(procs, initializer=_worker_setup,
                                      initargs=(1, model_name, options)) as pool:
             out = []
-            for result in _progress(pool.imap_unordered(unit, jobs), total=len(jobs),
-                                    desc="(context, window) units", position=procs):
+            for result in _progress(_as_they_end(pool, unit, jobs, procs, may_start),
+                                    total=len(jobs), desc="(context, window) units",
+                                    position=procs):
                 out.append(result)
                 done(result)
             return out
@@ -474,7 +517,8 @@ def run(args) -> list[dict]:
              f"left for later")
     todo = [j[:5] + (i % max(args.jobs, 1),) + j[5:] for i, j in enumerate(todo)]
     if todo:
-        _pool_run(todo, args.jobs, model_name=args.model, options=options, done=log.add)
+        _pool_run(todo, args.jobs, model_name=args.model, options=options, done=log.add,
+                  time_limit=getattr(args, "time_limit", None))
     missing = (sum(log.find(j[0], j[1], j[5], parts) is None for j in jobs)
                + len(_supplements(log, jobs, parts, names)))
     if missing:

@@ -339,8 +339,10 @@ def test_a_run_in_parts_resumes_to_the_rows_of_one_run(worker, tmp_path, monkeyp
         return SimpleNamespace(**dict(base, **kw))
 
     whole, _ = E.run(args(tmp_path / "whole"))
+    with pytest.raises(E.Unfinished, match="--resume"):          # no time: no unit starts
+        E.run(args(tmp_path / "parts", time_limit=0))
     with pytest.raises(E.Unfinished, match="--resume"):
-        E.run(args(tmp_path / "parts", max_units=1))
+        E.run(args(tmp_path / "parts", max_units=1, resume=True))
     log = tmp_path / "parts" / "units.jsonl"
     assert len(log.read_text().splitlines()) == 2
     log.write_text(log.read_text() + '{"T": 256, "w": 1, "meth')          # cut off
@@ -464,3 +466,31 @@ def test_methods_that_match_nothing_are_an_error(runner):
         E._methods(runner.cfg, args)
     args.methods = ["dense", "skv-rdr@50"]
     assert [m.name for m in E._methods(runner.cfg, args)] == ["dense-bf16", "skv-rdr@50%"]
+
+
+def test_a_unit_starts_only_while_the_slowest_so_far_would_end_in_time():
+    """``_as_they_end`` keeps ``procs`` units running while ``may_start`` allows, tells it
+    the slowest unit's time once one has ended, lets the running ones end and yields every
+    started unit's result; a unit's error is raised."""
+    from multiprocessing.pool import ThreadPool
+    import time
+    asked, started = [], []
+
+    def unit(j):
+        started.append(j)
+        time.sleep(0.05)
+        return j * 10
+
+    def may_start(slowest):
+        asked.append(slowest)
+        return len(asked) <= 3           # three starts, then the time is up
+
+    with ThreadPool(2) as pool:
+        out = sorted(U._as_they_end(pool, unit, range(8), 2, may_start))
+    assert sorted(started) == [0, 1, 2] and out == [0, 10, 20]
+    assert asked[:2] == [None, None] and all(s >= 0.05 for s in asked[2:])
+
+    def bad(j):
+        raise RuntimeError(f"unit {j} failed")
+    with ThreadPool(2) as pool, pytest.raises(RuntimeError, match="failed"):
+        list(U._as_they_end(pool, bad, range(3), 2, lambda slowest: True))

@@ -238,3 +238,31 @@ def test_without_hqq_the_quantized_cache_is_absent_with_a_reason(monkeypatch):
     class Cfg:
         num_attention_heads = 9
     assert not any(m.name.startswith("hf-") for m in E.lineup(Cfg, [0.25]))
+
+
+def test_eager_press_prefills_on_a_gpu_take_turns_across_processes(tmp_path, monkeypatch):
+    """An eager-attention press's prefill on a GPU waits for another process's to end; on
+    the CPU, or with another attention, nothing waits."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    import torch
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    lock = tmp_path / "spherical_kv_eager_prefill.lock"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(lock)!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "print('held', flush=True); time.sleep(1.5)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        with P._one_eager_prefill(torch.device("cpu"), "eager"), \
+                P._one_eager_prefill(torch.device("cuda"), "sdpa"):
+            pass
+        assert time.monotonic() - t0 < 0.5           # neither takes the lock
+        with P._one_eager_prefill(torch.device("cuda"), "eager"):
+            waited = time.monotonic() - t0
+        assert waited > 1.0                          # until the holder let go
+    finally:
+        holder.kill()

@@ -246,7 +246,8 @@ class KVPressMethod(Evictor):
         _clear_masks(layers)
         cache = DynamicCache()
         try:
-            with _attention(model, self.spec.attention), press(model), torch.no_grad():
+            with _one_eager_prefill(model.device, self.spec.attention), \
+                    _attention(model, self.spec.attention), press(model), torch.no_grad():
                 model.model(ids, past_key_values=cache, use_cache=True)
             keep = []
             for i, layer in enumerate(layers):
@@ -289,6 +290,34 @@ class KVPressMethod(Evictor):
             raise RuntimeError(f"{self.name}: layer {layer} needs {nbytes} bytes, over its "
                                f"budget of {self.layer_budget_bytes(H, T, d)}")
         return kept_layer(keys, values, keep, nbytes)
+
+
+@contextlib.contextmanager
+def _one_eager_prefill(device, attention):
+    """Hold the block alone among this machine's processes when it runs an eager-attention
+    prefill on a GPU, and hand the allocator's blocks back after it.
+
+    Eager attention materialises every head's (T, T) weights: 9 x 8192^2 float32 (2.4 GB)
+    per layer for SmolLM2 at 8K, about 7 GB at the peak with its softmax and mask. Each
+    worker of a parallel run kept that much reserved after its first such press, and eight
+    workers ran an 80 GB GPU out of memory; one at a time, each worker holds only what its
+    other methods need (~2-3 GB). On the CPU, or with another attention, the block runs as
+    it is."""
+    if device.type != "cuda" or attention != "eager":
+        yield
+        return
+    import fcntl
+    import os
+    import tempfile
+    import torch
+    path = os.path.join(tempfile.gettempdir(), "spherical_kv_eager_prefill.lock")
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _host(t) -> np.ndarray:
