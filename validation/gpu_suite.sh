@@ -123,20 +123,22 @@ for stage in "$@"; do
         --methods $methods ${E2E_FLAGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
     asv)
-      # stage asv: the GPU benchmarks' asv results for the committed history, in
-      # $OUT/asv_results/h200/ (docs/benchmarks.md; asv's wheels in .asv_whl/ or .whl/,
-      # .asv_git/repo.bundle). ASV_COMMITS (default HEAD) names the commits to record, each
-      # once per ASV_REPEAT (default 1; more gives the run-to-run spread of one commit)
+      # stage asv: the GPU benchmarks' asv results for the committed history, packed into
+      # $OUT/asv_results.tgz (asv_results<rep>/<machine>/; docs/benchmarks.md; asv's wheels in
+      # .asv_whl/ or .whl/, .asv_git/repo.bundle). ASV_MACHINE (default h200) names the card's
+      # machine; ASV_COMMITS (default HEAD) names the commits to record, each once per
+      # ASV_REPEAT (default 1; more gives the run-to-run spread of one commit)
       python3 -m asv --version > /dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps \
         --no-compile --target /tmp/asv_site $(ls .asv_whl/*.whl .whl/asv*.whl 2>/dev/null) > "$OUT/asv_install.log" 2>&1
       rc=0
       for commit in ${ASV_COMMITS:-HEAD}; do
         for rep in $(seq ${ASV_REPEAT:-1}); do
           PYTHONPATH=/tmp/asv_site:$PYTHONPATH ASV_RESULTS="$OUT/asv_results${rep#1}" timeout ${ASV_LIMIT:-420} \
-            asv_bench/record.sh h200 "$commit" -- --bench "${ASV_GPU_BENCH:-\.track_(gpu_us|gbps)\(}" >> "$OUT/asv.log" 2>&1
+            asv_bench/record.sh "${ASV_MACHINE:-h200}" "$commit" -- --bench "${ASV_GPU_BENCH:-\.track_(gpu_us|gbps)\(}" >> "$OUT/asv.log" 2>&1
           r=$?; [ $r -ne 0 ] && rc=$r; note "asv $commit rep $rep rc=$r"
         done
       done
+      tar czf "$OUT/asv_results.tgz" -C "$OUT" $(cd "$OUT" && ls -d asv_results*/) && rm -rf "$OUT"/asv_results*/
       tail -n 30 "$OUT/asv.log";;
     *) note "unknown stage $stage"; rc=2;;
   esac
