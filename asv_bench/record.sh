@@ -9,7 +9,8 @@
 # results folder (default asv_bench/results). A copy of the working tree without .git names
 # its commits through .asv_git/repo.bundle (made in the checkout by `git bundle create
 # .asv_git/repo.bundle HEAD`, the whole history): HEAD is the tree itself, any other commit
-# is taken from the bundle.
+# is taken from the bundle. ASV_FROM_BUNDLE=1 takes the commits from the bundle even where the
+# tree is a git checkout of its own (a copy whose .git is not the project's history).
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 machine=${1:?usage: asv_bench/record.sh MACHINE [COMMIT] [-- asv run options]}
@@ -19,7 +20,7 @@ if [ $# -gt 0 ] && [ "$1" != "--" ]; then commit_name=$1; shift; fi
 if [ "${1:-}" = "--" ]; then shift; fi
 results=${ASV_RESULTS:-$bench_dir/results}
 
-if git -C "$root" rev-parse -q --verify HEAD > /dev/null 2>&1; then
+if [ -z "${ASV_FROM_BUNDLE:-}" ] && git -C "$root" rev-parse -q --verify HEAD > /dev/null 2>&1; then
   repo=$root
   commit=$(git -C "$root" rev-parse --verify "$commit_name^{commit}")
   if [ "$commit" = "$(git -C "$root" rev-parse HEAD)" ] &&

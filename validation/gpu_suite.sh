@@ -133,7 +133,7 @@ for stage in "$@"; do
       rc=0
       for commit in ${ASV_COMMITS:-HEAD}; do
         for rep in $(seq ${ASV_REPEAT:-1}); do
-          PYTHONPATH=/tmp/asv_site:$PYTHONPATH ASV_RESULTS="$OUT/asv_results${rep#1}" timeout ${ASV_LIMIT:-420} \
+          PYTHONPATH=/tmp/asv_site:$PYTHONPATH ASV_FROM_BUNDLE=1 ASV_RESULTS="$OUT/asv_results${rep#1}" timeout ${ASV_LIMIT:-420} \
             asv_bench/record.sh "${ASV_MACHINE:-h200}" "$commit" -- --bench "${ASV_GPU_BENCH:-\.track_(gpu_us|gbps)\(}" >> "$OUT/asv.log" 2>&1
           r=$?; [ $r -ne 0 ] && rc=$r; note "asv $commit rep $rep rc=$r"
         done
