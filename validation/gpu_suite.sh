@@ -10,6 +10,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-fixed}
 SUMMARY="$OUT/summary.txt"
 note() { echo "$*" | tee -a "$SUMMARY"; }
+# the card, as the result files and asv's machine are named: h200, h100 (else gpu)
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)" in
+  *H200*) card=h200;; *H100*) card=h100;; *) card=gpu;;
+esac
 note "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null)"
 for stage in "$@"; do
   t0=$(date +%s)
@@ -70,7 +74,7 @@ for stage in "$@"; do
           > "$OUT/flashinfer_install.log" 2>&1 && fi_flag=--flashinfer
       fi
       PYTHONPATH=/tmp/site:$PYTHONPATH timeout ${BENCH_LIMIT:-420} python3 validation/decode_bench.py \
-        --out "$OUT/decode_h200${BENCH_GEOMETRY:+_$BENCH_GEOMETRY}.json" --reps ${BENCH_REPS:-20} \
+        --out "$OUT/decode_${card}${BENCH_GEOMETRY:+_$BENCH_GEOMETRY}.json" --reps ${BENCH_REPS:-20} \
         --geometry ${BENCH_GEOMETRY:-llama8b} \
         --codebooks ${BENCH_CODEBOOKS:-lloyd-max,uniform} --shapes ${BENCH_SHAPES:-all} \
         --tiers ${BENCH_TIERS:-4/4,3/3,2/2,rdr-mix} $fi_flag 2>&1 | tee "$OUT/bench.log" | tail -n 45
@@ -116,17 +120,17 @@ for stage in "$@"; do
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashinfer*.whl \
           > "$OUT/flashinfer_install.log" 2>&1 && methods=dense,flashinfer-bf16,flashinfer-fp8,ada44,rdr,rdr-host
       fi
-      # E2E_NAME names the files by the card (e2e_h200, e2e_h100)
+      # E2E_NAME (default e2e_<card>) names the files
       PYTHONPATH=/tmp/site:$PYTHONPATH timeout ${E2E_LIMIT:-420} python3 -m validation.e2e_bench \
-        --out "$OUT/${E2E_NAME:-e2e_h200}.json" --plot "$OUT/${E2E_NAME:-e2e_h200}.png" \
+        --out "$OUT/${E2E_NAME:-e2e_$card}.json" --plot "$OUT/${E2E_NAME:-e2e_$card}.png" \
         --shapes ${E2E_SHAPES:-32x8192,8x32768,2x131072,1x131072} \
         --methods $methods ${E2E_FLAGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -n 40
       rc=${PIPESTATUS[0]};;
     asv)
       # stage asv: the GPU benchmarks' asv results for the committed history, packed into
       # $OUT/asv_results.tgz (asv_results<rep>/<machine>/; docs/benchmarks.md; asv's wheels in
-      # .asv_whl/ or .whl/, .asv_git/repo.bundle). ASV_MACHINE (default h200) names the card's
-      # machine; ASV_COMMITS (default HEAD) names the commits to record, each once per
+      # .asv_whl/ or .whl/, .asv_git/repo.bundle). ASV_MACHINE (default: the card, h200 or h100)
+      # names asv's machine; ASV_COMMITS (default HEAD) names the commits to record, each once per
       # ASV_REPEAT (default 1; more gives the run-to-run spread of one commit)
       python3 -m asv --version > /dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps \
         --no-compile --target /tmp/asv_site $(ls .asv_whl/*.whl .whl/asv*.whl 2>/dev/null) > "$OUT/asv_install.log" 2>&1
@@ -134,11 +138,13 @@ for stage in "$@"; do
       for commit in ${ASV_COMMITS:-HEAD}; do
         for rep in $(seq ${ASV_REPEAT:-1}); do
           PYTHONPATH=/tmp/asv_site:$PYTHONPATH ASV_FROM_BUNDLE=1 ASV_RESULTS="$OUT/asv_results${rep#1}" timeout ${ASV_LIMIT:-420} \
-            asv_bench/record.sh "${ASV_MACHINE:-h200}" "$commit" -- --bench "${ASV_GPU_BENCH:-\.track_(gpu_us|gbps)\(}" >> "$OUT/asv.log" 2>&1
+            asv_bench/record.sh "${ASV_MACHINE:-$card}" "$commit" -- --bench "${ASV_GPU_BENCH:-\.track_(gpu_us|gbps)\(}" >> "$OUT/asv.log" 2>&1
           r=$?; [ $r -ne 0 ] && rc=$r; note "asv $commit rep $rep rc=$r"
         done
       done
-      tar czf "$OUT/asv_results.tgz" -C "$OUT" $(cd "$OUT" && ls -d asv_results*/) && rm -rf "$OUT"/asv_results*/
+      if ls -d "$OUT"/asv_results*/ > /dev/null 2>&1; then
+        tar czf "$OUT/asv_results.tgz" -C "$OUT" $(cd "$OUT" && ls -d asv_results*/) && rm -rf "$OUT"/asv_results*/
+      fi
       tail -n 30 "$OUT/asv.log";;
     *) note "unknown stage $stage"; rc=2;;
   esac
