@@ -28,10 +28,11 @@ QUICK = {"lengths": [512], "instances": 2, "tasks": ["niah-single", "toolcall"],
          "methods": ["dense", "h2o", "skv-rdr"], "budgets": [0.25], "protect": False}
 # the settings a unit's result depends on (its length, task and instance are its own): a run
 # resumes only units made with the same ones
-UNIT_SETTINGS = ("model", "budgets", "methods", "peers", "seed", "protect", "device")
+UNIT_SETTINGS = ("model", "budgets", "methods", "peers", "seed", "protect", "window_bits",
+                 "device")
 #: options that mean here what they mean in ``spherical-kv evaluate``: taken from its parser,
 #: so that their checks and help text are one
-SHARED = ("budgets", "peers", "jobs", "resume", "max_units", "time_limit")
+SHARED = ("budgets", "window_bits", "peers", "jobs", "resume", "max_units", "time_limit")
 
 
 def _say(msg: str) -> None:
@@ -93,7 +94,8 @@ def run(args):
     t0 = time.time()
     spec = model_spec(args.model)
     # the model, its statistics and the stores where --device says, as in the evaluation
-    options = {"window_bits": 16, "device": args.device, "peer_device": args.peer_device}
+    options = {"window_bits": args.window_bits, "device": args.device,
+               "peer_device": args.peer_device}
     cfg, tok = _main_setup(args.jobs, args.model, options)
     args.bos = tok.bos_token_id if spec.bos else None
     methods = _methods(cfg, args)
@@ -119,7 +121,8 @@ def run(args):
     rows = task_rows(units, methods, args.tasks, args.lengths)
     meta = {"model": spec.title, "lengths": args.lengths, "tasks": args.tasks,
             "instances": args.instances, "seed": args.seed, "budgets": args.budgets,
-            "protect": args.protect, "device": args.device, "processes": args.jobs,
+            "protect": args.protect, "window_bits": args.window_bits, "device": args.device,
+            "processes": args.jobs,
             "seconds": round(time.time() - t0, 1), "units_resumed": resumed,
             "unit_seconds": round(sum(u.get("seconds", 0.0) for u in units), 1)}
     return rows, meta

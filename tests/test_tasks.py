@@ -131,6 +131,18 @@ def test_the_command_line_checks_its_options(capsys, monkeypatch):
     assert a.budgets == [0.5, 1.0] and a.methods == ["dense", "skv-rdr"]
     assert a.instances == 50 and a.tasks == list(K.TASKS) and a.protect
     assert a.out == pathlib.Path("spherical-kv-results") / "tasks"
+    assert a.window_bits == 16
+    # the windows' code reaches the workers' options and is one of the unit settings
+    w = TR.parse(["--window-bits", "8", "--model", "gemma3-270m", "--lengths", "8192"])
+    seen = {}
+
+    def setup(jobs, model, options):
+        seen.update(options)
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(TR, "_main_setup", setup)
+    with pytest.raises(RuntimeError, match="stop here"):
+        TR.run(w)
+    assert seen["window_bits"] == 8 and "window_bits" in TR.UNIT_SETTINGS
     q = TR.parse(["--quick", "--instances", "9"])
     assert (q.lengths, q.instances, q.protect) == ([512], 2, False)
     assert q.out == pathlib.Path("spherical-kv-results") / "tasks-quick"
@@ -138,7 +150,8 @@ def test_the_command_line_checks_its_options(capsys, monkeypatch):
                       (["--budgets", "1.5"], "fraction of the bf16 bytes"),
                       (["--instances", "0"], ">= 1"), (["--tasks", "nosuch"], "invalid choice"),
                       (["--lengths", "9000"], "must not exceed"),
-                      (["--device", "tpu"], "invalid choice")):
+                      (["--device", "tpu"], "invalid choice"),
+                      (["--window-bits", "5"], "invalid choice")):
         with pytest.raises(SystemExit) as e:
             TR.parse(bad)
         assert e.value.code == 2 and says in capsys.readouterr().err
