@@ -258,10 +258,14 @@ def time_graph(step, method, steps, reps):
     return float(np.median(times[3:]))
 
 
-def rdr_cache(model, batch, context, fraction, solver="device"):
+def rdr_cache(model, batch, context, fraction, solver="device", each=True):
     """A real prefill of ``batch`` random-token sequences through ``DeviceSphericalCache``
     (one at a time), then RDR to ``fraction`` of the bf16 bytes: (cache, seqs, prefill s,
-    compress s, reports)."""
+    compress s, reports). ``each``: every sequence is compressed right after its own
+    prefill (what a server admitting requests one by one does), so the pool holds one
+    sequence at the top tier and the others at the budget; otherwise the whole batch is
+    prefilled first and compressed in one ``compress_all``, which needs the batch at the top
+    tier at once (more than an 80 GB card holds at (8, 32K) for Llama-8B)."""
     import torch
     from cupy_kernels.hf_device import DeviceSphericalCache
     from spherical_kv_ref.tiers import TierLadder
@@ -270,10 +274,13 @@ def rdr_cache(model, batch, context, fraction, solver="device"):
     ladder = TierLadder()
     per = ladder.states_per_page(ladder.top, d, 4096)
     per_seq = L * H * (-(-(context + 64) // per)) * 4096
-    dc = DeviceSphericalCache(cfg, budget_fraction=fraction, pool_bytes=int(batch * per_seq * 1.3),
+    # each: one sequence at the top tier, the others at the budget (with room for the page
+    # padding of the ladder's tiers and the protected states)
+    held = 1 + (batch - 1) * min(1.0, fraction + 0.1) if each else batch
+    dc = DeviceSphericalCache(cfg, budget_fraction=fraction, pool_bytes=int(held * per_seq * 1.3),
                               codebook="uniform", compress_method=solver)
     g = torch.Generator(device="cuda").manual_seed(3)
-    prefill = 0.0
+    prefill = compress = 0.0
     with dc.bound(model), torch.no_grad():
         for b in range(batch):
             ids = torch.randint(0, cfg.vocab_size, (1, context), device="cuda", generator=g)
@@ -289,12 +296,19 @@ def rdr_cache(model, batch, context, fraction, solver="device"):
                 dc.seqs = every + [sid]
             torch.cuda.synchronize()
             prefill += time.perf_counter() - t0
+            if each:
+                t0 = time.perf_counter()
+                dc.reports.extend(dc.kv.compress_all(dc.seqs[-1:], dc.budget_bytes,
+                                                     method=solver, budget_fraction=fraction))
+                torch.cuda.synchronize()
+                compress += time.perf_counter() - t0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     dc.decoding = True
-    dc._compress()
+    if not each:
+        dc._compress()
     torch.cuda.synchronize()
-    compress = time.perf_counter() - t0
+    compress += time.perf_counter() - t0
     return dc.kv, dc.seqs, prefill, compress, dc.reports
 
 
@@ -316,6 +330,10 @@ def main(argv=None):
     p.add_argument("--rdr-host-shapes", default="1x32768",
                    help="shapes 'rdr-host' (the host's fast solver) runs at")
     p.add_argument("--rdr-fraction", type=float, default=0.2, help="RDR's budget, fraction of bf16 bytes")
+    p.add_argument("--rdr-batch-compress", action="store_true",
+                   help="RDR: prefill the whole batch, then compress it in one call (the pool "
+                        "holds the batch at the top tier); default: each sequence right after "
+                        "its own prefill")
     p.add_argument("--equal-memory", action="store_true",
                    help="also dense and 4/4 at 32K at the largest batch that fits --memory-gib")
     p.add_argument("--memory-gib", type=float, default=120.0, help="GPU memory for weights + KV")
@@ -365,13 +383,15 @@ def main(argv=None):
             bpt = kv_bytes_per_token(cache, seqs, context)
         else:
             solver = "fast" if method_name == "rdr-host" else "device"
-            cache, seqs, pre, comp, reports = rdr_cache(model, batch, context, args.rdr_fraction, solver)
+            each = not args.rdr_batch_compress
+            cache, seqs, pre, comp, reports = rdr_cache(model, batch, context, args.rdr_fraction,
+                                                        solver, each=each)
             meth = Ada(cache, seqs, args.steps)
             bpt = kv_bytes_per_token(cache, seqs, context)
             parts = getattr(cache, "compress_seconds", {})
             extra = dict(prefill_s=pre, compress_s=comp, compress_over_prefill=comp / pre,
                          compress_parts_s=parts,
-                         solver=solver, gap=float(np.mean([r.allocation.gap for r in reports])),
+                         solver=solver, compress_each=each, gap=float(np.mean([r.allocation.gap for r in reports])),
                          bytes_fraction_of_bf16=bpt / dense_bytes_per_token(model.config))
         step = Step(model, batch, meth)
         ms = time_graph(step, meth, args.steps, args.reps)
