@@ -189,10 +189,12 @@ class DeviceSphericalCache(Cache):
         self.kv = DeviceKVCache(len(self.store_layers), self.num_kv_heads, self.head_dim,
                                 num_q_heads=self.num_q_heads, device=device, **kw)
 
-    def _compress(self) -> None:
+    def _compress(self, seqs=None) -> None:
+        """RDR to the cache's budget for ``seqs`` (default: every sequence of the batch)."""
         if self.budget_fraction is None and self.budget_bytes is None:
             return
-        self.reports.extend(self.kv.compress_all(self.seqs, self.budget_bytes,
+        self.reports.extend(self.kv.compress_all(self.seqs if seqs is None else seqs,
+                                                 self.budget_bytes,
                                                  method=self.compress_method,
                                                  budget_fraction=self.budget_fraction))
 

@@ -296,19 +296,13 @@ def rdr_cache(model, batch, context, fraction, solver="device", each=True):
                 dc.seqs = every + [sid]
             torch.cuda.synchronize()
             prefill += time.perf_counter() - t0
-            if each:
+            if each or b == batch - 1:
+                # the sequence just prefilled, or (not each) the whole batch after the last
                 t0 = time.perf_counter()
-                dc.reports.extend(dc.kv.compress_all(dc.seqs[-1:], dc.budget_bytes,
-                                                     method=solver, budget_fraction=fraction))
+                dc._compress(dc.seqs[-1:] if each else None)
                 torch.cuda.synchronize()
                 compress += time.perf_counter() - t0
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
     dc.decoding = True
-    if not each:
-        dc._compress()
-    torch.cuda.synchronize()
-    compress += time.perf_counter() - t0
     return dc.kv, dc.seqs, prefill, compress, dc.reports
 
 
