@@ -42,16 +42,16 @@ def cupy():
     return cp
 
 
-def source(csrc: Path | None = None) -> str:
-    """Translation unit handed to NVRTC: every op's .cuh, in dependency order, after a digest
-    of every .cuh's text (of ``csrc``, default CSRC). CuPy caches compiled modules on disk
+def source(csrc: Path | None = None, headers: tuple = OP_HEADERS) -> str:
+    """Translation unit handed to NVRTC: the ``headers`` (default: every op's .cuh, in
+    dependency order), after a digest of every .cuh's text (of ``csrc``, default CSRC). CuPy caches compiled modules on disk
     keyed by this string and the options; the #include lines alone would let a changed header
     load a stale binary (seen once: a kernel fixed in its header kept faulting from the cache)."""
     digest = hashlib.sha256()
     for path in sorted((CSRC if csrc is None else csrc).glob("*.cuh")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     lines = [f"// sources sha256 {digest.hexdigest()}"]
-    lines += [f'#include "{name}"' for name in OP_HEADERS]
+    lines += [f'#include "{name}"' for name in headers]
     return "\n".join(lines)
 
 
@@ -104,7 +104,7 @@ def constants() -> dict:
     ``#define SKV_*``, and the ``static constexpr int`` members of a full specialisation
     such as ``EncRow<4>`` (as ``"EncRow<4>::G"``). No CuPy needed."""
     known: dict = {}
-    for name in ("spherical_common.cuh",) + OP_HEADERS:
+    for name in ("spherical_common.cuh",) + OP_HEADERS + RDR_HEADERS:
         text = re.sub(r"//[^\n]*", "", (CSRC / name).read_text())
         for m in _DEFINE.finditer(text):
             known[m.group(1)] = int(m.group(2))
@@ -132,6 +132,30 @@ def _module(device_id: int):
                            name_expressions=instance_names())
         mod.compile()
     return mod
+
+
+# RDR's statistics kernels (rdr_stats.cuh): float64, no head-dim template, a module of their
+# own so that the decode module's build does not grow with them
+RDR_HEADERS = ("rdr_stats.cuh",)
+RDR_KERNELS = ("skv::rdr_softmax_kernel", "skv::rdr_state_sums_kernel")
+
+
+@functools.lru_cache(maxsize=None)
+def _rdr_module(device_id: int):
+    cp = cupy()
+    with cp.cuda.Device(device_id):
+        mod = cp.RawModule(code=source(headers=RDR_HEADERS), options=build_options(),
+                           name_expressions=list(RDR_KERNELS))
+        mod.compile()
+    return mod
+
+
+def rdr_kernel(name: str):
+    """The compiled RDR statistics kernel ``name`` (one of RDR_KERNELS) on the current device."""
+    if name not in RDR_KERNELS:
+        raise ValueError(f"unknown RDR kernel {name!r}; one of {RDR_KERNELS}")
+    cp = cupy()
+    return _rdr_module(cp.cuda.Device().id).get_function(name)
 
 
 def kernel(name: str, dim: int):

@@ -71,11 +71,61 @@ def _masked_median(x, mask):
     return torch.where(k % 2 == 1, a, 0.5 * (a + b)), k
 
 
+def _stats_kernel(name: str):
+    """(cupy, threads per block, kernel) of one of rdr_stats.cuh's kernels."""
+    from ._module import constants, cupy, rdr_kernel
+    return cupy(), constants()["RDR_STATS_THREADS"], rdr_kernel(name)
+
+
+def _softmax_prior_(z, softmax_scale: float, prior: float):
+    """In place on z (R, m, n), the raw logits q·k: P = (1 − prior)·softmax(s·z) + prior/n
+    along the states, the reference's order of operations. One kernel on CUDA."""
+    torch = _torch()
+    n = z.shape[2]
+    z.mul_(softmax_scale)
+    if z.is_cuda:
+        cp, threads, kernel = _stats_kernel("skv::rdr_softmax_kernel")
+        from .torch_ops import torch_stream
+        z = z.contiguous()
+        with torch_stream():     # DLPack views made on torch's stream (no cross-stream wait)
+            kernel((z.shape[0] * z.shape[1],), (threads,),
+                   (cp.from_dlpack(z), np.int64(n), np.float64(1.0 - prior), np.float64(prior / n)))
+        return z
+    z.sub_(z.amax(dim=2, keepdim=True)).exp_()
+    z.div_(z.sum(dim=2, keepdim=True))
+    return z.mul_(1.0 - prior).add_(prior / n)
+
+
+def _state_sums(P, G, o2, vn):
+    """Per state, means over the row's queries: p2 = P², e = P²·d2 and e_evict =
+    P²·d2 / max(1 − P, 1e-12)², d2 = max(‖v‖² − 2·G + ‖o‖², 0) = ‖v − o‖². P, G (R, m, n)
+    with G = o·vᵀ, o2 (R, m), vn (R, n); three (R, n). One kernel on CUDA (no (R, m, n)
+    temporaries)."""
+    torch = _torch()
+    R, m, n = P.shape
+    if P.is_cuda:
+        cp, threads, kernel = _stats_kernel("skv::rdr_state_sums_kernel")
+        from .torch_ops import torch_stream
+        out = torch.empty((3, R, n), dtype=torch.float64, device=P.device)
+        ins = [x.contiguous() for x in (P, G, o2, vn)]
+        with torch_stream():     # DLPack views made on torch's stream (no cross-stream wait)
+            args = [cp.from_dlpack(x) for x in ins] + [np.int32(R), np.int32(m), np.int64(n)]
+            args += [cp.from_dlpack(x) for x in out]
+            kernel(((n + threads - 1) // threads, R), (threads,), tuple(args))
+        return out[0], out[1], out[2]
+    dist2 = torch.clamp(vn[:, None, :] ** 2 - 2.0 * G + o2[:, :, None], min=0.0)
+    w = P * P
+    t = w * dist2
+    return w.mean(dim=1), t.mean(dim=1), (t / torch.clamp(1.0 - P, min=1e-12) ** 2).mean(dim=1)
+
+
 def row_statistics(yk, yv, qr, softmax_scale: float, prior: float, candidates=None):
     """Surrogate inputs of R rows at once: yk, yv (R, n, d) float64, the stored rotated
     centred states; qr (R, m, d) the recorded queries in the keys' rotated frame, or None;
     candidates (R, n) bool or None. Returns p, r, vn, res, kappa (R, n) and q2 (R,), the
-    reference's figures row by row."""
+    reference's figures row by row. The products are three batched GEMMs (logits, outputs,
+    o·vᵀ); everything per (query, state) happens in two passes (``_softmax_prior_`` in place,
+    ``_state_sums``), so two (R, m, n) arrays live at once."""
     torch = _torch()
     R, n, _ = yk.shape
     r = yk.norm(dim=2)
@@ -84,36 +134,29 @@ def row_statistics(yk, yv, qr, softmax_scale: float, prior: float, candidates=No
         p = torch.full((R, n), 1.0 / n, dtype=torch.float64, device=yk.device)
         res = (yv - torch.einsum("rn,rnd->rd", p, yv)[:, None, :]).norm(dim=2)
         return p, (r * r).mean(dim=1), r, vn, res, torch.ones_like(r)
-    z = softmax_scale * torch.bmm(qr, yk.transpose(1, 2))                     # (R, m, n)
-    z = z - z.max(dim=2, keepdim=True).values
-    P = torch.exp(z)
-    P = P / P.sum(dim=2, keepdim=True)
-    P = (1.0 - prior) * P + prior / n
-    o = torch.bmm(P, yv)                                                      # (R, m, d)
-    dist2 = torch.clamp(vn[:, None, :] ** 2 - 2.0 * torch.bmm(o, yv.transpose(1, 2))
-                        + (o * o).sum(dim=2)[:, :, None], min=0.0)
-    w = P * P
-    p2 = w.mean(dim=1)
-    e = (w * dist2).mean(dim=1)
-    e_evict = (w * dist2 / torch.clamp(1.0 - P, min=1e-12) ** 2).mean(dim=1)
+    P = _softmax_prior_(torch.bmm(qr, yk.transpose(1, 2)), softmax_scale, prior)   # (R, m, n)
+    o = torch.bmm(P, yv)                                                           # (R, m, d)
+    p2, e, e_evict = _state_sums(P, torch.bmm(o, yv.transpose(1, 2)), (o * o).sum(dim=2), vn)
     tiny = np.finfo(float).tiny
     kappa = torch.where(e > tiny, e_evict / torch.clamp(e, min=tiny), torch.ones_like(e))
     if candidates is not None:
-        kappa = kappa * _coherence(P, o, yv, dist2, p2, candidates)[:, None]
+        kappa = kappa * _coherence(P, o, yv, e, p2, candidates)[:, None]
     p = torch.sqrt(p2)
     res = torch.sqrt(e / torch.clamp(p2, min=tiny))
     return p, (qr * qr).sum(dim=2).mean(dim=1), r, vn, res, torch.clamp(kappa, min=1.0)
 
 
-def _coherence(P, o, values, dist2, p2, candidates):
-    """``rdr.statistics.eviction_coherence`` per row (R,)."""
+def _coherence(P, o, values, e, p2, candidates):
+    """``rdr.statistics.eviction_coherence`` per row (R,), with S the candidates at or below
+    their median p2: Σ_S P·(o − v) as (P·1_S)·o − P·(1_S v), and the independent part
+    mean_q Σ_S P²‖o − v‖² as Σ_S e (e = the per-state mean over queries), so no (R, m, n)
+    array beyond P."""
     torch = _torch()
     med, k = _masked_median(p2, candidates)
-    S = candidates & (p2 <= med[:, None])
-    Ps = P * S[:, None, :]
-    shift = Ps.sum(dim=2)[:, :, None] * o - torch.bmm(Ps, values)
+    S = (candidates & (p2 <= med[:, None])).to(P.dtype)                           # (R, n)
+    shift = torch.bmm(P, S[:, :, None]) * o - torch.bmm(P, values * S[:, :, None])
     coherent = (shift * shift).sum(dim=2).mean(dim=1)
-    independent = (Ps * Ps * dist2).sum(dim=2).mean(dim=1)
+    independent = (e * S).sum(dim=1)
     ratio = torch.clamp(coherent / torch.where(independent > 0, independent, torch.ones_like(independent)), min=1.0)
     return torch.where((k >= 2) & (independent > 0), ratio, torch.ones_like(ratio))
 

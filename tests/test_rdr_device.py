@@ -136,3 +136,30 @@ def test_distortion_of_huge_key_errors_is_the_ceiling_not_nan():
     assert not np.isnan(want).any() and not np.isnan(got).any()
     assert np.isfinite(want).all()
     np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(3, 97, 16, 12), (4, 1000, 128, 128), (2, 4099, 64, 33)])
+def test_statistics_kernels_on_cuda_equal_the_reference(shape):
+    """On CUDA the softmax and the per-state sums are rdr_stats.cuh's kernels, not torch ops:
+    the same figures as the reference row by row, and as the torch path on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("cupy")
+    rng = np.random.default_rng(sum(shape))
+    R, n, d, m = shape
+    yk = rng.standard_normal((R, n, d)) * 2
+    yv = rng.standard_normal((R, n, d))
+    qr = rng.standard_normal((R, m, d)) * 3
+    cand = rng.random((R, n)) < 0.8
+    dev = lambda x: torch.tensor(x, device="cuda")
+    got = [x.cpu() for x in rdr_device.row_statistics(dev(yk), dev(yv), dev(qr), 0.25, 0.2,
+                                                      dev(cand))]
+    host = rdr_device.row_statistics(torch.tensor(yk), torch.tensor(yv), torch.tensor(qr), 0.25,
+                                     0.2, torch.tensor(cand))
+    for g, h in zip(got, host):
+        np.testing.assert_allclose(g.numpy(), h.numpy(), rtol=1e-10, atol=1e-300)
+    for i in range(R):
+        want = row_statistics(yk[i], yv[i], qr[i], 0.25, 0.2, cand[i])
+        for g, w in zip((x[i] for x in got), want):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-10, atol=1e-300)

@@ -1,0 +1,86 @@
+// RDR's per-state statistics on the device: the two passes of rdr_device.row_statistics that
+// would otherwise each be a chain of torch ops over (rows, queries, states) float64 arrays
+// (docs/rdr.md §1, docs/PERF_NOTES.md "Compress"). float64 throughout, the reference's precision.
+//
+// Thread -> data map
+//   rdr_softmax_kernel: one block per (row, query) line of z (rows*queries lines of n states);
+//     its threads stride over the line three times: the max, the sum of exp, then the write
+//     P = a * exp(z - max) / sum + b in place (a = 1 - prior, b = prior / n, z already scaled).
+//   rdr_state_sums_kernel: one thread per (row, state); it walks the row's queries in order
+//     (the reference's sum order over queries) reading P and G = o . v at (row, query, state),
+//     coalesced across the warp's consecutive states, and writes the three means
+//     p2 = mean P^2, e = mean P^2 d2, ee = mean P^2 d2 / max(1 - P, 1e-12)^2 with
+//     d2 = max(|v|^2 - 2 G + |o|^2, 0).
+#pragma once
+
+namespace skv {
+
+constexpr int RDR_STATS_THREADS = 256;   // threads per block of both kernels (launcher THREADS)
+
+__device__ __forceinline__ double rdr_neg_inf() { return __longlong_as_double((long long)0xfff0000000000000ULL); }
+
+__device__ __forceinline__ double rdr_block_reduce(double x, bool take_max, double* shared) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const double y = __shfl_down_sync(0xffffffffu, x, off);
+    x = take_max ? fmax(x, y) : x + y;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    x = lane < (RDR_STATS_THREADS / 32) ? shared[lane] : (take_max ? rdr_neg_inf() : 0.0);
+    for (int off = 16; off > 0; off >>= 1) {
+      const double y = __shfl_down_sync(0xffffffffu, x, off);
+      x = take_max ? fmax(x, y) : x + y;
+    }
+    if (lane == 0) shared[0] = x;
+  }
+  __syncthreads();
+  const double out = shared[0];
+  __syncthreads();   // shared is reused by the next reduction
+  return out;
+}
+
+__global__ void __launch_bounds__(RDR_STATS_THREADS)
+rdr_softmax_kernel(double* __restrict__ z, long long n, double a, double b) {
+  __shared__ double shared[RDR_STATS_THREADS / 32];
+  double* line = z + (long long)blockIdx.x * n;
+  double mx = rdr_neg_inf();
+  for (long long i = threadIdx.x; i < n; i += RDR_STATS_THREADS) mx = fmax(mx, line[i]);
+  mx = rdr_block_reduce(mx, true, shared);
+  double sum = 0.0;
+  for (long long i = threadIdx.x; i < n; i += RDR_STATS_THREADS) sum += exp(line[i] - mx);
+  sum = rdr_block_reduce(sum, false, shared);
+  for (long long i = threadIdx.x; i < n; i += RDR_STATS_THREADS)
+    line[i] = a * (exp(line[i] - mx) / sum) + b;
+}
+
+__global__ void __launch_bounds__(RDR_STATS_THREADS)
+rdr_state_sums_kernel(const double* __restrict__ P, const double* __restrict__ G,
+                      const double* __restrict__ o2, const double* __restrict__ vn,
+                      int rows, int m, long long n, double* __restrict__ p2,
+                      double* __restrict__ e, double* __restrict__ ee) {
+  const long long i = (long long)blockIdx.x * RDR_STATS_THREADS + threadIdx.x;
+  const int r = blockIdx.y;
+  if (i >= n || r >= rows) return;
+  const double v = vn[(long long)r * n + i];
+  const double v2 = v * v;
+  double sw = 0.0, se = 0.0, see = 0.0;
+  for (int j = 0; j < m; ++j) {
+    const long long at = ((long long)r * m + j) * n + i;
+    const double p = P[at];
+    const double d2 = fmax(v2 - 2.0 * G[at] + o2[(long long)r * m + j], 0.0);
+    const double w = p * p;
+    const double t = w * d2;
+    const double den = fmax(1.0 - p, 1e-12);
+    sw += w;
+    se += t;
+    see += t / (den * den);
+  }
+  const long long out = (long long)r * n + i;
+  p2[out] = sw / m;
+  e[out] = se / m;
+  ee[out] = see / m;
+}
+
+}  // namespace skv
