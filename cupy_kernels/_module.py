@@ -134,10 +134,12 @@ def _module(device_id: int):
     return mod
 
 
-# RDR's statistics kernels (rdr_stats.cuh): float64, no head-dim template, a module of their
+# RDR's statistics and hull kernels (rdr_stats.cuh): float64, no head-dim template, a module of their
 # own so that the decode module's build does not grow with them
 RDR_HEADERS = ("rdr_stats.cuh",)
-RDR_KERNELS = ("skv::rdr_softmax_kernel", "skv::rdr_state_sums_kernel")
+RDR_HULL_OPTIONS = (8,)   # T + 1 of the hull kernel's instances (the default ladder's 7 tiers)
+RDR_KERNELS = ("skv::rdr_softmax_kernel", "skv::rdr_state_sums_kernel") + tuple(
+    f"skv::rdr_hull_kernel<{t}>" for t in RDR_HULL_OPTIONS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,7 +153,7 @@ def _rdr_module(device_id: int):
 
 
 def rdr_kernel(name: str):
-    """The compiled RDR statistics kernel ``name`` (one of RDR_KERNELS) on the current device."""
+    """The compiled RDR kernel ``name`` (one of RDR_KERNELS) on the current device."""
     if name not in RDR_KERNELS:
         raise ValueError(f"unknown RDR kernel {name!r}; one of {RDR_KERNELS}")
     cp = cupy()

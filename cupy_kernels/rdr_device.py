@@ -182,6 +182,58 @@ def distortion(p, q2, r, vn, res, key_error, value_error, dim: int, softmax_scal
     return out.clamp_(max=DISTORTION_MAX)
 
 
+def _hull(D, cur, c):
+    """Per state, the lower convex hull in (cost, D) of its options at or below its current
+    tier (never promote): keep (n, T+1) bool, its points; nxt (n, T+1) int8, each point's next
+    hull point (-1 after the last); pos (n, T+1) int8, each point's rank along the hull. A
+    point is kept unless an earlier one has no more distortion, or it lies on or above the
+    chord of two kept points around it. One kernel on CUDA for the default ladder's T + 1
+    (rdr_stats.cuh's rdr_hull_kernel, bit for bit these ops); else column-wise torch ops,
+    ~60 passes over strided (n,) columns."""
+    torch = _torch()
+    from ._module import RDR_HULL_OPTIONS
+    n, T1 = D.shape
+    dev = D.device
+    if D.is_cuda and T1 in RDR_HULL_OPTIONS and n:
+        cp, threads, kernel = _stats_kernel(f"skv::rdr_hull_kernel<{T1}>")
+        from .torch_ops import torch_stream
+        keep = torch.empty((n, T1), dtype=torch.bool, device=dev)
+        nxt = torch.empty((n, T1), dtype=torch.int8, device=dev)
+        pos = torch.empty((n, T1), dtype=torch.int8, device=dev)
+        ins = [D.contiguous(), cur.to(torch.int64).contiguous(), c.contiguous()]
+        with torch_stream():     # DLPack views made on torch's stream (no cross-stream wait)
+            args = [cp.from_dlpack(x) for x in ins] + [np.int64(n)]
+            args += [cp.from_dlpack(x) for x in (keep, nxt, pos)]
+            kernel(((n + threads - 1) // threads,), (threads,), tuple(args))
+        return keep, nxt, pos
+    allowed = torch.arange(T1, device=dev)[None, :] <= cur[:, None]
+    big = torch.finfo(torch.float64).max
+    Dm = torch.where(allowed, D, torch.full_like(D, big))
+    keep = allowed.clone()
+    for j in range(1, T1):
+        keep[:, j] &= ~(Dm[:, :j] <= Dm[:, j:j + 1]).any(dim=1)
+    for j in range(1, T1 - 1):
+        for a in range(0, j):
+            for b in range(j + 1, T1):
+                chord = Dm[:, a] + (Dm[:, b] - Dm[:, a]) * ((c[j] - c[a]) / (c[b] - c[a]))
+                on = keep[:, a] & keep[:, b] & (Dm[:, j] >= chord)
+                keep[:, j] &= ~on
+    # (n, T+1) tables hold tiers and ranks in the narrowest type: at 67M states (a batch of
+    # 32K-token Llama-8B sequences) each int64 table would be 4.3 GB
+    nxt = torch.full((n, T1), -1, dtype=torch.int8, device=dev)
+    last = torch.full((n,), -1, dtype=torch.int8, device=dev)
+    for j in range(T1 - 1, -1, -1):
+        nxt[:, j] = last
+        last = torch.where(keep[:, j], torch.full_like(last, j), last)
+    # rank of each kept point along its hull (a running count over the T+1 columns: torch's
+    # scan over rows this short took 86 ms at 16.8M states on an H100)
+    pos = torch.empty((n, T1), dtype=torch.int8, device=dev)
+    pos[:, 0] = keep[:, 0].to(torch.int8) - 1
+    for j in range(1, T1):
+        pos[:, j] = pos[:, j - 1] + keep[:, j].to(torch.int8)
+    return keep, nxt, pos
+
+
 def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget,
                       num_groups: int, segment=None):
     """Tiers (n,) int64 (device) for free states with distortion D (n, T+1), current tiers
@@ -207,29 +259,7 @@ def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget,
     bud = torch.as_tensor(np.asarray(budget, np.float64), device=dev)
     c = torch.as_tensor(np.asarray(share, np.float64), device=dev)
     free = ~protected
-    # options above a state's current tier are removed (never promote)
-    allowed = torch.arange(T1, device=dev)[None, :] <= cur[:, None]
-    big = torch.finfo(torch.float64).max
-    Dm = torch.where(allowed, D, torch.full_like(D, big))
-    # lower convex hull in (cost, D) per state: point j is kept unless an earlier point has
-    # no more distortion, or it lies on or above the chord of two points around it
-    keep = allowed.clone()
-    for j in range(1, T1):
-        keep[:, j] &= ~(Dm[:, :j] <= Dm[:, j:j + 1]).any(dim=1)
-    for j in range(1, T):
-        for a in range(0, j):
-            for b in range(j + 1, T1):
-                chord = Dm[:, a] + (Dm[:, b] - Dm[:, a]) * ((c[j] - c[a]) / (c[b] - c[a]))
-                on = keep[:, a] & keep[:, b] & (Dm[:, j] >= chord)
-                keep[:, j] &= ~on
-    # increments between consecutive hull points: from each kept point to the next kept one
-    # (n, T+1) tables hold tiers and ranks in the narrowest type: at 67M states (a batch of
-    # 32K-token Llama-8B sequences) each int64 table would be 4.3 GB
-    nxt = torch.full((n, T1), -1, dtype=torch.int8, device=dev)
-    last = torch.full((n,), -1, dtype=torch.int8, device=dev)
-    for j in range(T1 - 1, -1, -1):
-        nxt[:, j] = last
-        last = torch.where(keep[:, j], torch.full_like(last, j), last)
+    keep, nxt, pos = _hull(D, cur, c)
     step_from = keep & (nxt >= 0) & free[:, None]
     si, sj = torch.nonzero(step_from, as_tuple=True)
     sk = nxt[si, sj].long()
@@ -282,12 +312,6 @@ def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget,
     before_seg = torch.where(start > 0, cum_all[(start - 1).clamp(min=0)], zeros())
     cum = cum_all - before_seg[seg]
     base_tier = torch.where(protected, cur, torch.zeros_like(cur))
-    # rank of each kept point along its hull (a running count over the T+1 columns: torch's
-    # scan over rows this short took 86 ms at 16.8M states on an H100)
-    pos = torch.empty((n, T1), dtype=torch.int8, device=dev)
-    pos[:, 0] = keep[:, 0].to(torch.int8) - 1
-    for j in range(1, T1):
-        pos[:, j] = pos[:, j - 1] + keep[:, j].to(torch.int8)
     per = torch.as_tensor([1] + [round(pb / float(x)) for x in c[1:].tolist()], device=dev)
 
     # a state's increments run along its hull with falling slopes, so in slope order they

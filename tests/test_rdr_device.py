@@ -163,3 +163,35 @@ def test_statistics_kernels_on_cuda_equal_the_reference(shape):
         want = row_statistics(yk[i], yv[i], qr[i], 0.25, 0.2, cand[i])
         for g, w in zip((x[i] for x in got), want):
             np.testing.assert_allclose(np.asarray(g), w, rtol=1e-10, atol=1e-300)
+
+
+@pytest.mark.gpu
+def test_hull_kernel_equals_the_torch_ops_and_the_answer_is_the_same():
+    """On CUDA, the default ladder's hull is rdr_stats.cuh's kernel: bit for bit the torch ops'
+    keep, nxt and pos (distortions with ties, options above the current tier, every current
+    tier), and greedy_allocation gives the CPU's tiers, objective and bound."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("cupy")
+    rng = np.random.default_rng(5)
+    T = TierLadder().top
+    n = 20011
+    D = np.sort(np.round(rng.random((n, T + 1)) ** 3 * 8) / 8, axis=1)[:, ::-1].copy()
+    D[rng.random(n) < 0.2] = rng.random((1, T + 1))        # repeated rows
+    cur = rng.integers(0, T + 1, n)
+    c = torch.tensor([0.0] + [float(x) for x in np.cumsum(rng.integers(8, 40, T))])
+    want = rdr_device._hull(torch.tensor(D), torch.tensor(cur), c)
+    got = rdr_device._hull(torch.tensor(D, device="cuda"), torch.tensor(cur, device="cuda"),
+                           c.cuda())
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w)
+    for seed in (21, 22):
+        problem, D, cur, prot, group, share, _ = _greedy_problem(seed)
+        args = (D, cur, prot, group)
+        host = rdr_device.greedy_allocation(*(torch.tensor(x) for x in args), share,
+                                            problem.page_bytes, float(problem.budget_bytes), 4)
+        dev = rdr_device.greedy_allocation(*(torch.tensor(x, device="cuda") for x in args), share,
+                                           problem.page_bytes, float(problem.budget_bytes), 4)
+        assert torch.equal(dev[0].cpu(), host[0])
+        assert dev[1] == pytest.approx(host[1], rel=1e-12)
+        assert dev[2] == pytest.approx(host[2], rel=1e-9)

@@ -1,6 +1,7 @@
-// RDR's per-state statistics on the device: the two passes of rdr_device.row_statistics that
-// would otherwise each be a chain of torch ops over (rows, queries, states) float64 arrays
-// (docs/rdr.md §1, docs/PERF_NOTES.md "Compress"). float64 throughout, the reference's precision.
+// RDR on the device, the passes of rdr_device that would otherwise each be a chain of torch ops
+// over large float64 arrays (docs/rdr.md §1, docs/PERF_NOTES.md "Compress"): the statistics'
+// softmax and per-state means, and the solver's per-state convex hull. float64 throughout,
+// the reference's precision.
 //
 // Thread -> data map
 //   rdr_softmax_kernel: one block per (row, query) line of z (rows*queries lines of n states);
@@ -11,6 +12,11 @@
 //     coalesced across the warp's consecutive states, and writes the three means
 //     p2 = mean P^2, e = mean P^2 d2, ee = mean P^2 d2 / max(1 - P, 1e-12)^2 with
 //     d2 = max(|v|^2 - 2 G + |o|^2, 0).
+//   rdr_hull_kernel: one thread per state; it reads the state's T+1 distortions (one row of D)
+//     and its current tier, and writes its rows of keep (the lower convex hull's points), nxt
+//     (each point's next hull point, -1 after the last) and pos (each point's rank along the
+//     hull), running greedy_allocation's loops in their order with unfused float64 arithmetic
+//     (__dadd_rn etc.: no FMA), so the answer is bit for bit that of the torch ops.
 #pragma once
 
 namespace skv {
@@ -81,6 +87,56 @@ rdr_state_sums_kernel(const double* __restrict__ P, const double* __restrict__ G
   p2[out] = sw / m;
   e[out] = se / m;
   ee[out] = see / m;
+}
+
+// T1 = T + 1 options (eviction and T tiers) as a template parameter, so that the per-state
+// arrays stay in registers (instances: RDR_HULL_OPTIONS in _module.py; other ladders take
+// the torch ops)
+template <int T1>
+__global__ void __launch_bounds__(RDR_STATS_THREADS)
+rdr_hull_kernel(const double* __restrict__ D, const long long* __restrict__ cur,
+                const double* __restrict__ c, long long n, bool* __restrict__ keep,
+                signed char* __restrict__ nxt, signed char* __restrict__ pos) {
+  const long long i = (long long)blockIdx.x * RDR_STATS_THREADS + threadIdx.x;
+  if (i >= n) return;
+  double Dm[T1];
+  unsigned k = 0;                                    // bit j: option j is a hull point
+  const long long ct = cur[i];
+#pragma unroll
+  for (int j = 0; j < T1; ++j) {
+    if (j <= ct) k |= 1u << j;                       // never promote
+    Dm[j] = j <= ct ? D[i * T1 + j] : 1.7976931348623157e308;
+  }
+#pragma unroll
+  for (int j = 1; j < T1; ++j) {                     // dominated by an earlier point
+    bool any = false;
+#pragma unroll
+    for (int a = 0; a < j; ++a) any |= Dm[a] <= Dm[j];
+    if (any) k &= ~(1u << j);
+  }
+#pragma unroll
+  for (int j = 1; j < T1 - 1; ++j)                   // on or above a chord around it
+#pragma unroll
+    for (int a = 0; a < j; ++a)
+#pragma unroll
+      for (int b = j + 1; b < T1; ++b) {
+        const double ratio = __ddiv_rn(__dsub_rn(c[j], c[a]), __dsub_rn(c[b], c[a]));
+        const double chord = __dadd_rn(Dm[a], __dmul_rn(__dsub_rn(Dm[b], Dm[a]), ratio));
+        if (((k >> a) & 1u) && ((k >> b) & 1u) && Dm[j] >= chord) k &= ~(1u << j);
+      }
+  int last = -1, rank = -1;
+#pragma unroll
+  for (int j = T1 - 1; j >= 0; --j) {
+    nxt[i * T1 + j] = (signed char)last;
+    if ((k >> j) & 1u) last = j;
+  }
+#pragma unroll
+  for (int j = 0; j < T1; ++j) {
+    const bool on = (k >> j) & 1u;
+    rank += on ? 1 : 0;
+    keep[i * T1 + j] = on;
+    pos[i * T1 + j] = (signed char)rank;
+  }
 }
 
 }  // namespace skv
