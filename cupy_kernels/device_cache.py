@@ -777,8 +777,9 @@ class DeviceKVCache:
         T1 = self.ladder.top + 1
         R = len(st.n_row)
         per = self._per()
-        changed = torch.zeros(R, dtype=torch.long, device=self.device).index_add_(
-            0, st.row, (new != st.tier).long()).cpu().numpy() > 0
+        # a histogram of the changed states' rows, not index_add_: a row's states are
+        # contiguous, so a warp's adds would all contend for one address
+        changed = torch.bincount(st.row[new != st.tier], minlength=R).cpu().numpy() > 0
         alive = new > 0
         cnt, npg = self._group_pages(st.row[alive], new[alive], R)
         if int(npg.sum()) * self.page_bytes > budget:
