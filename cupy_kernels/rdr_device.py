@@ -200,7 +200,8 @@ def _hull(D, cur, c):
         keep = torch.empty((n, T1), dtype=torch.bool, device=dev)
         nxt = torch.empty((n, T1), dtype=torch.int8, device=dev)
         pos = torch.empty((n, T1), dtype=torch.int8, device=dev)
-        ins = [D.contiguous(), cur.to(torch.int64).contiguous(), c.contiguous()]
+        ins = [D.to(torch.float64).contiguous(), cur.to(torch.int64).contiguous(),
+               c.to(torch.float64).contiguous()]
         with torch_stream():     # DLPack views made on torch's stream (no cross-stream wait)
             args = [cp.from_dlpack(x) for x in ins] + [np.int64(n)]
             args += [cp.from_dlpack(x) for x in (keep, nxt, pos)]

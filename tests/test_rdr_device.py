@@ -179,7 +179,8 @@ def test_hull_kernel_equals_the_torch_ops_and_the_answer_is_the_same():
     D = np.sort(np.round(rng.random((n, T + 1)) ** 3 * 8) / 8, axis=1)[:, ::-1].copy()
     D[rng.random(n) < 0.2] = rng.random((1, T + 1))        # repeated rows
     cur = rng.integers(0, T + 1, n)
-    c = torch.tensor([0.0] + [float(x) for x in np.cumsum(rng.integers(8, 40, T))])
+    c = torch.tensor([0.0] + [float(x) for x in np.cumsum(rng.integers(8, 40, T))],
+                     dtype=torch.float64)
     want = rdr_device._hull(torch.tensor(D), torch.tensor(cur), c)
     got = rdr_device._hull(torch.tensor(D, device="cuda"), torch.tensor(cur, device="cuda"),
                            c.cuda())
