@@ -27,35 +27,40 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 log() { echo "$(date -u +%FT%TZ) $*" >> "$RUNS/drive.log"; }
 
+# resumed OUT LOG WHAT CMD...: CMD --out OUT (with --resume once OUT has a log), until it
+# ends well, at most four times
+resumed() {
+  local out=$1 logf=$2 what=$3 try resume
+  shift 3
+  for try in 1 2 3 4; do
+    resume=; [ -f "$out/units.jsonl" ] && resume=--resume
+    log "$what (try $try)"
+    "$@" --out "$out" $resume >> "$logf" 2>&1 && return 0
+    log "$what ended with rc=$?"; sleep 5
+  done
+  return 1
+}
+
+EVAL=(python3 -m spherical_kv_eval.evaluate --device cuda --model gemma3-270m --windows 16
+      --window-bits 8)
+
 eval_queue() {
   export PYTHONPATH=$ROOT:${EVAL_PATH:-}:${PYTHONPATH:-}
   for T in ${EVAL_CONTEXTS:-8192 16384 32768}; do
-    for try in 1 2 3 4; do
-      resume=; [ -f "$RUNS/gemma/units.jsonl" ] && resume=--resume
-      log "evaluate T=$T (try $try)"
-      python3 -m spherical_kv_eval.evaluate --device cuda --model gemma3-270m --contexts "$T" \
-        --windows 16 --window-bits 8 --jobs "$EVAL_JOBS" --out "$RUNS/gemma" $resume \
-        >> "$RUNS/gemma.log" 2>&1 && break
-      log "evaluate T=$T ended with rc=$?"; sleep 5
-    done
+    resumed "$RUNS/gemma" "$RUNS/gemma.log" "evaluate T=$T" "${EVAL[@]}" --contexts "$T" \
+      --jobs "$EVAL_JOBS"
   done
   # every context's units are logged: the reports over all three
-  python3 -m spherical_kv_eval.evaluate --device cuda --model gemma3-270m \
-    --contexts ${EVAL_CONTEXTS:-8192 16384 32768} --windows 16 --window-bits 8 \
-    --jobs "$EVAL_JOBS" --out "$RUNS/gemma" --resume >> "$RUNS/gemma.log" 2>&1
+  "${EVAL[@]}" --contexts ${EVAL_CONTEXTS:-8192 16384 32768} --jobs "$EVAL_JOBS" \
+    --out "$RUNS/gemma" --resume >> "$RUNS/gemma.log" 2>&1
   log "evaluate queue done (rc=$?)"
 }
 
 tasks_queue() {
   export PYTHONPATH=$ROOT:${TASKS_PATH:-}:${PYTHONPATH:-}
   for n in ${TASK_LADDER:-10 25 50}; do
-    for try in 1 2 3 4; do
-      resume=; [ -f "$RUNS/tasks8k/units.jsonl" ] && resume=--resume
-      log "tasks instances=$n (try $try)"
-      python3 -m spherical_kv_eval.tasks_run --device cuda --lengths 8192 --instances "$n" \
-        --jobs "$TASK_JOBS" --out "$RUNS/tasks8k" $resume >> "$RUNS/tasks.log" 2>&1 && break
-      log "tasks instances=$n ended with rc=$?"; sleep 5
-    done
+    resumed "$RUNS/tasks8k" "$RUNS/tasks.log" "tasks instances=$n" python3 -m \
+      spherical_kv_eval.tasks_run --device cuda --lengths 8192 --instances "$n" --jobs "$TASK_JOBS"
   done
   log "tasks queue done"
 }
