@@ -81,14 +81,17 @@ NVRTC = nvrtc_library()
 
 @pytest.mark.skipif(NVRTC is None or cuda_include() is None,
                     reason="NVRTC 13 library (pip install nvidia-cuda-nvrtc==13.0.*) or CUDA headers missing")
-def test_runtime_build_without_spills():
-    """The module exactly as cupy_kernels._module builds it on the device (source string,
-    options, every kernel instance by name), compiled for sm_90 by NVRTC with ptxas -v: every
-    instance within its NVRTC allowance."""
+@pytest.mark.parametrize("which", ["ops", "rdr"])
+def test_runtime_build_without_spills(which):
+    """Each module exactly as cupy_kernels._module builds it on the device (source string,
+    options, every kernel instance by name): the ops' and RDR's, compiled for sm_90 by NVRTC
+    with ptxas -v: every instance within its NVRTC allowance."""
     from cupy_kernels import _module
-    names = _module.instance_names()
-    build = offline_build(_module.source(), names,
-                          list(_module.build_options()) + ["--ptxas-options=-v"])
+    if which == "ops":
+        source, names = _module.source(), _module.instance_names()
+    else:
+        source, names = _module.source(headers=_module.RDR_HEADERS), list(_module.RDR_KERNELS)
+    build = offline_build(source, names, list(_module.build_options()) + ["--ptxas-options=-v"])
     rc, log = build.rc, build.log
     assert rc == 0, log
     check_spills(log, ALLOWED_NVRTC, len(names), "NVRTC")
