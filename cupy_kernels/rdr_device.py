@@ -71,10 +71,17 @@ def _masked_median(x, mask):
     return torch.where(k % 2 == 1, a, 0.5 * (a + b)), k
 
 
-def _stats_kernel(name: str):
-    """(cupy, threads per block, kernel) of one of rdr_stats.cuh's kernels."""
+def _launch(name: str, blocks, args) -> None:
+    """rdr_stats.cuh's kernel ``name`` on torch's current stream: ``blocks(threads)`` gives
+    its grid; the torch tensors among ``args`` go as DLPack views made on that stream (no
+    cross-stream wait), the rest as they are."""
+    torch = _torch()
     from ._module import constants, cupy, rdr_kernel
-    return cupy(), constants()["RDR_STATS_THREADS"], rdr_kernel(name)
+    from .torch_ops import torch_stream
+    cp, threads = cupy(), constants()["RDR_STATS_THREADS"]
+    with torch_stream():
+        rdr_kernel(name)(blocks(threads), (threads,),
+                         tuple(cp.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args))
 
 
 def _softmax_prior_(z, softmax_scale: float, prior: float):
@@ -84,12 +91,9 @@ def _softmax_prior_(z, softmax_scale: float, prior: float):
     n = z.shape[2]
     z.mul_(softmax_scale)
     if z.is_cuda:
-        cp, threads, kernel = _stats_kernel("skv::rdr_softmax_kernel")
-        from .torch_ops import torch_stream
         z = z.contiguous()
-        with torch_stream():     # DLPack views made on torch's stream (no cross-stream wait)
-            kernel((z.shape[0] * z.shape[1],), (threads,),
-                   (cp.from_dlpack(z), np.int64(n), np.float64(1.0 - prior), np.float64(prior / n)))
+        _launch("skv::rdr_softmax_kernel", lambda t: (z.shape[0] * z.shape[1],),
+                (z, np.int64(n), np.float64(1.0 - prior), np.float64(prior / n)))
         return z
     z.sub_(z.amax(dim=2, keepdim=True)).exp_()
     z.div_(z.sum(dim=2, keepdim=True))
@@ -104,14 +108,10 @@ def _state_sums(P, G, o2, vn):
     torch = _torch()
     R, m, n = P.shape
     if P.is_cuda:
-        cp, threads, kernel = _stats_kernel("skv::rdr_state_sums_kernel")
-        from .torch_ops import torch_stream
         out = torch.empty((3, R, n), dtype=torch.float64, device=P.device)
-        ins = [x.contiguous() for x in (P, G, o2, vn)]
-        with torch_stream():     # DLPack views made on torch's stream (no cross-stream wait)
-            args = [cp.from_dlpack(x) for x in ins] + [np.int32(R), np.int32(m), np.int64(n)]
-            args += [cp.from_dlpack(x) for x in out]
-            kernel(((n + threads - 1) // threads, R), (threads,), tuple(args))
+        _launch("skv::rdr_state_sums_kernel", lambda t: ((n + t - 1) // t, R),
+                [x.contiguous() for x in (P, G, o2, vn)]
+                + [np.int32(R), np.int32(m), np.int64(n), out[0], out[1], out[2]])
         return out[0], out[1], out[2]
     dist2 = torch.clamp(vn[:, None, :] ** 2 - 2.0 * G + o2[:, :, None], min=0.0)
     w = P * P
@@ -195,17 +195,12 @@ def _hull(D, cur, c):
     n, T1 = D.shape
     dev = D.device
     if D.is_cuda and T1 in RDR_HULL_OPTIONS and n:
-        cp, threads, kernel = _stats_kernel(f"skv::rdr_hull_kernel<{T1}>")
-        from .torch_ops import torch_stream
         keep = torch.empty((n, T1), dtype=torch.bool, device=dev)
         nxt = torch.empty((n, T1), dtype=torch.int8, device=dev)
         pos = torch.empty((n, T1), dtype=torch.int8, device=dev)
-        ins = [D.to(torch.float64).contiguous(), cur.to(torch.int64).contiguous(),
-               c.to(torch.float64).contiguous()]
-        with torch_stream():     # DLPack views made on torch's stream (no cross-stream wait)
-            args = [cp.from_dlpack(x) for x in ins] + [np.int64(n)]
-            args += [cp.from_dlpack(x) for x in (keep, nxt, pos)]
-            kernel(((n + threads - 1) // threads,), (threads,), tuple(args))
+        _launch(f"skv::rdr_hull_kernel<{T1}>", lambda t: ((n + t - 1) // t,),
+                (D.to(torch.float64).contiguous(), cur.to(torch.int64).contiguous(),
+                 c.to(torch.float64).contiguous(), np.int64(n), keep, nxt, pos))
         return keep, nxt, pos
     allowed = torch.arange(T1, device=dev)[None, :] <= cur[:, None]
     big = torch.finfo(torch.float64).max
