@@ -44,9 +44,10 @@ def cupy():
 
 def source(csrc: Path | None = None, headers: tuple = OP_HEADERS) -> str:
     """Translation unit handed to NVRTC: the ``headers`` (default: every op's .cuh, in
-    dependency order), after a digest of every .cuh's text (of ``csrc``, default CSRC). CuPy caches compiled modules on disk
-    keyed by this string and the options; the #include lines alone would let a changed header
-    load a stale binary (seen once: a kernel fixed in its header kept faulting from the cache)."""
+    dependency order), after a digest of every .cuh's text (of ``csrc``, default CSRC). CuPy
+    caches compiled modules on disk keyed by this string and the options; the #include lines
+    alone would let a changed header load a stale binary (seen once: a kernel fixed in its
+    header kept faulting from the cache)."""
     digest = hashlib.sha256()
     for path in sorted((CSRC if csrc is None else csrc).glob("*.cuh")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -125,31 +126,28 @@ def constants() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(device_id: int):
+def _built(device_id: int, headers: tuple, names: tuple):
+    """The ``cupy.RawModule`` of ``headers`` with the kernel instances ``names``, compiled
+    once per device."""
     cp = cupy()
     with cp.cuda.Device(device_id):
-        mod = cp.RawModule(code=source(), options=build_options(),
-                           name_expressions=instance_names())
+        mod = cp.RawModule(code=source(headers=headers), options=build_options(),
+                           name_expressions=list(names))
         mod.compile()
     return mod
 
 
-# RDR's statistics and hull kernels (rdr_stats.cuh): float64, no head-dim template, a module of their
-# own so that the decode module's build does not grow with them
+def _module(device_id: int):
+    """The ops' module: every decode, merge, encode and re-tier instance."""
+    return _built(device_id, OP_HEADERS, tuple(instance_names()))
+
+
+# RDR's statistics and hull kernels (rdr_stats.cuh): float64, no head-dim template, a module
+# of their own so that the ops' build does not grow with them
 RDR_HEADERS = ("rdr_stats.cuh",)
 RDR_HULL_OPTIONS = (8,)   # T + 1 of the hull kernel's instances (the default ladder's 7 tiers)
 RDR_KERNELS = ("skv::rdr_softmax_kernel", "skv::rdr_state_sums_kernel") + tuple(
     f"skv::rdr_hull_kernel<{t}>" for t in RDR_HULL_OPTIONS)
-
-
-@functools.lru_cache(maxsize=None)
-def _rdr_module(device_id: int):
-    cp = cupy()
-    with cp.cuda.Device(device_id):
-        mod = cp.RawModule(code=source(headers=RDR_HEADERS), options=build_options(),
-                           name_expressions=list(RDR_KERNELS))
-        mod.compile()
-    return mod
 
 
 def rdr_kernel(name: str):
@@ -157,7 +155,7 @@ def rdr_kernel(name: str):
     if name not in RDR_KERNELS:
         raise ValueError(f"unknown RDR kernel {name!r}; one of {RDR_KERNELS}")
     cp = cupy()
-    return _rdr_module(cp.cuda.Device().id).get_function(name)
+    return _built(cp.cuda.Device().id, RDR_HEADERS, RDR_KERNELS).get_function(name)
 
 
 def kernel(name: str, dim: int):

@@ -21,7 +21,7 @@
 
 namespace skv {
 
-constexpr int RDR_STATS_THREADS = 256;   // threads per block of both kernels (launcher THREADS)
+constexpr int RDR_STATS_THREADS = 256;   // threads per block of the three kernels (rdr_device._launch)
 
 __device__ __forceinline__ double rdr_neg_inf() { return __longlong_as_double((long long)0xfff0000000000000ULL); }
 
