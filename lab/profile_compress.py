@@ -19,6 +19,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--fraction", type=float, default=0.2)
     ap.add_argument("--rows", type=int, default=30, help="ops printed per table")
+    ap.add_argument("--syncs", type=int, default=0, metavar="K",
+                    help="also list the K source lines of the compress path that make the host "
+                         "wait for the GPU most often (torch's sync debug mode, one unprofiled "
+                         "compress)")
     ap.add_argument("--together", action="store_true",
                     help="the profiled sequences in one compress_all (the batched decision)")
     args = ap.parse_args()
@@ -73,6 +77,36 @@ def main() -> None:
     torch.cuda.synchronize()
     print(f"one sequence unprofiled: {time.perf_counter() - t0:.3f} s, parts "
           + ", ".join(f"{k} {v:.3f} s" for k, v in cache.compress_seconds.items()))
+    if args.syncs:
+        print_sync_sites(cache, L, H, Hq, d, args, g)
+
+
+def print_sync_sites(cache, L, H, Hq, d, args, g) -> None:
+    """One more compress with torch's sync debug mode on: every host wait for the GPU
+    (synchronize, a copy to or from pageable host memory, nonzero, .item()) warns, and the
+    warnings are counted by the project's source line that made them."""
+    import collections
+    import warnings
+    import torch
+    s = cache.new_sequence()
+    for layer in range(L):
+        k = torch.randn((H, args.context, d), device="cuda", generator=g)
+        cache.append(s, layer, k, torch.randn((H, args.context, d), device="cuda", generator=g))
+        cache.observe(s, layer, torch.randn((32, Hq, d), device="cuda", generator=g))
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            cache.compress(s, budget_fraction=args.fraction, method="device")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = collections.Counter(f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    print(f"host waits in one compress: {sum(sites.values())}, at {len(sites)} lines; the most "
+          f"frequent:")
+    for site, n in sites.most_common(args.syncs):
+        print(f"  {n:5d}  {site}")
 
 
 if __name__ == "__main__":

@@ -105,8 +105,8 @@ for stage in "$@"; do
     profile-compress)
       # where compress_all spends its time at (PC_BATCH, PC_CONTEXT), under torch's profiler
       timeout ${PC_LIMIT:-240} python3 lab/profile_compress.py --together --batch ${PC_BATCH:-5} \
-        --context ${PC_CONTEXT:-32768} --rows 25 > "$OUT/profile_compress.txt" 2>&1
-      rc=$?; head -n 3 "$OUT/profile_compress.txt"; tail -n 2 "$OUT/profile_compress.txt";;
+        --context ${PC_CONTEXT:-32768} --rows ${PC_ROWS:-25} --syncs ${PC_SYNCS:-25} > "$OUT/profile_compress.txt" 2>&1
+      rc=$?; head -n 3 "$OUT/profile_compress.txt"; grep -A 12 "^one sequence unprofiled" "$OUT/profile_compress.txt";;
     fixed-cost)
       # the decode kernel's fixed cost per call in a graph, and eager with and without PDL
       timeout ${FC_LIMIT:-200} python3 lab/fixed_cost.py --out "$OUT/fixed_cost.json" \
