@@ -54,6 +54,7 @@ from spherical_kv_ref.rdr.surrogate import tier_error_constants
 from spherical_kv_ref.rotation import KEY_SALT, VALUE_SALT
 from spherical_kv_ref.tiers import TierLadder
 
+from ._module import constants
 from .ada_decode import ada_decode
 from .encode import encode_kv_into_pages
 from .kernel_tables import kernel_tables, rotation_signs
@@ -517,18 +518,24 @@ class DeviceKVCache:
             self._rot[("levels", bits)] = hit
         return hit
 
-    def _stored_rows(self, page, slot, tier, present):
-        """(keys, values) (n, d) float64 device tensors of states of any tiers, in order:
-        page, slot, tier int64 device tensors (n,); present: the tiers among them (host)."""
-        torch = _torch()
-        if len(present) == 1:
-            return self.stored_rotated(page, slot, int(present[0]))
-        yk = torch.empty((page.numel(), self.head_dim), dtype=torch.float64, device=self.device)
-        yv = torch.empty_like(yk)
-        for t in present:
-            idx = torch.nonzero(tier == int(t)).squeeze(1)
-            yk[idx], yv[idx] = self.stored_rotated(page[idx], slot[idx], int(t))
-        return yk, yv
+    def _stored_rows(self, page, slot, tier):
+        """(keys, values) (n, d) float64 device tensors of states of any tiers, in order
+        (page, slot, tier int64 device tensors (n,)): ``stored_rotated``'s values, from one
+        kernel (``rdr_device.stored_states``) instead of its per-tier torch ops."""
+        from . import rdr_device
+        tables = self._rot.get("stored")
+        if tables is None:
+            torch = _torch()
+            levels = np.zeros((self.ladder.top + 1, 2, constants()["RDR_LEVELS"]))
+            for t in range(1, self.ladder.top + 1):
+                for part, bits in enumerate(self.ladder.bits(t)):
+                    if bits != 16:
+                        levels[t, part, :1 << bits] = codebooks.codebook(bits, self.head_dim,
+                                                                         self.codebook)
+            tables = (torch.as_tensor(self.tables.geom, device=self.device).contiguous(),
+                      torch.as_tensor(levels, device=self.device))
+            self._rot["stored"] = tables
+        return rdr_device.stored_states(self.pages, page, slot, tier, *tables, self.head_dim)
 
     def _rotated_queries(self, s: _Seq, layer: int, heads):
         """The layer's recorded queries of the GQA groups of ``heads``, each in its kv-head's
@@ -593,6 +600,9 @@ class DeviceKVCache:
         cat = lambda f: torch.cat([f(st) for st in sts])
         page, slot, tier = cat(lambda st: st.page), cat(lambda st: st.slot), cat(lambda st: st.tier)
         prot = cat(lambda st: st.protected)
+        # every layer's batches planned on the host first: their rows' first states and row
+        # ids go to the device in one copy (a copy per batch made the host wait each time)
+        plan, starts, row_ids = [], [], []
         for layer in range(self.num_layers):
             groups: Dict[tuple, list] = {}
             for i, (s, st) in enumerate(zip(ss, sts)):
@@ -603,21 +613,23 @@ class DeviceKVCache:
                     if n:
                         groups.setdefault((n, m), []).append((i, h))
             for (n, _), members in groups.items():
-                start = torch.as_tensor([int(first[i] + sts[i].off[layer * H + h])
-                                         for i, h in members], device=self.device)
-                idx = (start[:, None] + torch.arange(n, device=self.device)[None, :]).reshape(-1)
-                present = np.unique(np.concatenate([ss[i].rows[layer][h].tiers for i, h in members]))
-                yk, yv = self._stored_rows(page[idx], slot[idx], tier[idx], present)
-                qr = [self._rotated_queries(ss[i], layer, [h]) for i, h in members]
-                qr = None if qr[0] is None else torch.cat(qr)
-                B = len(members)
-                cand = (~prot[idx]).view(B, n) if self.policy.coherence else None
-                res = rdr_device.row_statistics(yk.view(B, n, d), yv.view(B, n, d), qr,
-                                                self.softmax_scale, self.policy.prior, cand)
-                for k, v in zip(("p", "r", "vn", "res", "kappa"), (res[0],) + tuple(res[2:])):
-                    out[k][idx] = v.reshape(-1)
-                rows = torch.as_tensor([i * R + layer * H + h for i, h in members], device=self.device)
-                q2[rows] = res[1]
+                plan.append((layer, n, members, len(starts)))
+                starts += [int(first[i] + sts[i].off[layer * H + h]) for i, h in members]
+                row_ids += [i * R + layer * H + h for i, h in members]
+        index = torch.as_tensor(np.array([starts, row_ids], np.int64).reshape(2, -1),
+                                device=self.device)
+        for layer, n, members, at in plan:
+            B = len(members)
+            idx = (index[0, at:at + B, None] + torch.arange(n, device=self.device)[None, :]).reshape(-1)
+            yk, yv = self._stored_rows(page[idx], slot[idx], tier[idx])
+            qr = [self._rotated_queries(ss[i], layer, [h]) for i, h in members]
+            qr = None if qr[0] is None else torch.cat(qr)
+            cand = (~prot[idx]).view(B, n) if self.policy.coherence else None
+            res = rdr_device.row_statistics(yk.view(B, n, d), yv.view(B, n, d), qr,
+                                            self.softmax_scale, self.policy.prior, cand)
+            for k, v in zip(("p", "r", "vn", "res", "kappa"), (res[0],) + tuple(res[2:])):
+                out[k][idx] = v.reshape(-1)
+            q2[index[1, at:at + B]] = res[1]
         return [({k: v[int(first[i]):int(first[i + 1])] for k, v in out.items()},
                  q2[i * R:(i + 1) * R]) for i in range(len(sts))]
 
@@ -742,7 +754,7 @@ class DeviceKVCache:
             D, cat(lambda i, st: st.tier), cat(lambda i, st: st.protected),
             cat(lambda i, st: st.row + i * R), share, pb, [float(b) for b in budgets],
             R * len(sts), segment=cat(lambda i, st: torch.full_like(st.row, i)))
-        host = tier.to(torch.int8).cpu().numpy().astype(np.int64)
+        host = _host(tier.to(torch.int8)).astype(np.int64)
         out, a = [], 0
         for st, obj, lb in zip(sts, objective, bound):
             n = st.page.numel()
@@ -824,7 +836,7 @@ class DeviceKVCache:
             retier(self.pages, self.page_tier, self.tables, i32(st.page[sel]), i32(st.slot[sel]),
                    i32(dst_p), i32(dst_s), check=False)
         self._set_pages(fresh, page_tier, page_count)
-        kept = st.pos[sel].to(torch.int32).cpu().numpy().astype(np.int64)
+        kept = _host(st.pos[sel].to(torch.int32)).astype(np.int64)
         moved_rows = cnt_moved.reshape(R, T1).sum(axis=1)
         kept_at = np.cumsum(moved_rows) - moved_rows
         page_at = np.cumsum(npg.sum(axis=1)) - npg.sum(axis=1)
@@ -855,6 +867,16 @@ class _States:
 def _stream():
     from .torch_ops import torch_stream
     return torch_stream()
+
+
+def _host(x) -> np.ndarray:
+    """A device tensor's values on the host through page-locked memory (torch caches such
+    buffers): the per-state arrays of a compress are tens of MB, which a pageable copy moves
+    at a fraction of the link's rate."""
+    torch = _torch()
+    buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    buf.copy_(x)
+    return buf.numpy()
 
 
 def _points(w, bits: int, dim: int, levels, halves, pg, sl, soff: int):

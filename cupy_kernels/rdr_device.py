@@ -84,6 +84,26 @@ def _launch(name: str, blocks, args) -> None:
                          tuple(cp.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args))
 
 
+def stored_states(pool, page, slot, tier, geom, levels, dim: int):
+    """(yk, yv) (n, d) float64: the rotated, centred points of states of any tiers, read
+    from the page pool (uint8 (pages, page_bytes), CUDA) at (page, slot, tier) (n,) in one
+    kernel; ``DeviceKVCache.stored_rotated``'s values bit for bit. geom: the tiers' geometry
+    rows (int32 (T+1, stride), ``kernel_tables``), levels: float64 (T+1, 2, RDR_LEVELS),
+    each (tier, key/value) part's codebook."""
+    import math
+    torch = _torch()
+    n = int(page.numel())
+    yk = torch.empty((n, dim), dtype=torch.float64, device=pool.device)
+    yv = torch.empty_like(yk)
+    if n:
+        long = lambda x: x.to(torch.int64).contiguous()
+        _launch("skv::rdr_rotated_kernel", lambda t: ((n * dim + t - 1) // t,),
+                (pool.view(torch.int32), np.int64(pool.shape[1] // 4), long(page), long(slot),
+                 long(tier), geom, np.int32(geom.shape[1]), levels, np.int32(dim),
+                 np.float64(math.sqrt(dim)), np.int64(n), yk, yv))
+    return yk, yv
+
+
 def _softmax_prior_(z, softmax_scale: float, prior: float):
     """In place on z (R, m, n), the raw logits q·k: P = (1 − prior)·softmax(s·z) + prior/n
     along the states, the reference's order of operations. One kernel on CUDA."""
@@ -337,7 +357,9 @@ def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget,
     lo = count(cum <= torch.clamp(room_lp - slack, min=0.0)[seg])
     hi = count(cum <= room_lp[seg])
     lo = torch.where(paged(tiers_after(lo)) > bud, torch.zeros_like(lo), lo)
-    while bool((lo < hi).any()):
+    # each step at least halves every problem's range, so bit_length(widest range) steps
+    # end them all: one host wait for the count, none per step
+    for _ in range(int((hi - lo).max()).bit_length()):
         active = lo < hi
         mid = torch.where(active, (lo + hi + 1) // 2, lo)
         fits = paged(tiers_after(mid)) <= bud

@@ -17,11 +17,19 @@
 //     (each point's next hull point, -1 after the last) and pos (each point's rank along the
 //     hull), running greedy_allocation's loops in their order with unfused float64 arithmetic
 //     (__dadd_rn etc.: no FMA), so the answer is bit for bit that of the torch ops.
+//   rdr_rotated_kernel: one thread per (state, coordinate), a state's coordinates on
+//     consecutive threads; it reads the state's page, slot and tier, the tier's geometry row,
+//     the coordinate's packed field of the key and of the value (or the stored half at 16
+//     bits) and each part's fp16 scale, and writes y = s * (C[code] / sqrt(d)) in float64:
+//     DeviceKVCache.stored_rotated's rotated, centred point, bit for bit, for states of any
+//     tiers in one pass (the statistics' input, yk and yv (n, d)).
 #pragma once
+
+#include <cuda_fp16.h>
 
 namespace skv {
 
-constexpr int RDR_STATS_THREADS = 256;   // threads per block of the three kernels (rdr_device._launch)
+constexpr int RDR_STATS_THREADS = 256;   // threads per block of the four kernels (rdr_device._launch)
 
 __device__ __forceinline__ double rdr_neg_inf() { return __longlong_as_double((long long)0xfff0000000000000ULL); }
 
@@ -137,6 +145,61 @@ rdr_hull_kernel(const double* __restrict__ D, const long long* __restrict__ cur,
     keep[i * T1 + j] = on;
     pos[i * T1 + j] = (signed char)rank;
   }
+}
+
+constexpr int RDR_LEVELS = 256;   // entries per (tier, part) of rdr_rotated_kernel's level table
+
+// coordinate j of one part (its packed words w) at `bits` before the scale: C[code] / sqrt(d)
+__device__ __forceinline__ double rdr_level(const unsigned* __restrict__ w, int bits, int j,
+                                            int dim, const double* __restrict__ levels,
+                                            double sqrt_d) {
+  unsigned code;
+  if (bits == 3) {                                   // a 2-bit plane, then a 1-bit plane
+    const int w2 = (2 * dim + 31) / 32;
+    code = ((w[j >> 4] >> (2 * (j & 15))) & 3u) | (((w[w2 + (j >> 5)] >> (j & 31)) & 1u) << 2);
+  } else {
+    const int per = 32 / bits;
+    code = (w[j / per] >> (bits * (j % per))) & ((1u << bits) - 1u);
+  }
+  return __ddiv_rn(levels[code], sqrt_d);
+}
+
+__device__ __forceinline__ double rdr_half(const unsigned short* __restrict__ h, long long at) {
+  return (double)__half2float(__ushort_as_half(h[at]));
+}
+
+// one part of one state: the stored half at 16 bits, else s * C[code] / sqrt(d)
+__device__ __forceinline__ double rdr_part(const unsigned* __restrict__ page_words,
+                                           const unsigned short* __restrict__ page_halves,
+                                           int bits, int words, int off_words, int soff_bytes,
+                                           long long slot, int j, int dim,
+                                           const double* __restrict__ levels, double sqrt_d) {
+  const long long first = off_words + slot * words;
+  if (bits == 16) return rdr_half(page_halves, 2 * first + j);
+  const double scale = rdr_half(page_halves, soff_bytes / 2 + slot);
+  return __dmul_rn(scale, rdr_level(page_words + first, bits, j, dim, levels, sqrt_d));
+}
+
+// pool: the page pool as 32-bit words (words_per_page a page); geom: (T+1, geom_stride) int32
+// rows [kbits, vbits, P, kwords, vwords, voff_words, ksoff_bytes, vsoff_bytes]; levels:
+// (T+1, 2, RDR_LEVELS) float64, the codebook of each (tier, key/value) part
+__global__ void __launch_bounds__(RDR_STATS_THREADS)
+rdr_rotated_kernel(const unsigned* __restrict__ pool, long long words_per_page,
+                   const long long* __restrict__ page, const long long* __restrict__ slot,
+                   const long long* __restrict__ tier, const int* __restrict__ geom,
+                   int geom_stride, const double* __restrict__ levels, int dim, double sqrt_d,
+                   long long n, double* __restrict__ yk, double* __restrict__ yv) {
+  const long long i = (long long)blockIdx.x * RDR_STATS_THREADS + threadIdx.x;
+  if (i >= n * dim) return;
+  const long long s = i / dim;
+  const int j = (int)(i - s * dim);
+  const int t = (int)tier[s];
+  const int* g = geom + t * geom_stride;
+  const unsigned* words = pool + page[s] * words_per_page;
+  const unsigned short* halves = reinterpret_cast<const unsigned short*>(words);
+  const double* lv = levels + (long long)t * 2 * RDR_LEVELS;
+  yk[i] = rdr_part(words, halves, g[0], g[3], 0, g[6], slot[s], j, dim, lv, sqrt_d);
+  yv[i] = rdr_part(words, halves, g[1], g[4], g[5], g[7], slot[s], j, dim, lv + RDR_LEVELS, sqrt_d);
 }
 
 }  // namespace skv
