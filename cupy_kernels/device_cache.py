@@ -199,9 +199,9 @@ class DeviceKVCache:
         self._next_seq = 0
         self.compress_seconds: Dict[str, float] = {}
         # RDR's per-tier error constants: a seeded Monte Carlo on the host (~2.4 s once per
-        # process and (ladder, head dim, codebook)), made here at start-up rather than inside
-        # the first compress, where it was 2.4 of a 32K-token batch's 4.8 s
-        self._tier_errors = tier_error_constants(self.ladder.tiers, self.head_dim, kind=codebook)
+        # process and (ladder, head dim, codebook), then cached), made here at start-up
+        # rather than inside the first compress, where it was 2.4 of a 32K-token batch's 4.8 s
+        self._tier_errors()
         top = self.ladder.top
         self.top_per_page = self.ladder.states_per_page(top, self.head_dim, page_bytes)
 
@@ -217,6 +217,10 @@ class DeviceKVCache:
     @property
     def num_free_pages(self) -> int:
         return self._num_free
+
+    def _tier_errors(self):
+        """(eK, eV) of the ladder's tiers (``rdr.tier_error_constants``, cached per process)."""
+        return tier_error_constants(self.ladder.tiers, self.head_dim, kind=self.codebook)
 
     def codec(self, layer: int, head: int, bits: int, salt: int) -> SphericalCodec:
         """The reference's codec of (layer, kv-head, bits, salt): the same rotations."""
@@ -521,11 +525,18 @@ class DeviceKVCache:
     def _stored_rows(self, page, slot, tier):
         """(keys, values) (n, d) float64 device tensors of states of any tiers, in order
         (page, slot, tier int64 device tensors (n,)): ``stored_rotated``'s values, from one
-        kernel (``rdr_device.stored_states``) instead of its per-tier torch ops."""
+        kernel (``rdr_device.stored_states``) on CUDA; elsewhere (the host tests) by tier."""
         from . import rdr_device
+        torch = _torch()
+        if page.device.type != "cuda":
+            yk = torch.empty((page.numel(), self.head_dim), dtype=torch.float64)
+            yv = torch.empty_like(yk)
+            for t in torch.unique(tier).tolist():
+                idx = torch.nonzero(tier == t).squeeze(1)
+                yk[idx], yv[idx] = self.stored_rotated(page[idx], slot[idx], int(t))
+            return yk, yv
         tables = self._rot.get("stored")
         if tables is None:
-            torch = _torch()
             levels = np.zeros((self.ladder.top + 1, 2, constants()["RDR_LEVELS"]))
             for t in range(1, self.ladder.top + 1):
                 for part, bits in enumerate(self.ladder.bits(t)):
@@ -743,7 +754,7 @@ class DeviceKVCache:
                 raise ValueError(f"the protected states of sequence {sid} alone need {need * pb} "
                                  f"bytes (sinks, recent window and protected spans, page "
                                  f"padding included), more than budget_bytes = {budget}")
-        ek, ev = self._tier_errors
+        ek, ev = self._tier_errors()
         R = len(sts[0].n_row)
         cat = lambda f: torch.cat([f(i, st) for i, st in enumerate(sts)])
         D = cat(lambda i, st: rdr_device.distortion(
@@ -873,8 +884,9 @@ def _host(x) -> np.ndarray:
     """A device tensor's values on the host through page-locked memory (torch caches such
     buffers): the per-state arrays of a compress are tens of MB, which a pageable copy moves
     at a fraction of the link's rate."""
-    torch = _torch()
-    buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    if not x.is_cuda:
+        return x.numpy()
+    buf = _torch().empty(x.shape, dtype=x.dtype, pin_memory=True)
     buf.copy_(x)
     return buf.numpy()
 
