@@ -36,15 +36,8 @@ def main() -> None:
     cache = DeviceKVCache(L, H, d, ladder, pool_bytes=pages * 4096, num_q_heads=Hq,
                           codebook="uniform")
     g = torch.Generator(device="cuda").manual_seed(2)
-    seqs = []
-    for _ in range(args.batch):
-        s = cache.new_sequence()
-        for layer in range(L):
-            k = torch.randn((H, args.context, d), device="cuda", generator=g)
-            cache.append(s, layer, k, torch.randn((H, args.context, d), device="cuda", generator=g))
-            cache.observe(s, layer, torch.randn((32, Hq, d), device="cuda", generator=g))
-        seqs.append(s)
-    torch.cuda.synchronize()
+    fill = lambda: filled(cache, L, H, Hq, d, args.context, g)
+    seqs = [fill() for _ in range(args.batch)]
     cache.compress(seqs[0], budget_fraction=args.fraction, method="device")   # warm-up
     cache.compress_seconds.clear()
     t0 = time.perf_counter()
@@ -65,35 +58,36 @@ def main() -> None:
     print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows))
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     cache.compress_seconds.clear()
-    t0 = time.perf_counter()
-    extra = cache.new_sequence()
-    for layer in range(L):
-        k = torch.randn((H, args.context, d), device="cuda", generator=g)
-        cache.append(extra, layer, k, torch.randn((H, args.context, d), device="cuda", generator=g))
-        cache.observe(extra, layer, torch.randn((32, Hq, d), device="cuda", generator=g))
-    torch.cuda.synchronize()
+    extra = fill()
     t0 = time.perf_counter()
     cache.compress(extra, budget_fraction=args.fraction, method="device")
     torch.cuda.synchronize()
     print(f"one sequence unprofiled: {time.perf_counter() - t0:.3f} s, parts "
           + ", ".join(f"{k} {v:.3f} s" for k, v in cache.compress_seconds.items()))
     if args.syncs:
-        print_sync_sites(cache, L, H, Hq, d, args, g)
+        print_sync_sites(cache, fill(), args)
 
 
-def print_sync_sites(cache, L, H, Hq, d, args, g) -> None:
-    """One more compress with torch's sync debug mode on: every host wait for the GPU
+def filled(cache, L, H, Hq, d, context, g):
+    """A new sequence of ``context`` random top-tier states per row and 32 observed queries
+    per layer."""
+    import torch
+    s = cache.new_sequence()
+    for layer in range(L):
+        k = torch.randn((H, context, d), device="cuda", generator=g)
+        cache.append(s, layer, k, torch.randn((H, context, d), device="cuda", generator=g))
+        cache.observe(s, layer, torch.randn((32, Hq, d), device="cuda", generator=g))
+    torch.cuda.synchronize()
+    return s
+
+
+def print_sync_sites(cache, s, args) -> None:
+    """A compress of sequence s with torch's sync debug mode on: every host wait for the GPU
     (synchronize, a copy to or from pageable host memory, nonzero, .item()) warns, and the
     warnings are counted by the project's source line that made them."""
     import collections
     import warnings
     import torch
-    s = cache.new_sequence()
-    for layer in range(L):
-        k = torch.randn((H, args.context, d), device="cuda", generator=g)
-        cache.append(s, layer, k, torch.randn((H, args.context, d), device="cuda", generator=g))
-        cache.observe(s, layer, torch.randn((32, Hq, d), device="cuda", generator=g))
-    torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
