@@ -100,7 +100,7 @@ def stored_states(pool, page, slot, tier, geom, levels, dim: int):
         _launch("skv::rdr_rotated_kernel", lambda t: ((n * dim + t - 1) // t,),
                 (pool.view(torch.int32), np.int64(pool.shape[1] // 4), long(page), long(slot),
                  long(tier), geom, np.int32(geom.shape[1]), levels, np.int32(dim),
-                 np.float64(math.sqrt(dim)), np.int64(n), yk, yv))
+                 np.float64(1.0 / math.sqrt(dim)), np.int64(n), yk, yv))
     return yk, yv
 
 

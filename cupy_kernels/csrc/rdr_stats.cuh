@@ -20,7 +20,7 @@
 //   rdr_rotated_kernel: one thread per (state, coordinate), a state's coordinates on
 //     consecutive threads; it reads the state's page, slot and tier, the tier's geometry row,
 //     the coordinate's packed field of the key and of the value (or the stored half at 16
-//     bits) and each part's fp16 scale, and writes y = s * (C[code] / sqrt(d)) in float64:
+//     bits) and each part's fp16 scale, and writes y = s * (C[code] * (1 / sqrt(d))) in float64:
 //     DeviceKVCache.stored_rotated's rotated, centred point, bit for bit, for states of any
 //     tiers in one pass (the statistics' input, yk and yv (n, d)).
 #pragma once
@@ -149,10 +149,12 @@ rdr_hull_kernel(const double* __restrict__ D, const long long* __restrict__ cur,
 
 constexpr int RDR_LEVELS = 256;   // entries per (tier, part) of rdr_rotated_kernel's level table
 
-// coordinate j of one part (its packed words w) at `bits` before the scale: C[code] / sqrt(d)
+// coordinate j of one part (its packed words w) at `bits` before the scale: C[code] / sqrt(d),
+// as torch divides a tensor by a scalar on CUDA: times the reciprocal inv_sqrt_d = 1 / sqrt(d)
+// (made on the host in float64; a true division differs by an ulp where sqrt(d) is irrational)
 __device__ __forceinline__ double rdr_level(const unsigned* __restrict__ w, int bits, int j,
                                             int dim, const double* __restrict__ levels,
-                                            double sqrt_d) {
+                                            double inv_sqrt_d) {
   unsigned code;
   if (bits == 3) {                                   // a 2-bit plane, then a 1-bit plane
     const int w2 = (2 * dim + 31) / 32;
@@ -161,7 +163,7 @@ __device__ __forceinline__ double rdr_level(const unsigned* __restrict__ w, int 
     const int per = 32 / bits;
     code = (w[j / per] >> (bits * (j % per))) & ((1u << bits) - 1u);
   }
-  return __ddiv_rn(levels[code], sqrt_d);
+  return __dmul_rn(levels[code], inv_sqrt_d);
 }
 
 __device__ __forceinline__ double rdr_half(const unsigned short* __restrict__ h, long long at) {
@@ -173,11 +175,11 @@ __device__ __forceinline__ double rdr_part(const unsigned* __restrict__ page_wor
                                            const unsigned short* __restrict__ page_halves,
                                            int bits, int words, int off_words, int soff_bytes,
                                            long long slot, int j, int dim,
-                                           const double* __restrict__ levels, double sqrt_d) {
+                                           const double* __restrict__ levels, double inv_sqrt_d) {
   const long long first = off_words + slot * words;
   if (bits == 16) return rdr_half(page_halves, 2 * first + j);
   const double scale = rdr_half(page_halves, soff_bytes / 2 + slot);
-  return __dmul_rn(scale, rdr_level(page_words + first, bits, j, dim, levels, sqrt_d));
+  return __dmul_rn(scale, rdr_level(page_words + first, bits, j, dim, levels, inv_sqrt_d));
 }
 
 // pool: the page pool as 32-bit words (words_per_page a page); geom: (T+1, geom_stride) int32
@@ -187,7 +189,7 @@ __global__ void __launch_bounds__(RDR_STATS_THREADS)
 rdr_rotated_kernel(const unsigned* __restrict__ pool, long long words_per_page,
                    const long long* __restrict__ page, const long long* __restrict__ slot,
                    const long long* __restrict__ tier, const int* __restrict__ geom,
-                   int geom_stride, const double* __restrict__ levels, int dim, double sqrt_d,
+                   int geom_stride, const double* __restrict__ levels, int dim, double inv_sqrt_d,
                    long long n, double* __restrict__ yk, double* __restrict__ yv) {
   const long long i = (long long)blockIdx.x * RDR_STATS_THREADS + threadIdx.x;
   if (i >= n * dim) return;
@@ -198,8 +200,8 @@ rdr_rotated_kernel(const unsigned* __restrict__ pool, long long words_per_page,
   const unsigned* words = pool + page[s] * words_per_page;
   const unsigned short* halves = reinterpret_cast<const unsigned short*>(words);
   const double* lv = levels + (long long)t * 2 * RDR_LEVELS;
-  yk[i] = rdr_part(words, halves, g[0], g[3], 0, g[6], slot[s], j, dim, lv, sqrt_d);
-  yv[i] = rdr_part(words, halves, g[1], g[4], g[5], g[7], slot[s], j, dim, lv + RDR_LEVELS, sqrt_d);
+  yk[i] = rdr_part(words, halves, g[0], g[3], 0, g[6], slot[s], j, dim, lv, inv_sqrt_d);
+  yv[i] = rdr_part(words, halves, g[1], g[4], g[5], g[7], slot[s], j, dim, lv + RDR_LEVELS, inv_sqrt_d);
 }
 
 }  // namespace skv
