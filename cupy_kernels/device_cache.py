@@ -631,7 +631,8 @@ class DeviceKVCache:
                                 device=self.device)
         for layer, n, members, at in plan:
             B = len(members)
-            idx = (index[0, at:at + B, None] + torch.arange(n, device=self.device)[None, :]).reshape(-1)
+            idx = (index[0, at:at + B, None]
+                   + torch.arange(n, device=self.device)[None, :]).reshape(-1)
             yk, yv = self._stored_rows(page[idx], slot[idx], tier[idx])
             qr = [self._rotated_queries(ss[i], layer, [h]) for i, h in members]
             qr = None if qr[0] is None else torch.cat(qr)

@@ -113,9 +113,9 @@ def test_compress_takes_the_reference_decision():
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_stored_states_kernel_equals_the_per_tier_decode(d):
-    """After a compress (rows of mixed tiers), the statistics' one-kernel read of every state (rdr_device.stored_states) equals
-    stored_rotated tier by tier, bit for bit, and a second compress over those mixed tiers
-    still takes the reference's decision."""
+    """After a compress (rows of mixed tiers), the statistics' one-kernel read of every
+    state (rdr_device.stored_states) equals stored_rotated tier by tier, bit for bit, and a
+    second compress over those mixed tiers still takes the reference's decision."""
     rng = np.random.default_rng(d + 1)
     ref, dev = _pair(d)
     seqs = _fill(ref, dev, [300], d, rng)
@@ -123,10 +123,10 @@ def test_stored_states_kernel_equals_the_per_tier_decode(d):
     ref.compress(seqs[0], budget)
     dev.compress(seqs[0], budget)
     tiers_seen = set()
+    on = lambda x: torch.as_tensor(x.astype(np.int64), device="cuda")
     for layer in range(L):
         for h in range(H):
             page, slot, tier = dev._seq(seqs[0]).rows[layer][h].state_slots()
-            on = lambda x: torch.as_tensor(x.astype(np.int64), device="cuda")
             yk, yv = dev._stored_rows(on(page), on(slot), on(tier))
             for t in np.unique(tier):
                 tiers_seen.add(int(t))

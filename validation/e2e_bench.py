@@ -261,8 +261,8 @@ def time_graph(step, method, steps, reps):
 def rdr_cache(model, batch, context, fraction, solver="device", each=True):
     """A real prefill of ``batch`` random-token sequences through ``DeviceSphericalCache``
     (one at a time, after a warm-up), then RDR to ``fraction`` of the bf16 bytes: (cache,
-    seqs, prefill s, compress s, warm-up s, reports). ``each``: every sequence is compressed right after its own
-    prefill (what a server admitting requests one by one does), so the pool holds one
+    seqs, prefill s, compress s, warm-up s, reports). ``each``: every sequence is compressed
+    right after its own prefill (what a server admitting requests one by one does), so the pool holds one
     sequence at the top tier and the others at the budget; otherwise the whole batch is
     prefilled first and compressed in one ``compress_all``, which needs the batch at the top
     tier at once (more than an 80 GB card holds at (8, 32K) for Llama-8B)."""
@@ -387,8 +387,8 @@ def main(argv=None):
         else:
             solver = "fast" if method_name == "rdr-host" else "device"
             each = not args.rdr_batch_compress
-            cache, seqs, pre, comp, warm, reports = rdr_cache(model, batch, context, args.rdr_fraction,
-                                                        solver, each=each)
+            cache, seqs, pre, comp, warm, reports = rdr_cache(
+                model, batch, context, args.rdr_fraction, solver, each=each)
             meth = Ada(cache, seqs, args.steps)
             bpt = kv_bytes_per_token(cache, seqs, context)
             parts = getattr(cache, "compress_seconds", {})
