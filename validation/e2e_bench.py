@@ -262,10 +262,10 @@ def rdr_cache(model, batch, context, fraction, solver="device", each=True):
     """A real prefill of ``batch`` random-token sequences through ``DeviceSphericalCache``
     (one at a time, after a warm-up), then RDR to ``fraction`` of the bf16 bytes: (cache,
     seqs, prefill s, compress s, warm-up s, reports). ``each``: every sequence is compressed
-    right after its own prefill (what a server admitting requests one by one does), so the pool holds one
-    sequence at the top tier and the others at the budget; otherwise the whole batch is
-    prefilled first and compressed in one ``compress_all``, which needs the batch at the top
-    tier at once (more than an 80 GB card holds at (8, 32K) for Llama-8B)."""
+    right after its own prefill (what a server admitting requests one by one does), so the
+    pool holds one sequence at the top tier and the others at the budget; otherwise the whole
+    batch is prefilled first and compressed in one ``compress_all``, which needs the batch at
+    the top tier at once (more than an 80 GB card holds at (8, 32K) for Llama-8B)."""
     import torch
     from cupy_kernels.hf_device import DeviceSphericalCache
     from spherical_kv_ref.tiers import TierLadder
