@@ -39,6 +39,7 @@ Bytes. ``bytes_in_use(seq)`` counts pages × page_bytes (as the reference);
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -556,8 +557,13 @@ class DeviceKVCache:
         if q is None:
             return None
         G, d = self.group_size, self.head_dim
-        return torch.stack([q[:, h * G:(h + 1) * G].reshape(-1, d) @ self._rotation(layer, h).T
-                            for h in heads])
+        rot = self._rot.get(("layer", layer))
+        if rot is None:          # every kv-head's Π of the layer, (H, d, d), made once
+            rot = torch.stack([self._rotation(layer, h) for h in range(self.num_kv_heads)])
+            self._rot[("layer", layer)] = rot
+        heads = list(heads)
+        mine = q.view(q.shape[0], self.num_kv_heads, G, d).transpose(0, 1)[heads]   # (h, m, G, d)
+        return torch.bmm(mine.reshape(len(heads), -1, d), rot[heads].transpose(1, 2))
 
     def _state_index(self, s: _Seq) -> "_States":
         """Every state of a sequence on the device (``_States``), built from the host's page
@@ -631,10 +637,17 @@ class DeviceKVCache:
                                 device=self.device)
         for layer, n, members, at in plan:
             B = len(members)
-            idx = (index[0, at:at + B, None]
-                   + torch.arange(n, device=self.device)[None, :]).reshape(-1)
+            a = starts[at]
+            if starts[at:at + B] == list(range(a, a + B * n, n)):
+                idx = slice(a, a + B * n)    # rows one after another (a sequence's heads): views
+            else:
+                idx = (index[0, at:at + B, None]
+                       + torch.arange(n, device=self.device)[None, :]).reshape(-1)
             yk, yv = self._stored_rows(page[idx], slot[idx], tier[idx])
-            qr = [self._rotated_queries(ss[i], layer, [h]) for i, h in members]
+            # each sequence's heads of the batch rotated in one product
+            runs = [(i, [h for _, h in grp]) for i, grp in
+                    itertools.groupby(members, key=lambda ih: ih[0])]
+            qr = [self._rotated_queries(ss[i], layer, heads) for i, heads in runs]
             qr = None if qr[0] is None else torch.cat(qr)
             cand = (~prot[idx]).view(B, n) if self.policy.coherence else None
             res = rdr_device.row_statistics(yk.view(B, n, d), yv.view(B, n, d), qr,
@@ -677,23 +690,37 @@ class DeviceKVCache:
         budgets = [self._budget(x, budget_bytes, budget_fraction) for x in seqs]
         if method != "device":
             method = compress_method(self.policy, method)
+        # the parts as named ranges, for torch's profiler (lab/profile_compress.py)
+        part = lambda name: _torch().profiler.record_function(f"compress.{name}")
         t0 = time.perf_counter()
-        befores = [self.bytes_in_use(x) for x in seqs]
-        sts = [self._state_index(s) for s in ss]
-        live = [i for i, st in enumerate(sts) if st.page.numel()]
-        stats = dict(zip(live, self._statistics([ss[i] for i in live], [sts[i] for i in live])))
-        self._sync()
+        with part("statistics"):
+            befores = [self.bytes_in_use(x) for x in seqs]
+            sts = [self._state_index(s) for s in ss]
+            live = [i for i, st in enumerate(sts) if st.page.numel()]
+            stats = dict(zip(live, self._statistics([ss[i] for i in live],
+                                                    [sts[i] for i in live])))
+            self._sync()
         t1 = time.perf_counter()
-        if method == "device":
-            answers = dict(zip(live, self._solve_device([seqs[i] for i in live],
-                                                        [sts[i] for i in live],
-                                                        [stats[i] for i in live],
-                                                        [budgets[i] for i in live])))
-        else:
-            answers = {i: self._solve_host(seqs[i], sts[i], *stats[i], budgets[i], method)
-                       for i in live}
-        self._sync()
+        with part("solve"):
+            if method == "device":
+                answers = dict(zip(live, self._solve_device([seqs[i] for i in live],
+                                                            [sts[i] for i in live],
+                                                            [stats[i] for i in live],
+                                                            [budgets[i] for i in live])))
+            else:
+                answers = {i: self._solve_host(seqs[i], sts[i], *stats[i], budgets[i], method)
+                           for i in live}
+            self._sync()
         t2 = time.perf_counter()
+        with part("apply"):
+            reports = self._apply_all(seqs, ss, sts, budgets, befores, answers)
+        took = dict(statistics=t1 - t0, solve=t2 - t1, apply=time.perf_counter() - t2)
+        for k, v in took.items():     # summed over the calls, for the benchmarks
+            self.compress_seconds[k] = self.compress_seconds.get(k, 0.0) + v
+        return reports
+
+    def _apply_all(self, seqs, ss, sts, budgets, befores, answers) -> List[CompressReport]:
+        """compress_all's last part: each decided sequence rewritten in order, its report."""
         reports = []
         for i, (x, s, st, budget, before) in enumerate(zip(seqs, ss, sts, budgets, befores)):
             tier, alloc = answers.get(i, (None, None))
@@ -707,9 +734,6 @@ class DeviceKVCache:
                 alloc = dataclasses.replace(alloc, bytes=after)
             reports.append(CompressReport(before, after, budget, int(st.page.numel()),
                                           self.num_states(x), demoted, alloc))
-        took = dict(statistics=t1 - t0, solve=t2 - t1, apply=time.perf_counter() - t2)
-        for k, v in took.items():     # summed over the calls, for the benchmarks
-            self.compress_seconds[k] = self.compress_seconds.get(k, 0.0) + v
         return reports
 
     def _sync(self) -> None:

@@ -3,7 +3,8 @@ layers, 8 kv-heads, d 128) holding ``--batch`` sequences of ``--context`` random
 top tier of the default ladder, 32 observed queries per layer, then RDR to ``--fraction`` of
 the bf16 bytes with the device solver, one sequence after another (``--together``: in one
 ``compress_all``), under torch's profiler.
-Prints the parts' seconds and the ops that take the most CUDA and host time.
+Prints the parts' seconds (wall, and the GPU's busy time inside each) and the ops that take the most
+CUDA and host time.
 
     PYTHONPATH=. python3 lab/profile_compress.py --batch 8 --context 32768
 """
@@ -23,6 +24,10 @@ def main() -> None:
                     help="also list the K source lines of the compress path that make the host "
                          "wait for the GPU most often (torch's sync debug mode, one unprofiled "
                          "compress)")
+    ap.add_argument("--host", type=int, default=0, metavar="K",
+                    help="also list the K Python functions with the most host time in one "
+                         "unprofiled compress (cProfile: a torch op's own time there is its "
+                         "launch, or its wait where it reads the GPU's results)")
     ap.add_argument("--together", action="store_true",
                     help="the profiled sequences in one compress_all (the batched decision)")
     args = ap.parse_args()
@@ -55,6 +60,7 @@ def main() -> None:
           f"{took:.2f} s (profiled), parts "
           + ", ".join(f"{k} {v:.2f} s" for k, v in cache.compress_seconds.items()))
     table = prof.key_averages()
+    busy = part_busy(table, n)
     print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows))
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     cache.compress_seconds.clear()
@@ -64,8 +70,15 @@ def main() -> None:
     torch.cuda.synchronize()
     print(f"one sequence unprofiled: {time.perf_counter() - t0:.3f} s, parts "
           + ", ".join(f"{k} {v:.3f} s" for k, v in cache.compress_seconds.items()))
+    print("one sequence: part, unprofiled wall s, GPU busy s (the profiled run's kernels, per "
+          "sequence), the share of the wall the GPU waits for the host")
+    for name, wall in cache.compress_seconds.items():
+        if name in busy:
+            print(f"  {name:12s} {wall:7.3f}  {busy[name]:7.3f}  {1 - busy[name] / max(wall, 1e-9):6.1%}")
     if args.syncs:
         print_sync_sites(cache, fill(), args)
+    if args.host:
+        print_host_time(cache, fill(), args)
 
 
 def filled(cache, L, H, Hq, d, context, g):
@@ -79,6 +92,35 @@ def filled(cache, L, H, Hq, d, context, g):
         cache.observe(s, layer, torch.randn((32, Hq, d), device="cuda", generator=g))
     torch.cuda.synchronize()
     return s
+
+
+def part_busy(table, n: int) -> dict:
+    """Per part of the profiled compress (compress_all's named ranges), the GPU seconds of the
+    kernels launched inside it, per sequence (n sequences profiled). The profiler slows the
+    host, not the kernels, so this compares with an unprofiled wall."""
+    out = {}
+    for e in table:
+        if e.key.startswith("compress."):
+            t = getattr(e, "device_time_total", None)
+            out[e.key.split(".", 1)[1]] = (e.cuda_time_total if t is None else t) / 1e6 / max(n, 1)
+    return out
+
+
+def print_host_time(cache, s, args) -> None:
+    """cProfile of one unprofiled compress of sequence s: the functions with the most own
+    host time (a torch op's is its launch, or its wait for the GPU)."""
+    import cProfile
+    import io
+    import pstats
+    import torch
+    pr = cProfile.Profile()
+    pr.enable()
+    cache.compress(s, budget_fraction=args.fraction, method="device")
+    torch.cuda.synchronize()
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(args.host)
+    print(out.getvalue())
 
 
 def print_sync_sites(cache, s, args) -> None:
