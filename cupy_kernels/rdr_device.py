@@ -106,15 +106,17 @@ def stored_states(pool, page, slot, tier, geom, levels, dim: int):
 
 def _softmax_prior_(z, softmax_scale: float, prior: float):
     """In place on z (R, m, n), the raw logits q·k: P = (1 − prior)·softmax(s·z) + prior/n
-    along the states, the reference's order of operations. One kernel on CUDA."""
+    along the states, the reference's order of operations. One kernel on CUDA (the scale
+    applied as it reads z, so no pass of its own)."""
     torch = _torch()
     n = z.shape[2]
-    z.mul_(softmax_scale)
-    if z.is_cuda:
+    if z.is_cuda and softmax_scale > 0:
         z = z.contiguous()
         _launch("skv::rdr_softmax_kernel", lambda t: (z.shape[0] * z.shape[1],),
-                (z, np.int64(n), np.float64(1.0 - prior), np.float64(prior / n)))
+                (z, np.int64(n), np.float64(softmax_scale), np.float64(1.0 - prior),
+                 np.float64(prior / n)))
         return z
+    z.mul_(softmax_scale)
     z.sub_(z.amax(dim=2, keepdim=True)).exp_()
     z.div_(z.sum(dim=2, keepdim=True))
     return z.mul_(1.0 - prior).add_(prior / n)

@@ -6,7 +6,8 @@
 // Thread -> data map
 //   rdr_softmax_kernel: one block per (row, query) line of z (rows*queries lines of n states);
 //     its threads stride over the line three times: the max, the sum of exp, then the write
-//     P = a * exp(z - max) / sum + b in place (a = 1 - prior, b = prior / n, z already scaled).
+//     P = a * exp(s z - max) / sum + b in place (a = 1 - prior, b = prior / n, s the softmax
+//     scale > 0, applied as it reads: s z rounds as torch's z * s does, so no pass of its own).
 //   rdr_state_sums_kernel: one thread per (row, state); it walks the row's queries in order
 //     (the reference's sum order over queries) reading P and G = o . v at (row, query, state),
 //     coalesced across the warp's consecutive states, and writes the three means
@@ -56,17 +57,18 @@ __device__ __forceinline__ double rdr_block_reduce(double x, bool take_max, doub
 }
 
 __global__ void __launch_bounds__(RDR_STATS_THREADS)
-rdr_softmax_kernel(double* __restrict__ z, long long n, double a, double b) {
+rdr_softmax_kernel(double* __restrict__ z, long long n, double scale, double a, double b) {
   __shared__ double shared[RDR_STATS_THREADS / 32];
   double* line = z + (long long)blockIdx.x * n;
   double mx = rdr_neg_inf();
   for (long long i = threadIdx.x; i < n; i += RDR_STATS_THREADS) mx = fmax(mx, line[i]);
-  mx = rdr_block_reduce(mx, true, shared);
+  // scale > 0 and rounding is monotone, so the largest scaled logit is the scaled largest
+  mx = __dmul_rn(scale, rdr_block_reduce(mx, true, shared));
   double sum = 0.0;
-  for (long long i = threadIdx.x; i < n; i += RDR_STATS_THREADS) sum += exp(line[i] - mx);
+  for (long long i = threadIdx.x; i < n; i += RDR_STATS_THREADS) sum += exp(__dmul_rn(scale, line[i]) - mx);
   sum = rdr_block_reduce(sum, false, shared);
   for (long long i = threadIdx.x; i < n; i += RDR_STATS_THREADS)
-    line[i] = a * (exp(line[i] - mx) / sum) + b;
+    line[i] = a * (exp(__dmul_rn(scale, line[i]) - mx) / sum) + b;
 }
 
 __global__ void __launch_bounds__(RDR_STATS_THREADS)
