@@ -142,13 +142,13 @@ def _module(device_id: int):
     return _built(device_id, OP_HEADERS, tuple(instance_names()))
 
 
-# RDR's statistics, stored-state and hull kernels (rdr_stats.cuh): float64, no head-dim
+# RDR's statistics, stored-state, hull and cut-count kernels (rdr_stats.cuh): float64, no head-dim
 # template, a module of their own so that the ops' build does not grow with them
 RDR_HEADERS = ("rdr_stats.cuh",)
 RDR_HULL_OPTIONS = (8,)   # T + 1 of the hull kernel's instances (the default ladder's 7 tiers)
 RDR_KERNELS = ("skv::rdr_softmax_kernel", "skv::rdr_state_sums_kernel",
                "skv::rdr_rotated_kernel") + tuple(
-    f"skv::rdr_hull_kernel<{t}>" for t in RDR_HULL_OPTIONS)
+    f"skv::rdr_{k}_kernel<{t}>" for k in ("hull", "cut_counts") for t in RDR_HULL_OPTIONS)
 
 
 def rdr_kernel(name: str):

@@ -28,6 +28,8 @@ import numpy as np
 
 from spherical_kv_ref.rdr.surrogate import DISTORTION_MAX, LOG_FLOAT_MAX
 
+from ._module import RDR_HULL_OPTIONS
+
 
 def _torch():
     import torch
@@ -213,7 +215,6 @@ def _hull(D, cur, c):
     (rdr_stats.cuh's rdr_hull_kernel, bit for bit these ops); else column-wise torch ops,
     ~60 passes over strided (n,) columns."""
     torch = _torch()
-    from ._module import RDR_HULL_OPTIONS
     n, T1 = D.shape
     dev = D.device
     if D.is_cuda and T1 in RDR_HULL_OPTIONS and n:
@@ -348,8 +349,25 @@ def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget,
         reach = hull.gather(1, (ranks < k[segment][:, None]).sum(dim=1, keepdim=True))[:, 0].long()
         return torch.where(free, reach, base_tier)
 
-    def paged(tier):
-        counts = torch.bincount(group * T1 + tier, minlength=num_groups * T1).view(num_groups, T1)
+    fused = D.is_cuda and T1 in RDR_HULL_OPTIONS and n
+    if fused:
+        long = lambda x: x.to(torch.int64).contiguous()
+        fused_args = (ranks.contiguous(), hull.contiguous(), free.contiguous(), long(base_tier),
+                      long(group), long(segment))
+
+    def counts_at(k):
+        """States per (group, tier) once the first k[s] increments of each problem s are
+        taken: one kernel on CUDA (no host wait), else bincount of tiers_after."""
+        if not fused:
+            return torch.bincount(group * T1 + tiers_after(k), minlength=num_groups * T1)
+        counts = torch.zeros(num_groups * T1, dtype=torch.int64, device=dev)
+        _launch(f"skv::rdr_cut_counts_kernel<{T1}>", lambda t: ((n + t - 1) // t,),
+                fused_args + (k.to(torch.int64).contiguous(), np.int64(n), counts))
+        return counts
+
+    def paged(k):
+        """Each problem's paged bytes after its first k[s] increments (S,)."""
+        counts = counts_at(k).view(num_groups, T1)
         pages = ((counts[:, 1:] + per[1:] - 1) // per[1:]).sum(dim=1)
         return zeros().index_add_(0, group_seg, pages.double()) * pb
 
@@ -358,13 +376,13 @@ def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget,
     count = lambda mask: _slice_sums(mask, inc_bounds)     # increments in slope order, by problem
     lo = count(cum <= torch.clamp(room_lp - slack, min=0.0)[seg])
     hi = count(cum <= room_lp[seg])
-    lo = torch.where(paged(tiers_after(lo)) > bud, torch.zeros_like(lo), lo)
+    lo = torch.where(paged(lo) > bud, torch.zeros_like(lo), lo)
     # each step at least halves every problem's range, so bit_length(widest range) steps
     # end them all: one host wait for the count, none per step
     for _ in range(int((hi - lo).max()).bit_length()):
         active = lo < hi
         mid = torch.where(active, (lo + hi + 1) // 2, lo)
-        fits = paged(tiers_after(mid)) <= bud
+        fits = paged(mid) <= bud
         lo = torch.where(active & fits, mid, lo)
         hi = torch.where(active & ~fits, mid - 1, hi)
     tier = tiers_after(lo)

@@ -196,3 +196,35 @@ def test_hull_kernel_equals_the_torch_ops_and_the_answer_is_the_same():
         assert torch.equal(dev[0].cpu(), host[0])
         assert dev[1] == pytest.approx(host[1], rel=1e-12)
         assert dev[2] == pytest.approx(host[2], rel=1e-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_many_problems_on_cuda_give_the_cpu_s_answer(interleaved):
+    """On CUDA each bisection step counts the (group, tier) bins in one kernel
+    (rdr_cut_counts_kernel, atomics aggregated per warp), where the CPU runs bincount: forty
+    problems in one call, their states one slice each or interleaved, get the CPU's tiers,
+    objectives and bounds."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("cupy")
+    parts = [_greedy_problem(seed) for seed in range(30, 70)]
+    cat = lambda i: np.concatenate([p[i] for p in parts])
+    groups = np.concatenate([p[4] + 4 * k for k, p in enumerate(parts)])
+    segment = np.concatenate([np.full(p[1].shape[0], k) for k, p in enumerate(parts)])
+    arrays = [cat(1), cat(2), cat(3), groups, segment]
+    if interleaved:
+        mix = np.random.default_rng(3).permutation(segment.size)
+        arrays = [a[mix] for a in arrays]
+    budgets = [float(p[0].budget_bytes) for p in parts]
+    answers = []
+    for device in ("cpu", "cuda"):
+        D, cur, prot, group, seg = (torch.tensor(a, device=device) for a in arrays)
+        answers.append(rdr_device.greedy_allocation(D, cur, prot, group, parts[0][5],
+                                                    parts[0][0].page_bytes, budgets,
+                                                    4 * len(parts), segment=seg))
+    host, dev = answers
+    assert torch.equal(dev[0].cpu(), host[0])
+    assert dev[1] == pytest.approx(host[1], rel=1e-12)
+    assert dev[2] == pytest.approx(host[2], rel=1e-9)
+

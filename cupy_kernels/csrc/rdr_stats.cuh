@@ -18,6 +18,12 @@
 //     (each point's next hull point, -1 after the last) and pos (each point's rank along the
 //     hull), running greedy_allocation's loops in their order with unfused float64 arithmetic
 //     (__dadd_rn etc.: no FMA), so the answer is bit for bit that of the torch ops.
+//   rdr_cut_counts_kernel: one thread per state; the greedy's bisection step. It reads the
+//     state's T+1 increment ranks and its problem's cut k, takes the hull point reached after
+//     the increments of rank < k (a protected state stays at its base tier), and counts the
+//     state in its (group, tier) bin, one atomic per distinct bin of a warp (a warp's states
+//     are nearly always of one group): the counts greedy_allocation's torch ops would get
+//     from bincount, without the host wait bincount makes to size its output.
 //   rdr_rotated_kernel: one thread per (state, coordinate), a state's coordinates on
 //     consecutive threads; it reads the state's page, slot and tier, the tier's geometry row,
 //     the coordinate's packed field of the key and of the value (or the stored half at 16
@@ -204,6 +210,31 @@ rdr_rotated_kernel(const unsigned* __restrict__ pool, long long words_per_page,
   const double* lv = levels + (long long)t * 2 * RDR_LEVELS;
   yk[i] = rdr_part(words, halves, g[0], g[3], 0, g[6], slot[s], j, dim, lv, inv_sqrt_d);
   yv[i] = rdr_part(words, halves, g[1], g[4], g[5], g[7], slot[s], j, dim, lv + RDR_LEVELS, inv_sqrt_d);
+}
+
+template <int T1>
+__global__ void __launch_bounds__(RDR_STATS_THREADS)
+rdr_cut_counts_kernel(const int* __restrict__ ranks, const signed char* __restrict__ hull,
+                      const bool* __restrict__ free_state, const long long* __restrict__ base_tier,
+                      const long long* __restrict__ group, const long long* __restrict__ segment,
+                      const long long* __restrict__ cut, long long n,
+                      unsigned long long* __restrict__ counts) {
+  const long long i = (long long)blockIdx.x * RDR_STATS_THREADS + threadIdx.x;
+  long long key = -1;
+  if (i < n) {
+    long long t = base_tier[i];
+    if (free_state[i]) {
+      const long long k = cut[segment[i]];
+      int reached = 0;
+#pragma unroll
+      for (int j = 0; j < T1; ++j) reached += (long long)ranks[i * T1 + j] < k ? 1 : 0;
+      t = hull[i * T1 + reached];
+    }
+    key = group[i] * T1 + t;
+  }
+  const unsigned peers = __match_any_sync(0xffffffffu, key);
+  if (key >= 0 && (int)(threadIdx.x & 31) == __ffs(peers) - 1)
+    atomicAdd(counts + key, (unsigned long long)__popc(peers));
 }
 
 }  // namespace skv
