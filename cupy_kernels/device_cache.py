@@ -569,7 +569,6 @@ class DeviceKVCache:
         """Every state of a sequence on the device (``_States``), built from the host's page
         lists: O(pages) on the host, O(states) only on the device."""
         torch = _torch()
-        dev = lambda x: torch.as_tensor(np.ascontiguousarray(x), device=self.device)
         rows = [row for layer in s.rows for row in layer]
         R = len(rows)
         cat = lambda f, dt: (np.concatenate([f(r) for r in rows]).astype(dt) if R else np.zeros(0, dt))
@@ -577,24 +576,33 @@ class DeviceKVCache:
         n_row = np.array([int(r.counts.sum()) for r in rows], np.int64)
         off = np.concatenate([[0], np.cumsum(n_row)])
         N = int(off[-1])
-        c = dev(counts)
-        page = torch.repeat_interleave(dev(cat(lambda r: r.pages, np.int64)), c)
-        first = torch.cumsum(c, 0) - c
-        slot = torch.arange(N, device=self.device) - torch.repeat_interleave(first, c)
-        tier = torch.repeat_interleave(dev(cat(lambda r: r.tiers, np.int64)), c)
-        row = torch.repeat_interleave(torch.arange(R, device=self.device), dev(n_row))
-        idx = torch.arange(N, device=self.device) - dev(off[:-1])[row]
         nk = np.array([r.kept.size for r in rows], np.int64)
-        tail = dev(np.array([r.tail_from for r in rows], np.int64) - nk)[row] + idx
+        # the page lists go up in one copy (a pageable copy makes the host wait for the
+        # stream), and every repeat is told its length (else it reads it back)
+        parts = dict(counts=counts, pages=cat(lambda r: r.pages, np.int64),
+                     tiers=cat(lambda r: r.tiers, np.int64), n_row=n_row, first=off[:-1],
+                     tail=np.array([r.tail_from for r in rows], np.int64) - nk, nk=nk,
+                     koff=np.cumsum(nk) - nk, kept=cat(lambda r: r.kept, np.int64),
+                     length=s.length.astype(np.int64))
+        blob = torch.as_tensor(np.concatenate(list(parts.values())), device=self.device)
+        at = np.cumsum([0] + [v.size for v in parts.values()])
+        g = {k: blob[a:b] for k, a, b in zip(parts, at[:-1], at[1:])}
+        c = g["counts"]
+        page = torch.repeat_interleave(g["pages"], c, output_size=N)
+        slot = torch.arange(N, device=self.device) - torch.repeat_interleave(
+            torch.cumsum(c, 0) - c, c, output_size=N)
+        tier = torch.repeat_interleave(g["tiers"], c, output_size=N)
+        row = torch.repeat_interleave(torch.arange(R, device=self.device), g["n_row"],
+                                      output_size=N)
+        idx = torch.arange(N, device=self.device) - g["first"][row]
+        tail = g["tail"][row] + idx
         if nk.any():
-            kept = dev(cat(lambda r: r.kept, np.int64))
-            koff = dev(np.cumsum(nk) - nk)[row]
-            inside = idx < dev(nk)[row]
-            pos = torch.where(inside, kept[torch.where(inside, koff + idx, 0)], tail)
+            inside = idx < g["nk"][row]
+            pos = torch.where(inside, g["kept"][torch.where(inside, g["koff"][row] + idx, 0)], tail)
         else:
             pos = tail
         pol = self.policy
-        length = dev(s.length.astype(np.int64))[row // self.num_kv_heads]
+        length = g["length"][row // self.num_kv_heads]
         prot = (pos < pol.sinks) | (pos >= length - pol.recent)
         for a, b in s.spans:
             prot |= (pos >= a) & (pos < b)
