@@ -331,7 +331,7 @@ def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget,
     before_seg = torch.where(start > 0, cum_all[(start - 1).clamp(min=0)], zeros())
     cum = cum_all - before_seg[seg]
     base_tier = torch.where(protected, cur, torch.zeros_like(cur))
-    per = torch.as_tensor([1] + [round(pb / float(x)) for x in c[1:].tolist()], device=dev)
+    per = torch.as_tensor([1] + [round(pb / float(x)) for x in share[1:]], device=dev)
 
     # a state's increments run along its hull with falling slopes, so in slope order they
     # come in hull order: after the first k increments of its problem a state has taken
