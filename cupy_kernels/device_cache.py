@@ -66,6 +66,10 @@ __all__ = ["DeviceKVCache", "PoolExhaustedError"]
 #: bytes of device metadata per page (tier and count, int32 each) and per page-table entry
 PAGE_META_BYTES = 8
 INDEX_BYTES = 4
+# compress's statistics: a batch of rows joins the next layer's while its float64
+# temporaries (keys and values, softmax weights and o·vᵀ: 16·n·(d + queries) bytes a row)
+# stay under this; at least one layer's rows go together whatever their size
+STATS_BATCH_BYTES = 2 << 30
 
 
 def _torch():
@@ -609,8 +613,9 @@ class DeviceKVCache:
         return _States(page, slot, tier, row, pos, prot, n_row, off)
 
     def _statistics(self, ss: List[_Seq], sts: List["_States"]):
-        """RDR's per-state statistics of sequences on the device (``rdr_device``): per layer,
-        the rows of every sequence that hold as many states and queries in one batch. Per
+        """RDR's per-state statistics of sequences on the device (``rdr_device``): the rows
+        that hold as many states and queries in one batch (a layer's, of every sequence, and
+        the next layers' alike while the batch stays small). Per
         sequence (p, r, vn, res, kappa (N,) and q2 per row (R,)), float64 device tensors in
         its states' order."""
         torch = _torch()
@@ -622,12 +627,15 @@ class DeviceKVCache:
         out = {k: torch.empty(int(first[-1]), dtype=torch.float64, device=self.device)
                for k in ("p", "r", "vn", "res", "kappa")}
         q2 = torch.zeros(len(sts) * R, dtype=torch.float64, device=self.device)
-        cat = lambda f: torch.cat([f(st) for st in sts])
+        cat = lambda f: f(sts[0]) if len(sts) == 1 else torch.cat([f(st) for st in sts])
         page, slot, tier = cat(lambda st: st.page), cat(lambda st: st.slot), cat(lambda st: st.tier)
         prot = cat(lambda st: st.protected)
-        # every layer's batches planned on the host first: their rows' first states and row
-        # ids go to the device in one copy (a copy per batch made the host wait each time)
-        plan, starts, row_ids = [], [], []
+        # every batch planned on the host first: their rows' first states and row ids go to
+        # the device in one copy (a copy per batch made the host wait each time). A batch is
+        # the rows of one layer that hold as many states and queries, joined by the next
+        # layers' alike while its float64 temporaries stay under STATS_BATCH_BYTES (fewer,
+        # larger launches: the per-layer ops on a 32K-token sequence take a few us each)
+        plan: List[tuple] = []                   # (n, m, members [(seq, layer, head)])
         for layer in range(self.num_layers):
             groups: Dict[tuple, list] = {}
             for i, (s, st) in enumerate(zip(ss, sts)):
@@ -636,14 +644,21 @@ class DeviceKVCache:
                 for h in range(H):
                     n = int(st.n_row[layer * H + h])
                     if n:
-                        groups.setdefault((n, m), []).append((i, h))
-            for (n, _), members in groups.items():
-                plan.append((layer, n, members, len(starts)))
-                starts += [int(first[i] + sts[i].off[layer * H + h]) for i, h in members]
-                row_ids += [i * R + layer * H + h for i, h in members]
+                        groups.setdefault((n, m), []).append((i, layer, h))
+            for (n, m), members in groups.items():
+                rows = len(plan[-1][2]) + len(members) if plan else 0
+                if (plan and plan[-1][:2] == (n, m)
+                        and rows * n * 16 * (d + max(m, 0) * self.group_size) <= STATS_BATCH_BYTES):
+                    plan[-1][2].extend(members)
+                else:
+                    plan.append((n, m, list(members)))
+        starts = [int(first[i] + sts[i].off[layer * H + h]) for _, _, mem in plan
+                  for i, layer, h in mem]
+        row_ids = [i * R + layer * H + h for _, _, mem in plan for i, layer, h in mem]
         index = torch.as_tensor(np.array([starts, row_ids], np.int64).reshape(2, -1),
                                 device=self.device)
-        for layer, n, members, at in plan:
+        at = 0
+        for n, _, members in plan:
             B = len(members)
             a = starts[at]
             if starts[at:at + B] == list(range(a, a + B * n, n)):
@@ -652,10 +667,10 @@ class DeviceKVCache:
                 idx = (index[0, at:at + B, None]
                        + torch.arange(n, device=self.device)[None, :]).reshape(-1)
             yk, yv = self._stored_rows(page[idx], slot[idx], tier[idx])
-            # each sequence's heads of the batch rotated in one product
-            runs = [(i, [h for _, h in grp]) for i, grp in
-                    itertools.groupby(members, key=lambda ih: ih[0])]
-            qr = [self._rotated_queries(ss[i], layer, heads) for i, heads in runs]
+            # the heads of each (sequence, layer) of the batch rotated in one product
+            runs = [(key, [h for _, _, h in grp]) for key, grp in
+                    itertools.groupby(members, key=lambda ilh: ilh[:2])]
+            qr = [self._rotated_queries(ss[i], layer, heads) for (i, layer), heads in runs]
             qr = None if qr[0] is None else torch.cat(qr)
             cand = (~prot[idx]).view(B, n) if self.policy.coherence else None
             res = rdr_device.row_statistics(yk.view(B, n, d), yv.view(B, n, d), qr,
@@ -663,6 +678,7 @@ class DeviceKVCache:
             for k, v in zip(("p", "r", "vn", "res", "kappa"), (res[0],) + tuple(res[2:])):
                 out[k][idx] = v.reshape(-1)
             q2[index[1, at:at + B]] = res[1]
+            at += B
         return [({k: v[int(first[i]):int(first[i + 1])] for k, v in out.items()},
                  q2[i * R:(i + 1) * R]) for i in range(len(sts))]
 

@@ -65,9 +65,10 @@ def _random_pages(rng, n):
     return pages
 
 
-def _cpu_cache(rng, L=2, H=3, d=64):
+def _cpu_cache(rng, L=2, H=3, d=64, kept=None):
     """A DeviceKVCache whose tensors are on the CPU (its kernels are not called): one
-    sequence whose rows hold mixed-tier pages, kept positions and a top-tier tail."""
+    sequence whose rows hold mixed-tier pages, kept positions (``kept`` in every row, else a
+    random count) and a top-tier tail."""
     import cupy_kernels.device_cache as dc
     from spherical_kv_ref.cache import CompressPolicy, set_cache_settings
     from spherical_kv_ref.tiers import TierLadder
@@ -92,8 +93,9 @@ def _cpu_cache(rng, L=2, H=3, d=64):
     for layer in range(L):
         for h in range(H):
             row = s.rows[layer][h]
-            kept = np.sort(rng.choice(40, size=int(rng.integers(0, 30)), replace=False))
-            tiers = np.sort(rng.integers(1, T + 1, kept.size))
+            size = int(rng.integers(0, 30)) if kept is None else kept
+            kept_at = np.sort(rng.choice(40, size=size, replace=False))
+            tiers = np.sort(rng.integers(1, T + 1, kept_at.size))
             pages, ptiers, counts = [], [], []
             for t in np.unique(tiers):
                 k = int(np.sum(tiers == t))
@@ -108,7 +110,7 @@ def _cpu_cache(rng, L=2, H=3, d=64):
             ptiers += [T] * ids.size
             counts += dense_counts(ids.size, per[T], tail).tolist()
             row.pages, row.tiers = np.array(pages, np.int32), np.array(ptiers, np.int32)
-            row.counts, row.kept = np.array(counts, np.int32), kept.astype(np.int64)
+            row.counts, row.kept = np.array(counts, np.int32), kept_at.astype(np.int64)
             row.tail_from, row.tail_to = 40, length
             c._set_pages(row.pages, row.tiers, row.counts)
     s.length[:] = length
@@ -200,11 +202,12 @@ def test_apply_lays_each_changed_row_out_by_tier_in_storage_order(monkeypatch):
     assert c.num_free_pages == free_before + released - fresh
 
 
-def _two_sequences(seed=2):
-    """A CPU cache (``_cpu_cache``) holding two sequences of the same layout and different
-    content, in one pool, with the pool's free list the pages no row holds."""
-    c, s0 = _cpu_cache(np.random.default_rng(seed))
-    other, s1 = _cpu_cache(np.random.default_rng(seed))      # the same layout, other content
+def _two_sequences(seed=2, **layout):
+    """A CPU cache (``_cpu_cache``, its ``layout`` arguments) holding two sequences of the
+    same layout and different content, in one pool, with the pool's free list the pages no
+    row holds."""
+    c, s0 = _cpu_cache(np.random.default_rng(seed), **layout)
+    other, s1 = _cpu_cache(np.random.default_rng(seed), **layout)   # the same layout, other content
     rng = np.random.default_rng(seed + 1)
     other.pages = _random_pages(rng, other.pages.shape[0])
     for layer in range(c.num_layers):
@@ -240,6 +243,33 @@ def test_statistics_of_a_batch_are_each_sequence_s_own():
             torch.testing.assert_close(both[i][0][k], v, rtol=1e-12, atol=1e-300)
         torch.testing.assert_close(both[i][1], q2, rtol=1e-12, atol=0)
     assert not torch.allclose(both[0][0]["vn"], both[1][0]["vn"])
+
+
+@pytest.mark.parametrize("together", [1, 2])
+def test_statistics_batched_across_layers_are_those_of_one_layer_at_a_time(monkeypatch, together):
+    """Rows of every layer holding as many states, in one batch while it is small (one
+    sequence's rows: slices of its states; two sequences': gathers), give the statistics
+    that one batch per layer gives."""
+    import cupy_kernels.device_cache as dc
+    c, s0, s1 = _two_sequences(L=3, kept=25)
+    seqs = [s0, s1][:together]
+    st = [c._state_index(s) for s in seqs]
+    from cupy_kernels import rdr_device
+    batches, inner = [], rdr_device.row_statistics
+
+    def counted(yk, *args, **kwargs):                        # notes each batch's rows
+        batches.append(yk.shape[0])
+        return inner(yk, *args, **kwargs)
+    monkeypatch.setattr(rdr_device, "row_statistics", counted)
+    joined = c._statistics(seqs, st)
+    assert len(batches) == 1 and batches[0] == 3 * c.num_kv_heads * together
+    monkeypatch.setattr(dc, "STATS_BATCH_BYTES", 0)           # one layer per batch
+    apart = c._statistics(seqs, st)
+    assert batches[1:] == [c.num_kv_heads * together] * 3
+    for (a, qa), (b, qb) in zip(joined, apart):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-12, atol=1e-300)
+        torch.testing.assert_close(qa, qb, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("method", ["device", "fast"])
