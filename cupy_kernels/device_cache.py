@@ -68,8 +68,9 @@ PAGE_META_BYTES = 8
 INDEX_BYTES = 4
 # compress's statistics: a batch of rows joins the next layer's while its float64
 # temporaries (keys and values, softmax weights and o·vᵀ: 16·n·(d + queries) bytes a row)
-# stay under this; at least one layer's rows go together whatever their size
-STATS_BATCH_BYTES = 2 << 30
+# stay under this (two layers of a 32K-token Llama-8B sequence); at least one layer's rows
+# go together whatever their size
+STATS_BATCH_BYTES = 3 << 30
 
 
 def _torch():
