@@ -103,9 +103,11 @@ for stage in "$@"; do
       rc=$?; note "compute-sanitizer memcheck (device cache) rc=$rc: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_device_cache.log" | tail -n 1)"
       [ $rc -ne 0 ] && tail -n 30 "$OUT/sanitizer_device_cache.log";;
     profile-compress)
-      # where compress_all spends its time at (PC_BATCH, PC_CONTEXT), under torch's profiler
+      # where compress_all spends its time at (PC_BATCH, PC_CONTEXT), under torch's profiler:
+      # each part's GPU busy time against its wall, the host waits, the host's hot functions
       timeout ${PC_LIMIT:-240} python3 lab/profile_compress.py --together --batch ${PC_BATCH:-5} \
-        --context ${PC_CONTEXT:-32768} --rows ${PC_ROWS:-25} --syncs ${PC_SYNCS:-25} > "$OUT/profile_compress.txt" 2>&1
+        --context ${PC_CONTEXT:-32768} --rows ${PC_ROWS:-25} --syncs ${PC_SYNCS:-25} \
+        --host ${PC_HOST:-40} > "$OUT/profile_compress.txt" 2>&1
       rc=$?; head -n 3 "$OUT/profile_compress.txt"; grep -A 12 "^one sequence unprofiled" "$OUT/profile_compress.txt";;
     fixed-cost)
       # the decode kernel's fixed cost per call in a graph, and eager with and without PDL
