@@ -1,7 +1,7 @@
 // RDR on the device, the passes of rdr_device that would otherwise each be a chain of torch ops
 // over large float64 arrays (docs/rdr.md §1, docs/PERF_NOTES.md "Compress"): the statistics'
-// softmax and per-state means, and the solver's per-state convex hull. float64 throughout,
-// the reference's precision.
+// softmax and per-state means, the stored states, the solver's per-state convex hull and its
+// bisection's (group, tier) counts. float64 throughout, the reference's precision.
 //
 // Thread -> data map
 //   rdr_softmax_kernel: one block per (row, query) line of z (rows*queries lines of n states);
@@ -36,7 +36,7 @@
 
 namespace skv {
 
-constexpr int RDR_STATS_THREADS = 256;   // threads per block of the four kernels (rdr_device._launch)
+constexpr int RDR_STATS_THREADS = 256;   // threads per block of the five kernels (rdr_device._launch)
 
 __device__ __forceinline__ double rdr_neg_inf() { return __longlong_as_double((long long)0xfff0000000000000ULL); }
 
