@@ -589,7 +589,7 @@ class DeviceKVCache:
                      tail=np.array([r.tail_from for r in rows], np.int64) - nk, nk=nk,
                      koff=np.cumsum(nk) - nk, kept=cat(lambda r: r.kept, np.int64),
                      length=s.length.astype(np.int64))
-        blob = torch.as_tensor(np.concatenate(list(parts.values())), device=self.device)
+        blob = self._upload(np.concatenate(list(parts.values())))
         at = np.cumsum([0] + [v.size for v in parts.values()])
         g = {k: blob[a:b] for k, a, b in zip(parts, at[:-1], at[1:])}
         c = g["counts"]
@@ -656,8 +656,7 @@ class DeviceKVCache:
         starts = [int(first[i] + sts[i].off[layer * H + h]) for _, _, mem in plan
                   for i, layer, h in mem]
         row_ids = [i * R + layer * H + h for _, _, mem in plan for i, layer, h in mem]
-        index = torch.as_tensor(np.array([starts, row_ids], np.int64).reshape(2, -1),
-                                device=self.device)
+        index = self._upload(np.array([starts, row_ids], np.int64).reshape(2, -1))
         at = 0
         for n, _, members in plan:
             B = len(members)
@@ -760,6 +759,16 @@ class DeviceKVCache:
             reports.append(CompressReport(before, after, budget, int(st.page.numel()),
                                           self.num_states(x), demoted, alloc))
         return reports
+
+    def _upload(self, x):
+        """A host array on the device without making the host wait: on CUDA through
+        page-locked memory, queued behind the stream's work (a pageable copy first waits for
+        that work to finish, and the GPU then idles while the host catches up)."""
+        torch = _torch()
+        t = torch.as_tensor(np.ascontiguousarray(x))
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _sync(self) -> None:
         """Waits for the device's queued work (compress times its parts by the host clock)."""
@@ -870,7 +879,7 @@ class DeviceKVCache:
             raise PoolExhaustedError(f"page pool exhausted: the allocation needs {need} new pages "
                                      f"before the old ones are released, {self._num_free} are free")
         fresh = self._allocate(need)
-        dev = lambda x: torch.as_tensor(np.ascontiguousarray(x), device=self.device)
+        dev = self._upload
         flat = npg.reshape(-1)
         base = np.cumsum(flat) - flat                     # first fresh page of each (row, tier)
         cnt_moved = np.where(changed[:, None], cnt, 0).reshape(-1)
