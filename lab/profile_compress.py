@@ -74,7 +74,8 @@ def main() -> None:
           "sequence), the share of the wall the GPU waits for the host")
     for name, wall in cache.compress_seconds.items():
         if name in busy:
-            print(f"  {name:12s} {wall:7.3f}  {busy[name]:7.3f}  {1 - busy[name] / max(wall, 1e-9):6.1%}")
+            idle = 1 - busy[name] / max(wall, 1e-9)
+            print(f"  {name:12s} {wall:7.3f}  {busy[name]:7.3f}  {idle:6.1%}")
     if args.syncs:
         print_sync_sites(cache, fill(), args)
     if args.host:

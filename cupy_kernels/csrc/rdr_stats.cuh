@@ -36,7 +36,7 @@
 
 namespace skv {
 
-constexpr int RDR_STATS_THREADS = 256;   // threads per block of the five kernels (rdr_device._launch)
+constexpr int RDR_STATS_THREADS = 256;   // threads per block of the five kernels (rdr_device)
 
 __device__ __forceinline__ double rdr_neg_inf() { return __longlong_as_double((long long)0xfff0000000000000ULL); }
 
@@ -71,7 +71,8 @@ rdr_softmax_kernel(double* __restrict__ z, long long n, double scale, double a, 
   // scale > 0 and rounding is monotone, so the largest scaled logit is the scaled largest
   mx = __dmul_rn(scale, rdr_block_reduce(mx, true, shared));
   double sum = 0.0;
-  for (long long i = threadIdx.x; i < n; i += RDR_STATS_THREADS) sum += exp(__dmul_rn(scale, line[i]) - mx);
+  for (long long i = threadIdx.x; i < n; i += RDR_STATS_THREADS)
+    sum += exp(__dmul_rn(scale, line[i]) - mx);
   sum = rdr_block_reduce(sum, false, shared);
   for (long long i = threadIdx.x; i < n; i += RDR_STATS_THREADS)
     line[i] = a * (exp(__dmul_rn(scale, line[i]) - mx) / sum) + b;
