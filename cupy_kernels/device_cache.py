@@ -841,9 +841,14 @@ class DeviceKVCache:
         torch = _torch()
         T1 = self.ladder.top + 1
         cnt = torch.bincount(row * T1 + tier, minlength=R * T1).view(R, T1).cpu().numpy()
+        return cnt, self._dense_pages(cnt)
+
+    def _dense_pages(self, cnt: np.ndarray) -> np.ndarray:
+        """The pages that states counted per (row, tier) (R, T+1) fill densely (tier 0
+        holds none)."""
         pages = -(-cnt // self._per()[None, :])
         pages[:, 0] = 0
-        return cnt, pages
+        return pages
 
     def _per(self) -> np.ndarray:
         T, d, pb = self.ladder.top, self.head_dim, self.page_bytes
@@ -863,11 +868,17 @@ class DeviceKVCache:
         T1 = self.ladder.top + 1
         R = len(st.n_row)
         per = self._per()
-        # a histogram of the changed states' rows, not index_add_: a row's states are
-        # contiguous, so a warp's adds would all contend for one address
-        changed = torch.bincount(st.row[new != st.tier], minlength=R).cpu().numpy() > 0
+        # histograms, not index_add_ (a row's states are contiguous, so a warp's adds would
+        # all contend for one address): the changed states' rows, and the kept states'
+        # (row, tier); the others go to a last bin, so no masked copy waits for its size
         alive = new > 0
-        cnt, npg = self._group_pages(st.row[alive], new[alive], R)
+        chg = torch.bincount(torch.where(new != st.tier, st.row, R), minlength=R + 1)[:R]
+        held = torch.bincount(torch.where(alive, st.row * T1 + new, R * T1),
+                              minlength=R * T1 + 1)[:R * T1]
+        both = torch.cat([chg, held]).cpu().numpy()
+        changed = both[:R] > 0
+        cnt = both[R:].reshape(R, T1)
+        npg = self._dense_pages(cnt)
         if int(npg.sum()) * self.page_bytes > budget:
             raise RuntimeError(f"RDR allocation needs {int(npg.sum()) * self.page_bytes} bytes "
                                f"for budget {budget}; this is a bug")
@@ -885,9 +896,11 @@ class DeviceKVCache:
         cnt_moved = np.where(changed[:, None], cnt, 0).reshape(-1)
         first = np.cumsum(cnt_moved) - cnt_moved          # first moved state of each (row, tier)
         moving = alive & dev(changed)[st.row]
-        key = (st.row * T1 + new)[moving]
+        # the moving states in storage order; the host knows how many (no wait for the count)
+        at = _nonzero(moving, int(cnt_moved.sum()))
+        key = (st.row * T1 + new)[at]
         order = torch.sort(key, stable=True).indices
-        sel = torch.nonzero(moving).squeeze(1)[order]
+        sel = at[order]
         key = key[order]
         t_sel = new[sel]
         rank = torch.arange(key.numel(), device=self.device) - dev(first)[key]
@@ -932,6 +945,16 @@ class _States:
     def __init__(self, page, slot, tier, row, pos, protected, n_row, off):
         self.page, self.slot, self.tier, self.row = page, slot, tier, row
         self.pos, self.protected, self.n_row, self.off = pos, protected, n_row, off
+
+
+def _nonzero(mask, count: int):
+    """The indices of mask's True entries, in order (1-D int64), count of them known to the
+    caller: nonzero_static makes no host wait, where torch.nonzero reads the count back."""
+    torch = _torch()
+    try:
+        return torch.nonzero_static(mask, size=count)[:, 0]
+    except (AttributeError, NotImplementedError):   # a torch without it for this device
+        return torch.nonzero(mask).squeeze(1)
 
 
 def _stream():
