@@ -808,7 +808,9 @@ class DeviceKVCache:
         d, pb = self.head_dim, self.page_bytes
         share = [0.0] + [pb / p for p in self._per()[1:]]
         for sid, st, budget in zip(sids, sts, budgets):
-            need = self._pages_of(st.row[st.protected], st.tier[st.protected], len(st.n_row))
+            rows = len(st.n_row)
+            held = self._held(st.row, st.tier, rows, st.protected).view(rows, -1).cpu().numpy()
+            need = int(self._dense_pages(held).sum())
             if need * pb > budget:
                 raise ValueError(f"the protected states of sequence {sid} alone need {need * pb} "
                                  f"bytes (sinks, recent window and protected spans, page "
@@ -835,13 +837,15 @@ class DeviceKVCache:
             a += n
         return out
 
-    def _group_pages(self, row, tier, R: int):
-        """(states, pages), (R, T+1) int64 host arrays: the given states of each (row, tier)
-        and the pages they fill densely (tier 0 holds none)."""
+    def _held(self, row, tier, R: int, where):
+        """States per (row, tier) of the states where ``where`` is True, (R·(T+1),) int64 on
+        the device. A histogram, not index_add_ (a row's states are contiguous, so a warp's
+        adds would all contend for one address); the other states go to a spill bin, so
+        no masked copy makes the host wait for its size."""
         torch = _torch()
         T1 = self.ladder.top + 1
-        cnt = torch.bincount(row * T1 + tier, minlength=R * T1).view(R, T1).cpu().numpy()
-        return cnt, self._dense_pages(cnt)
+        key = torch.where(where, row * T1 + tier, R * T1)
+        return torch.bincount(key, minlength=R * T1 + 1)[:R * T1]
 
     def _dense_pages(self, cnt: np.ndarray) -> np.ndarray:
         """The pages that states counted per (row, tier) (R, T+1) fill densely (tier 0
@@ -854,10 +858,6 @@ class DeviceKVCache:
         T, d, pb = self.ladder.top, self.head_dim, self.page_bytes
         return np.array([1] + [self.ladder.states_per_page(t, d, pb) for t in range(1, T + 1)])
 
-    def _pages_of(self, row, tier, R: int) -> int:
-        """Pages the given states fill, each (row, tier) densely (tier 0 holds none)."""
-        return int(self._group_pages(row, tier, R)[1].sum())
-
     def _apply(self, s: _Seq, st: "_States", new, budget: int) -> None:
         """Rewrite every row whose tiers changed (``new`` (N,) int64 device tensor, the
         states' new tiers): its kept states into fresh pages, tiers in ascending order (top
@@ -868,14 +868,10 @@ class DeviceKVCache:
         T1 = self.ladder.top + 1
         R = len(st.n_row)
         per = self._per()
-        # histograms, not index_add_ (a row's states are contiguous, so a warp's adds would
-        # all contend for one address): the changed states' rows, and the kept states'
-        # (row, tier); the others go to a last bin, so no masked copy waits for its size
+        # the changed states' rows, and the kept states' (row, tier), in one copy down
         alive = new > 0
         chg = torch.bincount(torch.where(new != st.tier, st.row, R), minlength=R + 1)[:R]
-        held = torch.bincount(torch.where(alive, st.row * T1 + new, R * T1),
-                              minlength=R * T1 + 1)[:R * T1]
-        both = torch.cat([chg, held]).cpu().numpy()
+        both = torch.cat([chg, self._held(st.row, new, R, alive)]).cpu().numpy()
         changed = both[:R] > 0
         cnt = both[R:].reshape(R, T1)
         npg = self._dense_pages(cnt)
