@@ -491,14 +491,15 @@ class DeviceKVCache:
         return DecodeStep(self, self._seq_list(seqs), whole("steps", steps, 1))
 
     # ------------------------------------------------------------------ compress
-    def _rotation(self, layer: int, head: int):
-        """Π of the keys of (layer, kv-head) as a float64 (d, d) device matrix."""
-        hit = self._rot.get((layer, head))
+    def _rotations(self, layer: int):
+        """Π of the keys of every kv-head of ``layer``, a float64 (H, d, d) device tensor
+        (made once)."""
+        hit = self._rot.get(("rotations", layer))
         if hit is None:
-            torch = _torch()
-            hit = torch.as_tensor(self.codec(layer, head, 16, KEY_SALT).rotation.dense(),
-                                  device=self.device)
-            self._rot[(layer, head)] = hit
+            hit = _torch().as_tensor(
+                np.stack([self.codec(layer, h, 16, KEY_SALT).rotation.dense()
+                          for h in range(self.num_kv_heads)]), device=self.device)
+            self._rot[("rotations", layer)] = hit
         return hit
 
     def stored_rotated(self, page, slot, tier: int):
@@ -562,13 +563,10 @@ class DeviceKVCache:
         if q is None:
             return None
         G, d = self.group_size, self.head_dim
-        rot = self._rot.get(("layer", layer))
-        if rot is None:          # every kv-head's Π of the layer, (H, d, d), made once
-            rot = torch.stack([self._rotation(layer, h) for h in range(self.num_kv_heads)])
-            self._rot[("layer", layer)] = rot
         heads = list(heads)
         mine = q.view(q.shape[0], self.num_kv_heads, G, d).transpose(0, 1)[heads]   # (h, m, G, d)
-        return torch.bmm(mine.reshape(len(heads), -1, d), rot[heads].transpose(1, 2))
+        return torch.bmm(mine.reshape(len(heads), -1, d),
+                         self._rotations(layer)[heads].transpose(1, 2))
 
     def _state_index(self, s: _Seq) -> "_States":
         """Every state of a sequence on the device (``_States``), built from the host's page
@@ -808,9 +806,9 @@ class DeviceKVCache:
         d, pb = self.head_dim, self.page_bytes
         share = [0.0] + [pb / p for p in self._per()[1:]]
         for sid, st, budget in zip(sids, sts, budgets):
-            rows = len(st.n_row)
-            held = self._held(st.row, st.tier, rows, st.protected).view(rows, -1).cpu().numpy()
-            need = int(self._dense_pages(held).sum())
+            rows, T1 = len(st.n_row), self.ladder.top + 1
+            held = _counts(st.row * T1 + st.tier, rows * T1, st.protected)
+            need = int(self._dense_pages(held.view(rows, T1).cpu().numpy()).sum())
             if need * pb > budget:
                 raise ValueError(f"the protected states of sequence {sid} alone need {need * pb} "
                                  f"bytes (sinks, recent window and protected spans, page "
@@ -837,16 +835,6 @@ class DeviceKVCache:
             a += n
         return out
 
-    def _held(self, row, tier, R: int, where):
-        """States per (row, tier) of the states where ``where`` is True, (R·(T+1),) int64 on
-        the device. A histogram, not index_add_ (a row's states are contiguous, so a warp's
-        adds would all contend for one address); the other states go to a spill bin, so
-        no masked copy makes the host wait for its size."""
-        torch = _torch()
-        T1 = self.ladder.top + 1
-        key = torch.where(where, row * T1 + tier, R * T1)
-        return torch.bincount(key, minlength=R * T1 + 1)[:R * T1]
-
     def _dense_pages(self, cnt: np.ndarray) -> np.ndarray:
         """The pages that states counted per (row, tier) (R, T+1) fill densely (tier 0
         holds none)."""
@@ -870,8 +858,8 @@ class DeviceKVCache:
         per = self._per()
         # the changed states' rows, and the kept states' (row, tier), in one copy down
         alive = new > 0
-        chg = torch.bincount(torch.where(new != st.tier, st.row, R), minlength=R + 1)[:R]
-        both = torch.cat([chg, self._held(st.row, new, R, alive)]).cpu().numpy()
+        both = torch.cat([_counts(st.row, R, new != st.tier),
+                          _counts(st.row * T1 + new, R * T1, alive)]).cpu().numpy()
         changed = both[:R] > 0
         cnt = both[R:].reshape(R, T1)
         npg = self._dense_pages(cnt)
@@ -941,6 +929,15 @@ class _States:
     def __init__(self, page, slot, tier, row, pos, protected, n_row, off):
         self.page, self.slot, self.tier, self.row = page, slot, tier, row
         self.pos, self.protected, self.n_row, self.off = pos, protected, n_row, off
+
+
+def _counts(key, bins: int, where):
+    """How many of the entries where ``where`` is True hold each key in [0, bins), (bins,)
+    int64 on key's device. A histogram, not index_add_ (a row's states are contiguous, so a
+    warp's adds would all contend for one address); the other entries go to a spill bin,
+    so no masked copy makes the host wait for its size."""
+    torch = _torch()
+    return torch.bincount(torch.where(where, key, bins), minlength=bins + 1)[:bins]
 
 
 def _nonzero(mask, count: int):
