@@ -33,8 +33,8 @@ hold an append, a reservation or a compress), raised before anything changes.
 
 Bytes. ``bytes_in_use(seq)`` counts pages × page_bytes (as the reference);
 ``metadata_bytes(seq)`` adds what the device holds beside the pages for it: the means
-(2 · 4 · d bytes per row), each page's tier and count (8 bytes) and its page-table entry
-(4 bytes), so ``bytes_in_use + metadata_bytes`` is every byte the sequence costs.
+(2 · 4 · d bytes per row), each page's tier and count (8 bytes), its page-table entry
+(4 bytes) and, for the states a compress kept, their token positions (4 bytes each), so ``bytes_in_use + metadata_bytes`` is every byte the sequence costs.
 """
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ __all__ = ["DeviceKVCache", "PoolExhaustedError"]
 #: bytes of device metadata per page (tier and count, int32 each) and per page-table entry
 PAGE_META_BYTES = 8
 INDEX_BYTES = 4
+#: bytes of device metadata per state a compress kept (its token position, int32)
+POSITION_BYTES = 4
 # compress's statistics: a batch of rows joins the next layer's while its float64
 # temporaries (keys and values, softmax weights and o·vᵀ: 16·n·(d + queries) bytes a row)
 # stay under this (two layers of a 32K-token Llama-8B sequence); at least one layer's rows
@@ -96,18 +98,26 @@ class _Row:
     """Host mirror of one (sequence, layer, kv-head) row: its pages in order with their
     tiers and counts; its states' positions in storage order (pages in order, slots in
     order) are ``kept`` followed by tail_from .. tail_to - 1 (appended since the row was last
-    rewritten). Only the last page takes appends."""
+    rewritten). ``kept`` is an int32 tensor on the cache's device (None until a compress
+    rewrites the row): a compress makes and reads it there, so no per-state array crosses to
+    the host. Only the last page takes appends."""
     __slots__ = ("pages", "tiers", "counts", "kept", "tail_from", "tail_to")
 
     def __init__(self):
         self.pages = np.zeros(0, np.int32)
         self.tiers = np.zeros(0, np.int32)
         self.counts = np.zeros(0, np.int32)
-        self.kept = np.zeros(0, np.int64)
+        self.kept = None
         self.tail_from = self.tail_to = 0
 
+    def num_kept(self) -> int:
+        return 0 if self.kept is None else int(self.kept.numel())
+
     def positions(self) -> np.ndarray:
-        return np.concatenate([self.kept, np.arange(self.tail_from, self.tail_to, dtype=np.int64)])
+        """Every state's token position, in storage order (int64, on the host)."""
+        kept = np.zeros(0, np.int64) if self.kept is None else self.kept.cpu().numpy()
+        return np.concatenate([kept.astype(np.int64),
+                               np.arange(self.tail_from, self.tail_to, dtype=np.int64)])
 
     def num_states(self) -> int:
         return int(self.counts.sum())
@@ -424,11 +434,14 @@ class DeviceKVCache:
         return sum(row.pages.size for rows in s.rows for row in rows) * self.page_bytes
 
     def metadata_bytes(self, seq) -> int:
-        """Device bytes beside the pages: means, page tiers and counts, page-table entries."""
+        """Device bytes beside the pages: means, page tiers and counts, page-table entries,
+        and the token positions of the states a compress kept (4 bytes each)."""
         s = self._seq(seq)
         pages = sum(row.pages.size for rows in s.rows for row in rows)
+        kept = sum(row.num_kept() for rows in s.rows for row in rows)
         rows = self.num_layers * self.num_kv_heads
-        return rows * 2 * 4 * self.head_dim + pages * (PAGE_META_BYTES + INDEX_BYTES) + 4 * (rows + 1)
+        return (rows * 2 * 4 * self.head_dim + pages * (PAGE_META_BYTES + INDEX_BYTES)
+                + 4 * (rows + 1) + POSITION_BYTES * kept)
 
     def num_states(self, seq, layer=None) -> int:
         s = self._seq(seq)
@@ -564,9 +577,13 @@ class DeviceKVCache:
             return None
         G, d = self.group_size, self.head_dim
         heads = list(heads)
-        mine = q.view(q.shape[0], self.num_kv_heads, G, d).transpose(0, 1)[heads]   # (h, m, G, d)
+        # a run of consecutive heads (the usual case) is a slice: a list index would go to
+        # the device as a pageable copy, which waits for the stream
+        h0 = heads[0]
+        at = slice(h0, h0 + len(heads)) if heads == list(range(h0, h0 + len(heads))) else heads
+        mine = q.view(q.shape[0], self.num_kv_heads, G, d).transpose(0, 1)[at]   # (h, m, G, d)
         return torch.bmm(mine.reshape(len(heads), -1, d),
-                         self._rotations(layer)[heads].transpose(1, 2))
+                         self._rotations(layer)[at].transpose(1, 2))
 
     def _state_index(self, s: _Seq) -> "_States":
         """Every state of a sequence on the device (``_States``), built from the host's page
@@ -579,14 +596,13 @@ class DeviceKVCache:
         n_row = np.array([int(r.counts.sum()) for r in rows], np.int64)
         off = np.concatenate([[0], np.cumsum(n_row)])
         N = int(off[-1])
-        nk = np.array([r.kept.size for r in rows], np.int64)
+        nk = np.array([r.num_kept() for r in rows], np.int64)
         # the page lists go up in one copy (a pageable copy makes the host wait for the
         # stream), and every repeat is told its length (else it reads it back)
         parts = dict(counts=counts, pages=cat(lambda r: r.pages, np.int64),
                      tiers=cat(lambda r: r.tiers, np.int64), n_row=n_row, first=off[:-1],
                      tail=np.array([r.tail_from for r in rows], np.int64) - nk, nk=nk,
-                     koff=np.cumsum(nk) - nk, kept=cat(lambda r: r.kept, np.int64),
-                     length=s.length.astype(np.int64))
+                     koff=np.cumsum(nk) - nk, length=s.length.astype(np.int64))
         blob = self._upload(np.concatenate(list(parts.values())))
         at = np.cumsum([0] + [v.size for v in parts.values()])
         g = {k: blob[a:b] for k, a, b in zip(parts, at[:-1], at[1:])}
@@ -599,9 +615,10 @@ class DeviceKVCache:
                                       output_size=N)
         idx = torch.arange(N, device=self.device) - g["first"][row]
         tail = g["tail"][row] + idx
-        if nk.any():
+        if nk.any():    # the kept positions are on the device already (_Row.kept)
+            kept = torch.cat([r.kept for r in rows if r.kept is not None]).long()
             inside = idx < g["nk"][row]
-            pos = torch.where(inside, g["kept"][torch.where(inside, g["koff"][row] + idx, 0)], tail)
+            pos = torch.where(inside, kept[torch.where(inside, g["koff"][row] + idx, 0)], tail)
         else:
             pos = tail
         pol = self.policy
@@ -824,7 +841,9 @@ class DeviceKVCache:
             D, cat(lambda i, st: st.tier), cat(lambda i, st: st.protected),
             cat(lambda i, st: st.row + i * R), share, pb, [float(b) for b in budgets],
             R * len(sts), segment=cat(lambda i, st: torch.full_like(st.row, i)))
-        host = _host(tier.to(torch.int8)).astype(np.int64)
+        # the reports' tiers as int8 (options <= 8): a 67 MB int64 copy of a 32K-token
+        # sequence's 8.4M states cost ~45 ms of host time
+        host = _host(tier.to(torch.int8)).copy()
         out, a = [], 0
         for st, obj, lb in zip(sts, objective, bound):
             n = st.page.numel()
@@ -850,8 +869,8 @@ class DeviceKVCache:
         """Rewrite every row whose tiers changed (``new`` (N,) int64 device tensor, the
         states' new tiers): its kept states into fresh pages, tiers in ascending order (top
         last), each tier's in storage order, by one ``retier`` launch; then release the old
-        pages. Everything per state stays on the device; the host gets per-(row, tier)
-        counts and the kept states' positions."""
+        pages. Everything per state stays on the device, the kept states' positions too
+        (``_Row.kept``); the host gets per-(row, tier) counts."""
         torch = _torch()
         T1 = self.ladder.top + 1
         R = len(st.n_row)
@@ -903,7 +922,7 @@ class DeviceKVCache:
             retier(self.pages, self.page_tier, self.tables, i32(st.page[sel]), i32(st.slot[sel]),
                    i32(dst_p), i32(dst_s), check=False)
         self._set_pages(fresh, page_tier, page_count)
-        kept = _host(st.pos[sel].to(torch.int32)).astype(np.int64)
+        kept = st.pos[sel].to(torch.int32)     # stays on the device; each row holds its slice
         moved_rows = cnt_moved.reshape(R, T1).sum(axis=1)
         kept_at = np.cumsum(moved_rows) - moved_rows
         page_at = np.cumsum(npg.sum(axis=1)) - npg.sum(axis=1)
@@ -915,7 +934,7 @@ class DeviceKVCache:
             row.pages = fresh[a:a + n].copy()
             row.tiers = page_tier[a:a + n].copy()
             row.counts = page_count[a:a + n].copy()
-            row.kept = kept[kept_at[r]:kept_at[r] + moved_rows[r]].copy()
+            row.kept = kept[int(kept_at[r]):int(kept_at[r] + moved_rows[r])]
             row.tail_from = row.tail_to
         self._release(np.concatenate(olds))
 

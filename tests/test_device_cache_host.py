@@ -23,8 +23,8 @@ def test_tail_slots_and_grow_follow_one_state_at_a_time(open_count, n, done):
     row.counts = np.array([5, per if open_count is None else open_count], np.int32)
     if open_count is None:
         row.tiers[-1] = 2
-    row.kept = np.arange(int(row.counts.sum()), dtype=np.int64)
-    row.tail_from = row.tail_to = row.kept.size
+    n0 = int(row.counts.sum())            # positions 0 .. n0 - 1, appended since a rewrite
+    row.tail_from, row.tail_to = 0, n0
     fill = min(row.room(top, per), n)
     new = -(-(n - fill) // per)
     ids = np.arange(100, 100 + new, dtype=np.int32)
@@ -48,7 +48,7 @@ def test_tail_slots_and_grow_follow_one_state_at_a_time(open_count, n, done):
     else:
         assert written.size == 0 and row.counts.tolist()[-1] == (per if open_count is None else open_count)
     assert sorted(unused.tolist() + [p for p in row.pages.tolist() if p >= 100]) == ids.tolist()
-    assert row.tail_to == row.tail_from + done
+    assert row.tail_to == n0 + done
     assert row.positions().tolist() == list(range(row.counts.sum()))
 
 
@@ -110,7 +110,7 @@ def _cpu_cache(rng, L=2, H=3, d=64, kept=None):
             ptiers += [T] * ids.size
             counts += dense_counts(ids.size, per[T], tail).tolist()
             row.pages, row.tiers = np.array(pages, np.int32), np.array(ptiers, np.int32)
-            row.counts, row.kept = np.array(counts, np.int32), kept_at.astype(np.int64)
+            row.counts, row.kept = np.array(counts, np.int32), torch.as_tensor(kept_at.astype(np.int32))
             row.tail_from, row.tail_to = 40, length
             c._set_pages(row.pages, row.tiers, row.counts)
     s.length[:] = length

@@ -154,7 +154,8 @@ class Problem:
 class Allocation:
     """A solver's answer and its certificate.
 
-    tier: (n,) int64 option per state (0 = evicted). objective: Σ D[i, tier_i].
+    tier: (n,) integer option per state (0 = evicted; int64, int8 from the device cache's
+    device solver). objective: Σ D[i, tier_i].
     lower_bound: a proven lower bound of the optimum of the paged problem ("fast": the LP
     relaxation of the paged model; "milp": HiGHS's dual bound). gap: (objective −
     lower_bound) / objective (0 when objective is 0). bytes: bytes of the allocation,
