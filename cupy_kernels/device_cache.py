@@ -289,7 +289,7 @@ class DeviceKVCache:
         torch = _torch()
         if ids.size == 0:
             return
-        dev = torch.as_tensor(ids.astype(np.int64), device=self.device)
+        dev = self._upload(ids, np.int64)
         self.page_tier[dev] = 0
         self.page_count[dev] = 0
         self._free[self._num_free:self._num_free + ids.size] = ids[::-1]
@@ -299,9 +299,10 @@ class DeviceKVCache:
         torch = _torch()
         if ids.size == 0:
             return
-        dev = torch.as_tensor(ids.astype(np.int64), device=self.device)
-        self.page_tier[dev] = torch.as_tensor(np.asarray(tier, np.int32), device=self.device)
-        self.page_count[dev] = torch.as_tensor(np.asarray(count, np.int32), device=self.device)
+        # one upload of the three (each pageable copy would wait for the stream)
+        up = self._upload(np.concatenate([ids, tier, count]).reshape(3, -1), np.int64)
+        self.page_tier[up[0]] = up[1].to(torch.int32)
+        self.page_count[up[0]] = up[2].to(torch.int32)
 
     # ------------------------------------------------------------------ lifecycle
     def sequences(self) -> List[int]:
@@ -775,15 +776,10 @@ class DeviceKVCache:
                                           self.num_states(x), demoted, alloc))
         return reports
 
-    def _upload(self, x):
-        """A host array on the device without making the host wait: on CUDA through
-        page-locked memory, queued behind the stream's work (a pageable copy first waits for
-        that work to finish, and the GPU then idles while the host catches up)."""
-        torch = _torch()
-        t = torch.as_tensor(np.ascontiguousarray(x))
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+    def _upload(self, x, dtype=None):
+        """A host array on the device without making the host wait (``rdr_device.upload``)."""
+        from .rdr_device import upload
+        return upload(x, self.device, dtype)
 
     def _sync(self) -> None:
         """Waits for the device's queued work (compress times its parts by the host clock)."""
