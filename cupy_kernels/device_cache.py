@@ -34,7 +34,8 @@ hold an append, a reservation or a compress), raised before anything changes.
 Bytes. ``bytes_in_use(seq)`` counts pages × page_bytes (as the reference);
 ``metadata_bytes(seq)`` adds what the device holds beside the pages for it: the means
 (2 · 4 · d bytes per row), each page's tier and count (8 bytes), its page-table entry
-(4 bytes) and, for the states a compress kept, their token positions (4 bytes each), so ``bytes_in_use + metadata_bytes`` is every byte the sequence costs.
+(4 bytes) and, for the states a compress kept, their token positions (4 bytes each), so
+``bytes_in_use + metadata_bytes`` is every byte the sequence costs.
 """
 from __future__ import annotations
 

@@ -110,7 +110,8 @@ def _cpu_cache(rng, L=2, H=3, d=64, kept=None):
             ptiers += [T] * ids.size
             counts += dense_counts(ids.size, per[T], tail).tolist()
             row.pages, row.tiers = np.array(pages, np.int32), np.array(ptiers, np.int32)
-            row.counts, row.kept = np.array(counts, np.int32), torch.as_tensor(kept_at.astype(np.int32))
+            row.counts = np.array(counts, np.int32)
+            row.kept = torch.as_tensor(kept_at.astype(np.int32))
             row.tail_from, row.tail_to = 40, length
             c._set_pages(row.pages, row.tiers, row.counts)
     s.length[:] = length
