@@ -291,8 +291,10 @@ class DeviceKVCache:
         if ids.size == 0:
             return
         dev = self._upload(ids, np.int64)
-        self.page_tier[dev] = 0
-        self.page_count[dev] = 0
+        # index_fill_, not ``[dev] = 0``: the assignment sends its 0 up as a tensor, a
+        # pageable copy that waits for the stream
+        self.page_tier.index_fill_(0, dev, 0)
+        self.page_count.index_fill_(0, dev, 0)
         self._free[self._num_free:self._num_free + ids.size] = ids[::-1]
         self._num_free += ids.size
 
