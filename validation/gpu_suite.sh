@@ -117,10 +117,11 @@ for stage in "$@"; do
     e2e)
       # whole-model decode throughput (E2E_SHAPES, E2E_METHODS, E2E_FLAGS such as --equal-memory);
       # FlashInfer's rows join the default methods when its wheel is carried in .whl/
+      # (installed whenever carried, so that E2E_METHODS may name them too)
       methods=${E2E_METHODS:-dense,ada44,rdr,rdr-host}
-      if [ -z "${E2E_METHODS:-}" ] && ls .whl/flashinfer*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashinfer*.whl \
-          > "$OUT/flashinfer_install.log" 2>&1 && methods=dense,flashinfer-bf16,flashinfer-fp8,ada44,rdr,rdr-host
+      if ls .whl/flashinfer*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
+          --no-compile --target /tmp/site .whl/flashinfer*.whl > "$OUT/flashinfer_install.log" 2>&1; then
+        [ -z "${E2E_METHODS:-}" ] && methods=dense,flashinfer-bf16,flashinfer-fp8,ada44,rdr,rdr-host
       fi
       # E2E_NAME (default e2e_<card>) names the files
       PYTHONPATH=/tmp/site:$PYTHONPATH timeout ${E2E_LIMIT:-420} python3 -m validation.e2e_bench \
