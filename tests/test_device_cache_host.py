@@ -201,6 +201,18 @@ def test_apply_lays_each_changed_row_out_by_tier_in_storage_order(monkeypatch):
         assert c.page_count[torch.as_tensor(row.pages, dtype=torch.long)].tolist() == walk_counts
     assert len(moved) == k_total
     assert c.num_free_pages == free_before + released - fresh
+    # the next compress indexes the rewritten rows from their device-held kept positions
+    st2 = c._state_index(s)
+    at = 0
+    for layer in range(c.num_layers):
+        for h in range(c.num_kv_heads):
+            row = s.rows[layer][h]
+            pos = row.positions()
+            assert st2.pos[at:at + pos.size].tolist() == pos.tolist()
+            at += pos.size
+            if row.tail_from == row.tail_to:       # rewritten: every state is a kept one
+                assert row.num_kept() == row.num_states()
+    assert at == st2.pos.numel()
 
 
 def _two_sequences(seed=2, **layout):
