@@ -88,7 +88,7 @@ def _masked_median(x, mask):
 def _launch(name: str, blocks, args) -> None:
     """rdr_stats.cuh's kernel ``name`` on torch's current stream: ``blocks(threads)`` gives
     its grid; the torch tensors among ``args`` go as DLPack views made on that stream (no
-    cross-stream wait), the rest as they are."""
+    cross-stream wait), the rest (CuPy arrays among them, ``_cupy_views``) as they are."""
     torch = _torch()
     from ._module import constants, cupy, rdr_kernel
     from .torch_ops import torch_stream
@@ -96,6 +96,17 @@ def _launch(name: str, blocks, args) -> None:
     with torch_stream():
         rdr_kernel(name)(blocks(threads), (threads,),
                          tuple(cp.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args))
+
+
+def _cupy_views(tensors) -> tuple:
+    """CuPy views of torch tensors, made once on torch's current stream, for a kernel launched
+    many times over them (``_launch`` passes them as they are): each DLPack conversion costs
+    the host tens of microseconds, and the bisection's 20-odd launches each took seven."""
+    from ._module import cupy
+    from .torch_ops import torch_stream
+    cp = cupy()
+    with torch_stream():
+        return tuple(cp.from_dlpack(t) for t in tensors)
 
 
 def stored_states(pool, page, slot, tier, geom, levels, dim: int):
@@ -364,8 +375,8 @@ def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget,
     fused = D.is_cuda and T1 in RDR_HULL_OPTIONS and n
     if fused:
         long = lambda x: x.to(torch.int64).contiguous()
-        fused_args = (ranks.contiguous(), hull.contiguous(), free.contiguous(), long(base_tier),
-                      long(group), long(segment))
+        fused_args = _cupy_views((ranks.contiguous(), hull.contiguous(), free.contiguous(),
+                                  long(base_tier), long(group), long(segment)))
 
     def counts_at(k):
         """States per (group, tier) once the first k[s] increments of each problem s are
