@@ -287,7 +287,6 @@ class DeviceKVCache:
         return ids
 
     def _release(self, ids: np.ndarray) -> None:
-        torch = _torch()
         if ids.size == 0:
             return
         dev = self._upload(ids, np.int64)

@@ -87,26 +87,26 @@ def _masked_median(x, mask):
 
 def _launch(name: str, blocks, args) -> None:
     """rdr_stats.cuh's kernel ``name`` on torch's current stream: ``blocks(threads)`` gives
-    its grid; the torch tensors among ``args`` go as DLPack views made on that stream (no
-    cross-stream wait), the rest (CuPy arrays among them, ``_cupy_views``) as they are."""
-    torch = _torch()
-    from ._module import constants, cupy, rdr_kernel
+    its grid; its arguments go through ``_cupy_views``."""
+    from ._module import constants, rdr_kernel
     from .torch_ops import torch_stream
-    cp, threads = cupy(), constants()["RDR_STATS_THREADS"]
+    threads = constants()["RDR_STATS_THREADS"]
+    views = _cupy_views(args)
     with torch_stream():
-        rdr_kernel(name)(blocks(threads), (threads,),
-                         tuple(cp.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args))
+        rdr_kernel(name)(blocks(threads), (threads,), views)
 
 
-def _cupy_views(tensors) -> tuple:
-    """CuPy views of torch tensors, made once on torch's current stream, for a kernel launched
-    many times over them (``_launch`` passes them as they are): each DLPack conversion costs
-    the host tens of microseconds, and the bisection's 20-odd launches each took seven."""
+def _cupy_views(args) -> tuple:
+    """``args`` with each torch tensor as a CuPy DLPack view made on torch's current stream
+    (no cross-stream wait), the rest (scalars, CuPy views made before) as they are. Each
+    conversion costs the host tens of microseconds, so a kernel launched many times over the
+    same tensors (the bisection's 20-odd launches) takes views made once."""
+    torch = _torch()
     from ._module import cupy
     from .torch_ops import torch_stream
     cp = cupy()
     with torch_stream():
-        return tuple(cp.from_dlpack(t) for t in tensors)
+        return tuple(cp.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def stored_states(pool, page, slot, tier, geom, levels, dim: int):

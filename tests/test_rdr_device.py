@@ -227,4 +227,3 @@ def test_many_problems_on_cuda_give_the_cpu_s_answer(interleaved):
     assert torch.equal(dev[0].cpu(), host[0])
     assert dev[1] == pytest.approx(host[1], rel=1e-12)
     assert dev[2] == pytest.approx(host[2], rel=1e-9)
-
