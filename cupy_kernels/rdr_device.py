@@ -87,26 +87,34 @@ def _masked_median(x, mask):
 
 def _launch(name: str, blocks, args) -> None:
     """rdr_stats.cuh's kernel ``name`` on torch's current stream: ``blocks(threads)`` gives
-    its grid; its arguments go through ``_cupy_views``."""
+    its grid; its arguments go through ``_kernel_args``."""
     from ._module import constants, rdr_kernel
     from .torch_ops import torch_stream
     threads = constants()["RDR_STATS_THREADS"]
-    views = _cupy_views(args)
+    params = _kernel_args(args)
     with torch_stream():
-        rdr_kernel(name)(blocks(threads), (threads,), views)
+        rdr_kernel(name)(blocks(threads), (threads,), tuple(params))
 
 
-def _cupy_views(args) -> tuple:
-    """``args`` with each torch tensor as a CuPy DLPack view made on torch's current stream
-    (no cross-stream wait), the rest (scalars, CuPy views made before) as they are. Each
-    conversion costs the host tens of microseconds, so a kernel launched many times over the
-    same tensors (the bisection's 20-odd launches) takes views made once."""
+class _KernelArgs(tuple):
+    """Kernel arguments with their tensors' device addresses in place of the tensors, which
+    it holds (``tensors``) so that no address outlives its memory while the arguments live."""
+    tensors: tuple
+
+
+def _kernel_args(args) -> _KernelArgs:
+    """``args`` with each torch tensor (CUDA, laid out as its kernel reads it) as its device
+    address, a uint64 passed by value as a pointer parameter (as the NULL pointers elsewhere
+    are), the rest (scalars, addresses taken before) as they are. A DLPack view costs the
+    host tens of microseconds a tensor, an address next to nothing; the kernels run on
+    torch's stream, where the caching allocator reuses freed memory only after them."""
     torch = _torch()
-    from ._module import cupy
-    from .torch_ops import torch_stream
-    cp = cupy()
-    with torch_stream():
-        return tuple(cp.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args)
+    out = _KernelArgs(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a
+                      for a in args)
+    out.tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+    if any(not t.is_cuda for t in out.tensors):
+        raise ValueError("a device kernel's tensor arguments must be on a CUDA device")
+    return out
 
 
 def stored_states(pool, page, slot, tier, geom, levels, dim: int):
@@ -375,7 +383,7 @@ def greedy_allocation(D, cur, protected, group, share, page_bytes: int, budget,
     fused = D.is_cuda and T1 in RDR_HULL_OPTIONS and n
     if fused:
         long = lambda x: x.to(torch.int64).contiguous()
-        fused_args = _cupy_views((ranks.contiguous(), hull.contiguous(), free.contiguous(),
+        fused_args = _kernel_args((ranks.contiguous(), hull.contiguous(), free.contiguous(),
                                   long(base_tier), long(group), long(segment)))
 
     def counts_at(k):
