@@ -230,8 +230,8 @@ def test_many_problems_on_cuda_give_the_cpu_s_answer(interleaved):
 
 
 def test_kernel_arguments_refuse_host_tensors_and_pass_scalars_through():
-    # the kernels read device addresses: a host tensor among the arguments is refused by name
-    # before any launch, and scalars and addresses taken before pass through unchanged
+    # the kernels read device addresses: a host tensor among the arguments is refused before
+    # any launch, and scalars and addresses taken before pass through unchanged
     with pytest.raises(ValueError, match="CUDA device"):
         rdr_device._kernel_args((torch.zeros(4), np.int64(4)))
     args = rdr_device._kernel_args((np.int64(7), np.uint64(0), np.float64(0.5)))
