@@ -18,6 +18,8 @@ pytestmark = pytest.mark.gpu
 LADDER = [(2, 2), (3, 2), (4, 2), (4, 3), (4, 4), (8, 8), (16, 16)]
 WIDE_LADDER = [(1, 1), (2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
 BOUND = 2.0 * 2.0 ** -10
+# head dims with fast pages in the affine kernel (D = 256: every full tier but 16/16)
+FAST_DIMS = [128, 256]
 
 
 def _check(case, out, softmax_scale=None):
@@ -117,8 +119,9 @@ def test_peaked_softmax_lazy_maximum(codebook):
         _check(case, run_case(case, num_splits=splits, softmax_scale=4.0), softmax_scale=4.0)
 
 
+@pytest.mark.parametrize("dim", FAST_DIMS)
 @pytest.mark.parametrize("softmax_scale", [None, 4.0])
-def test_affine_fast_44_pages_and_domain_changes(softmax_scale):
+def test_affine_fast_44_pages_and_domain_changes(softmax_scale, dim):
     """The affine kernel decodes full 4/4 pages on their fast path (codes as fp16 subnormals,
     accumulators in the "F domain"), full 3/3 and 2/2 pages on theirs (the "F2" domain) and
     every other page on decode_page; pages of 4/4, 2/2, 3/3, 8/8 and the fp16 tier interleave
@@ -126,16 +129,17 @@ def test_affine_fast_44_pages_and_domain_changes(softmax_scale):
     times, next to long pure-4/4 rows (one split and several). Against the reference and
     against the table path (same codes, other fp16 roundings)."""
     from validation.decode_cases import build_case
-    case = build_case(2, 2, 8, 128, [1300, 640, 31, 2000], WIDE_LADDER, [2, 3, 4, 5, 6],
+    case = build_case(2, 2, 8, dim, [1300, 640, 31, 2000], WIDE_LADDER, [2, 3, 4, 5, 6],
                       seed=57, centred=True, codebook="uniform", chunks_per_row=12)
-    pure = build_case(1, 2, 4, 128, [3100, 62], WIDE_LADDER, [4], seed=58, codebook="uniform")
+    pure = build_case(1, 2, 4, dim, [3100, 62], WIDE_LADDER, [4], seed=58, codebook="uniform")
     for c in (case, pure):
         for splits in (1, 2, 7, 40):
             _check_against_table_path(c, splits, softmax_scale)
 
 
+@pytest.mark.parametrize("dim", FAST_DIMS)
 @pytest.mark.parametrize("softmax_scale", [None, 4.0])
-def test_affine_fast_33_and_22_pages(softmax_scale):
+def test_affine_fast_33_and_22_pages(softmax_scale, dim):
     """The affine kernel decodes full 3/3 and 2/2 pages (D = 128) on their own fast path (page_f2: 2-bit fields
     as fp16 subnormals, the 3-bit plane bit merged into the field; accumulators in the "F2"
     domain; 40 and 60 states per page, the last sub-tile partly empty): rows whose pages of
@@ -145,18 +149,19 @@ def test_affine_fast_33_and_22_pages(softmax_scale):
     (same codes, other fp16 roundings). Page padding is random, so a read of a non-state slot that were not
     masked would show."""
     from validation.decode_cases import build_case
-    mixed = build_case(2, 2, 8, 128, [1500, 700, 41, 2400], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
+    mixed = build_case(2, 2, 8, dim, [1500, 700, 41, 2400], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
                        seed=61, centred=True, codebook="uniform", chunks_per_row=16)
-    pure3 = build_case(1, 2, 4, 128, [4000, 39], WIDE_LADDER, [3], seed=62, centred=True,
+    pure3 = build_case(1, 2, 4, dim, [4000, 39], WIDE_LADDER, [3], seed=62, centred=True,
                        codebook="uniform")
-    pure2 = build_case(1, 2, 8, 128, [6000, 61], WIDE_LADDER, [2], seed=63, codebook="uniform")
+    pure2 = build_case(1, 2, 8, dim, [6000, 61], WIDE_LADDER, [2], seed=63, codebook="uniform")
     for c in (mixed, pure3, pure2):
         for splits in (1, 2, 7, 40):
             _check_against_table_path(c, splits, softmax_scale)
 
 
+@pytest.mark.parametrize("dim", FAST_DIMS)
 @pytest.mark.parametrize("softmax_scale", [None, 4.0])
-def test_affine_fast_88_and_1616_pages(softmax_scale):
+def test_affine_fast_88_and_1616_pages(softmax_scale, dim):
     """The affine kernel decodes full 8/8 pages (page_f8: bytes as fp16 subnormals, accumulators in the 4/4
     path's F44 domain, the odd blocks' operands times 16) and full 16/16 pages (page_f16: the
     fp16 words straight into the mma, generic domain) on their own fast paths (D = 128): rows
@@ -167,14 +172,14 @@ def test_affine_fast_88_and_1616_pages(softmax_scale):
     splits. Against the reference and against the table path (same codes, other fp16 roundings). Page
     padding is random: a read of a non-state slot that were not masked would show."""
     from validation.decode_cases import build_case
-    mixed = build_case(2, 2, 8, 128, [1500, 900, 37, 2600], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
+    mixed = build_case(2, 2, 8, dim, [1500, 900, 37, 2600], WIDE_LADDER, [1, 2, 3, 4, 5, 6],
                        seed=71, centred=True, codebook="uniform", chunks_per_row=16)
-    wide = build_case(1, 2, 8, 128, [2200, 1700], WIDE_LADDER, [4, 5, 6], seed=72,
+    wide = build_case(1, 2, 8, dim, [2200, 1700], WIDE_LADDER, [4, 5, 6], seed=72,
                       centred=True, codebook="uniform", chunks_per_row=12)
-    pure8 = build_case(1, 2, 4, 128, [3000, 46], WIDE_LADDER, [5], seed=73, centred=True,
+    pure8 = build_case(1, 2, 4, dim, [3000, 46], WIDE_LADDER, [5], seed=73, centred=True,
                        codebook="uniform")
-    pure16 = build_case(1, 2, 8, 128, [1200, 13], WIDE_LADDER, [6], seed=74, codebook="uniform")
-    ordered = build_case(1, 2, 8, 128, [2900, 2100], WIDE_LADDER, [2, 3, 4, 5, 6], seed=75,
+    pure16 = build_case(1, 2, 8, dim, [1200, 13], WIDE_LADDER, [6], seed=74, codebook="uniform")
+    ordered = build_case(1, 2, 8, dim, [2900, 2100], WIDE_LADDER, [2, 3, 4, 5, 6], seed=75,
                          codebook="uniform", chunks_per_row=10, shuffle=False)
     for c in (mixed, wide, pure8, pure16, ordered):
         for splits in (1, 2, 3, 7, 40):

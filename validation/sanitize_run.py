@@ -1,5 +1,5 @@
 """A small representative run of every kernel (encode on both codebooks; decode on the table and
-the affine path, every fast page kind of the affine one, with and without split-K; both merges,
+the affine path, every fast page kind of the affine one at D = 128 and 256, with and without split-K; both merges,
 with the log-sum-exp output; re-tier/compaction) for compute-sanitizer (memcheck, racecheck,
 initcheck).
 
@@ -108,6 +108,17 @@ def main(argv=None):
                 out = run_case(case, dev, num_splits=splits)
                 assert bool(cp.all(cp.isfinite(out)))
         encode_part(dim, tables, ladder)
+    if not encode_only:
+        # the D = 256 fast pages (full 2/2, 3/3, 4/4 and 8/8 pages; 16/16 generic) with partial
+        # pages of every tier
+        wide = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
+        case = build_case(1, 2, 8, 256, [900, 700], wide, [1, 2, 3, 4, 5], seed=4,
+                          fill_random=True, reference_parts=False, codebook="uniform",
+                          chunks_per_row=8)
+        dev = to_device(case)
+        for splits in (1, 3):
+            out = run_case(case, dev, num_splits=splits)
+            assert bool(cp.all(cp.isfinite(out)))
     cp.cuda.Device().synchronize()
     print("sanitize run done")
 

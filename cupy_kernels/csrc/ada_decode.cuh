@@ -31,7 +31,9 @@
 //   The affine kernel (D = 128) decodes full pages of the 4/4 tier (page44), the 3/3 and the 2/2
 //   tier (page_f2), the 8/8 tier (page_f8) and the 16/16 tier (page_f16) on fast paths (one
 //   softmax step per page, staged and swizzled, codes as fp16 subnormals or fp16 words; their
-//   own lane maps, described there) and every other page on the generic tile code above. It
+//   own lane maps, described there) and every other page on the generic tile code above; at
+//   D = 256 (WIDE_FAST_PAGES) the 4/4, 2/2, 3/3 and 8/8 pages on page44w, page22w, page33w and
+//   page88w (16/16 stays generic). It
 //   starts each warp's page stream at kernel entry, before the query prologue (the query is
 //   staged past the page buffers).
 #pragma once
@@ -65,8 +67,8 @@ struct DecodeSmemAffine : DecodeSmem<D> {
   uint2 qfrag44[D / 16][32];          // [chunk][lane], see decode_cta
   __align__(16) float k12[DEC_HEADS][2];   // K1, K2 per head (page44)
 };
-// At D = 128 it adds the query fragments and logit constants of the 3/3, 2/2, 8/8 and 16/16
-// fast pages (page_f2, page_f8, page_f16).
+// At D = 128 and 256 it adds the query fragments and logit constants of the 3/3, 2/2, 8/8 and
+// 16/16 fast pages (D = 128: page_f2, page_f8, page_f16; D = 256: page22w, page33w, page88w).
 template <int D>
 struct DecodeSmemFast : DecodeSmemAffine<D> {
   uint2 qfrag2[D / 16][32];                  // [chunk][lane], see decode_cta
@@ -84,6 +86,7 @@ __device__ __forceinline__ u32 pstride_at(SM&) { return 0u; }
 template <int D, bool AFFINE> struct SmemOf { typedef DecodeSmem<D> type; };
 template <int D> struct SmemOf<D, true> { typedef DecodeSmemAffine<D> type; };
 template <> struct SmemOf<128, true> { typedef DecodeSmemFast<128> type; };
+template <> struct SmemOf<256, true> { typedef DecodeSmemFast<256> type; };
 
 // Dynamic shared memory: [LUT_BYTES tables][region], region = max(2 page buffers per warp,
 // the per-warp output tiles of the final merge, which reuse it). The affine path stages the
@@ -620,6 +623,11 @@ constexpr int AFF_STAGES = 2;   // affine kernel: page buffers per warp (pages i
 // both decode kernels ask for 2 CTAs per SM there (up to 255 registers; WIDE_DIM).
 constexpr int TABLE_CTAS_WIDE = 2;
 constexpr int AFF_CTAS_WIDE = 2;
+// The D = 256 fast pages (page44w, page22w, page33w, page88w) in the affine kernel. Off until a
+// GPU run has passed their tests (tests/test_ada_decode.py, the fast-page tests at D = 256):
+// their lane maps are checked on the CPU only (lab/fast_pages_d256.py). Off, every D = 256 page
+// decodes on decode_page.
+constexpr bool WIDE_FAST_PAGES = false;
 
 constexpr int F44_WORDS = 1024;   // page words of the fast path (4096-byte pages)
 constexpr u32 F44_VCHUNK = 124;   // 16-byte chunk where the value codes start (1984 / 16)
@@ -773,10 +781,10 @@ __device__ __forceinline__ void f44_fold(float (&s)[2][4], const float (&s1)[2][
 // decode_cta's + 0.5 ps). The lazy running maximum, l and ps as in decode_page (acc is
 // rescaled when the maximum moves).
 // SCALED = false (the 16-bit tier, no scales stored): s_K = s_V = hv (sqrt(D), as decode_page's
-// `top`), sk_at and sv_at unused.
-template <int NS, int P, bool SCALED = true>
+// `top`), sk_at and sv_at unused. NA: the value accumulator blocks (D / 16).
+template <int NS, int P, bool SCALED = true, int NA = 8>
 __device__ __forceinline__ void fp_softmax(u32 sk_at, u32 sv_at, u32 kk, float hv, float coef,
-                                           int g, const float (&s)[NS][4], float (&acc)[8][4],
+                                           int g, const float (&s)[NS][4], float (&acc)[NA][4],
                                            u32 (&pb)[NS][2], float& m0, float& m1, float& l0,
                                            float& l1, float& ps0, float& ps1) {
   constexpr int NR = 2 * NS;
@@ -843,7 +851,7 @@ __device__ __forceinline__ void fp_softmax(u32 sk_at, u32 sv_at, u32 kk, float h
     const float al0 = dec_exp2<true>(m0 - n0), al1 = dec_exp2<true>(m1 - n1);
     l0 *= al0; l1 *= al1; ps0 *= al0; ps1 *= al1;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < NA; ++i) {
       acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1;
     }
     m0 = n0; m1 = n1;
@@ -1349,6 +1357,327 @@ __device__ __forceinline__ void page_f16(u32 buf, u32 qf, u32 kk, int g, int t,
   }
 }
 
+// ------------------------------------------------------ affine path, D = 256 pages ----
+// Fast paths for full pages at D = 256 (4096-byte pages): page44w (4/4), page22w (2/2),
+// page33w (3/3), page88w (8/8); 16/16 pages (4 states) stay on decode_page. They decode in the
+// accumulator domains of the D = 128 fast pages (F44: 4/4 and 8/8; F2: 3/3 and 2/2) and keep
+// the generic value map of D = 256: lane g holds coordinates 32g .. 32g + 31 (vgroup: groups
+// 4g + j), acc[4j + p] the coordinates 32g + 8j + p (row g) and + 4 (row g + 8). Each page is
+// one softmax step (fp_softmax). Two of the layouts are D = 128 layouts byte for byte, so their
+// stagings carry over: 4/4 at 256 is the 8/8 page of 128 (15 states, 128-byte records, scales at
+// 3840 and 3870: f8_stage) and 2/2 at 256 the 4/4 page of 128 (31 states, 64-byte records, scales
+// at 3968 and 4030: f44_stage, F44Lane's offsets). 3/3 (20 states, 96-byte records: 64 bytes of
+// 2-bit fields, then 32 bytes of plane bits; scales at 3840 and 3880) is staged plainly; 8/8 (7
+// states, 256-byte records, scales at 3584 and 3598) with f88_swz.
+//
+// Logit lane maps (lane = 4g + t; the k order of each tier is its own and its query fragment's,
+// built in decode_cta with the same coordinates):
+//   4/4: chunks 2t, 2t + 1 of state g's record (key words 8t .. 8t + 7); chunk c = 2i + h of the
+//     mma takes word 8t + i, fields (2h, 2h + 4) and (2h + 1, 2h + 5) as page44 does (qfrag44).
+//   2/2: chunk t (key words 4t .. 4t + 3, coordinates 64t ..); chunk c = 2k + h takes
+//     W[k] = word k >> 1, shifted by 8 (k & 1), fields 2h, 2h + 1 as page_f2<2> (qfrag2).
+//   3/3: the same field words and plane words 2t, 2t + 1 (coordinates 64t .. 64t + 63), the plane
+//     bits merged as page_f2<3> (qfrag2).
+//   8/8: chunks t, t + 4, t + 8, t + 12 (coordinates 16t + 64e + 0..15); chunk c = 4e + w takes
+//     word w of chunk t + 4e, bytes (0, 2) and (1, 3) as page_f8 (qfrag8).
+// Error bounds: those of the D = 128 page of the same tier (the operands are the same fp16
+// values; a logit sums twice the terms, as decode_page's at D = 256).
+
+constexpr u32 F88_VROW = 7, F88_KSOFF = 3584, F88_VSOFF = 3598;
+constexpr u32 F33_VOFF = 1920, F33_KSOFF = 3840, F33_VSOFF = 3880;
+
+// 16-byte chunk swizzle of 256-byte row `row` of a staged D = 256 8/8 page (slot = chunk ^ it):
+// key rows 0..6 flip bit 2 on odd rows (the 8 lanes of a 16-byte load phase, states g, g + 1 and
+// chunks t + 4e, then hit 8 distinct bank groups); value rows 7..13 take bits 0 and 2 from bits 1
+// and 2 of the row (chunks 2g + e of states 2t, 2t + 1: distinct over t); rows 14, 15 (scales,
+// padding) stay in place.
+__host__ __device__ constexpr u32 f88_swz(u32 row) {
+  return row < 7u ? 4u * (row & 1u)
+       : row < 14u ? (((row >> 1) & 1u) | (((row >> 1) & 2u) << 1)) : 0u;
+}
+__device__ __forceinline__ void f88_stage(u32 dst, const u32* src_page, int lane) {
+  const u32 l = static_cast<u32>(lane);
+  const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
+#pragma unroll
+  for (u32 i = 0; i < 8; ++i) {   // chunk l + 32 i: row l / 16 + 2 i, in-row chunk l % 16
+    const u32 row = (l >> 4) + 2u * i;
+    cp_async16_sh(dst + 16u * (16u * row + ((l & 15u) ^ f88_swz(row))), src + 512 * i);
+  }
+}
+
+// The F44 values of one 16-state sub-tile of 4-bit codes: w[k][j] = value word 4g + j of state
+// 2t, 2t + 1, 2t + 8, 2t + 9 (k = 0..3); page44's operands, four word groups.
+__device__ __forceinline__ void f44_values_w(const u32 (&w)[4][4], u32 pb0, u32 pb1,
+                                             float (&acc)[16][4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    u32 lo01 = __byte_perm(w[0][j], w[1][j], 0x5410u), hi01 = __byte_perm(w[0][j], w[1][j], 0x7632u);
+    u32 lo23 = __byte_perm(w[2][j], w[3][j], 0x5410u), hi23 = __byte_perm(w[2][j], w[3][j], 0x7632u);
+    mma_16816(acc[4 * j + 0], f44_pair<0>(lo01), f44_pair<0>(hi01), f44_pair<0>(lo23),
+              f44_pair<0>(hi23), pb0, pb1);
+    mma_16816(acc[4 * j + 1], f44_pair<4>(lo01), f44_pair<4>(hi01), f44_pair<4>(lo23),
+              f44_pair<4>(hi23), pb0, pb1);
+    lo01 >>= 8; hi01 >>= 8; lo23 >>= 8; hi23 >>= 8;
+    mma_16816(acc[4 * j + 2], f44_pair<0>(lo01), f44_pair<0>(hi01), f44_pair<0>(lo23),
+              f44_pair<0>(hi23), pb0, pb1);
+    mma_16816(acc[4 * j + 3], f44_pair<4>(lo01), f44_pair<4>(hi01), f44_pair<4>(lo23),
+              f44_pair<4>(hi23), pb0, pb1);
+  }
+}
+
+// One full D = 256 4/4 page staged by f8_stage at `buf`. qf7: this lane's qfrag44[0][lane]; kk,
+// hv as page44. acc in the F44 domain.
+__device__ __forceinline__ void page44w(u32 buf, u32 qf7, u32 kk, float hv, int g, int t,
+                                        float (&acc)[16][4], float& m0, float& m1, float& l0,
+                                        float& l1, float& ps0, float& ps1) {
+  const u32 ug = static_cast<u32>(g), ut = static_cast<u32>(t);
+  // ---- logits: rows g, g + 8 (state 15 is masked: its bytes are value codes)
+  const u32 k0 = 16u * f8_slot(ug, 2u * ut);   // chunk 2t + 1: slot bit 0 flipped (k0 ^ 16)
+  uint4 kw[2][2];   // [row r][chunk 2t + e]
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    kw[r][0] = lds128(buf + k0 + 1024u * r);
+    kw[r][1] = lds128(buf + (k0 ^ 16u) + 1024u * r);
+  }
+  float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const u32 w0 = word_of(kw[0][i >> 2], i & 3), w1 = word_of(kw[1][i >> 2], i & 3);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint2 b = lds64(qf7 + 256u * (2 * i + h));
+      const u32 x0 = h ? w0 >> 8 : w0, x1 = h ? w1 >> 8 : w1;
+      mma_16816(h ? s1 : s[0], f44_pair<0>(x0), f44_pair<0>(x1), f44_pair<4>(x0),
+                f44_pair<4>(x1), b.x, b.y);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) s[0][k] += s1[k];
+  // ---- softmax
+  u32 pb[1][2];
+  fp_softmax<1, 15>(buf + F8_KSOFF + 2u * ug, buf + F8_VSOFF + 2u * ug, kk, hv, -15.0f, g, s, acc,
+                    pb, m0, m1, l0, l1, ps0, ps1);
+  // ---- values: chunk g (value words 4g .. 4g + 3) of states 2t, 2t + 1, 2t + 8, 2t + 9
+  const u32 va = buf + 16u * f8_slot(F8_VROW + 2u * ut, ug);
+  const u32 vb = buf + 16u * f8_slot(F8_VROW + 1u + 2u * ut, ug);
+  const uint4 v[4] = {lds128(va), lds128(vb), lds128(va + 1024u), lds128(vb + 1024u)};
+  u32 w[4][4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[k][j] = word_of(v[k], j);
+  }
+  f44_values_w(w, pb[0][0], pb[0][1], acc);
+}
+
+// The F2 values of one sub-tile (16 states, or with K8 the 8 states 2t, 2t + 1 of the k8 mma) at
+// D = 256: f[k] = field words 2g, 2g + 1 of state 2t, 2t + 1, 2t + 8, 2t + 9 (k = 0..3); at
+// 3 bits pp[fw][0 | 1] = the plane bits of field word fw of states (2t, 2t + 1) | (2t + 8, 2t + 9),
+// the two states' 16-bit halves side by side (page_f2's pp01, pp23).
+template <int B, bool K8>
+__device__ __forceinline__ void f2_values_w(const uint2 (&f)[4], const u32 (&pp)[2][2], u32 pb0,
+                                            u32 pb1, float (&acc)[16][4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int fw = j >> 1, jj = j & 1;
+    const u32 sel = jj ? 0x7632u : 0x5410u;
+    const u32 x01 = __byte_perm(fw ? f[0].y : f[0].x, fw ? f[1].y : f[1].x, sel), y01 = x01 >> 8;
+    const u32 x23 = __byte_perm(fw ? f[2].y : f[2].x, fw ? f[3].y : f[3].x, sel), y23 = x23 >> 8;
+    const u32 pp01 = pp[fw][0], pp23 = pp[fw][1];
+#define SKV_F2W(P_)                                                                          \
+  {                                                                                          \
+    const u32 a0 = jj ? f2_pair<B, P_, P_ - 6>(x01, pp01) : f2_pair<B, P_, P_ + 2>(x01, pp01); \
+    const u32 a1 = jj ? f2_pair<B, P_, P_ - 10>(y01, pp01) : f2_pair<B, P_, P_ - 2>(y01, pp01); \
+    if constexpr (K8) {                                                                      \
+      mma_1688(acc[4 * j + P_], a0, a1, pb0);                                                \
+    } else {                                                                                 \
+      const u32 a2 = jj ? f2_pair<B, P_, P_ - 6>(x23, pp23) : f2_pair<B, P_, P_ + 2>(x23, pp23); \
+      const u32 a3 = jj ? f2_pair<B, P_, P_ - 10>(y23, pp23) : f2_pair<B, P_, P_ - 2>(y23, pp23); \
+      mma_16816(acc[4 * j + P_], a0, a1, a2, a3, pb0, pb1);                                  \
+    }                                                                                        \
+  }
+    SKV_F2W(0) SKV_F2W(1) SKV_F2W(2) SKV_F2W(3)
+#undef SKV_F2W
+  }
+}
+
+// The logits of one 16-state sub-tile of 2- or 3-bit codes at D = 256: kw[r] = key field words
+// 4t .. 4t + 3 of row r's state, kq[r] = its plane words 2t, 2t + 1 (3 bits); row 1 (state
+// rows g + 8) has zero operands unless row1.
+template <int B>
+__device__ __forceinline__ void f2_logits_w(const uint4 (&kw)[2], const uint2 (&kq)[2], bool row1,
+                                            u32 qf2, float (&s)[4], float (&s1)[4]) {
+#pragma unroll
+  for (int c = 0; c < 16; ++c) {
+    const uint2 b = lds64(qf2 + 256u * c);
+    const int k = c >> 1, fw = k >> 1;
+    u32 a[2][2];   // [row r][field 2h + f]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const u32 x = word_of(kw[r], fw) >> (8 * (k & 1));
+      // plane bits of field word fw: bytes 2 (fw & 1), + 1 of plane word fw >> 1, at bytes 0, 2
+      const u32 pw = (fw >> 1) ? kq[r].y : kq[r].x;
+      const u32 pl = B == 3 ? __byte_perm(pw, 0u, (fw & 1) ? 0x3322u : 0x1100u) : 0u;
+      if (r == 1 && !row1) {
+        a[r][0] = a[r][1] = 0u;
+      } else if (c & 1) {
+        a[r][0] = (k & 1) ? f2_pair<B, 2, 0>(x, pl) : f2_pair<B, 2, 4>(x, pl);
+        a[r][1] = (k & 1) ? f2_pair<B, 3, 1>(x, pl) : f2_pair<B, 3, 5>(x, pl);
+      } else {
+        a[r][0] = (k & 1) ? f2_pair<B, 0, -2>(x, pl) : f2_pair<B, 0, 2>(x, pl);
+        a[r][1] = (k & 1) ? f2_pair<B, 1, -1>(x, pl) : f2_pair<B, 1, 3>(x, pl);
+      }
+    }
+    mma_16816((c & 1) ? s1 : s, a[0][0], a[1][0], a[0][1], a[1][1], b.x, b.y);
+  }
+}
+
+// One full D = 256 2/2 page staged by f44_stage at `buf` (the D = 128 4/4 layout). qf2: this
+// lane's qfrag2[0][lane]; kk: K1/K2 of the 2/2 tier (k12b[0]); hv: its step. acc in the F2
+// domain.
+__device__ __forceinline__ void page22w(u32 buf, u32 qf2, u32 kk, float hv, int g, int t,
+                                        float (&acc)[16][4], float& m0, float& m1, float& l0,
+                                        float& l1, float& ps0, float& ps1) {
+  F44Lane fl;
+  fl.init(g, t);
+  float s[2][4];
+  const uint2 nq[2] = {make_uint2(0u, 0u), make_uint2(0u, 0u)};
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {   // states g, g + 8 (u = 0); 16 + g, 24 + g (u = 1)
+    const uint4 kw[2] = {lds128(buf + fl.koff + 1024u * u), lds128(buf + fl.koff + 1024u * u + 512u)};
+    float s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
+    f2_logits_w<2>(kw, nq, true, qf2, s[u], s1);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[u][k] += s1[k];
+  }
+  u32 pb[2][2];
+  fp_softmax<2, 31>(buf + fl.soff, buf + fl.soff + (F44_VSOFF - F44_KSOFF), kk, hv,
+                    F2Geo<2>::COEF, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
+  const u32 npp[2][2] = {{0u, 0u}, {0u, 0u}};
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {   // value words 2g, 2g + 1 of states 2t, 2t + 1, + 8, + 9
+    const uint2 f[4] = {lds64(buf + fl.voff0 + 1024u * u), lds64(buf + fl.voff1 + 1024u * u),
+                        lds64(buf + fl.voff0 + 1024u * u + 512u),
+                        lds64(buf + fl.voff1 + 1024u * u + 512u)};
+    f2_values_w<2, false>(f, npp, pb[u][0], pb[u][1], acc);
+  }
+}
+
+// One full D = 256 3/3 page staged plainly at `buf` (20 states: sub-tile 0 holds states 0..15,
+// sub-tile 1 states 16..19, its values one m16n8k8 mma per block). qf2, kk (k12b[1]), hv as
+// page22w. acc in the F2 domain.
+__device__ __forceinline__ void page33w(u32 buf, u32 qf2, u32 kk, float hv, int g, int t,
+                                        float (&acc)[16][4], float& m0, float& m1, float& l0,
+                                        float& l1, float& ps0, float& ps1) {
+  constexpr u32 REC = 96, PLANE = 64;
+  const u32 ug = static_cast<u32>(g), ut = static_cast<u32>(t);
+  float s[2][4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {   // rows 16u + g, 16u + 8 + g (u = 1: one row of states)
+    uint4 kw[2];
+    uint2 kq[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      kw[r] = make_uint4(0u, 0u, 0u, 0u);
+      kq[r] = make_uint2(0u, 0u);
+      if (u == 0 || r == 0) {
+        const u32 rec = buf + REC * (16u * u + 8u * r + ug);
+        kw[r] = lds128(rec + 16u * ut);
+        kq[r] = lds64(rec + PLANE + 8u * ut);
+      }
+    }
+    float s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
+    f2_logits_w<3>(kw, kq, u == 0, qf2, s[u], s1);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[u][k] += s1[k];
+  }
+  u32 pb[2][2];
+  fp_softmax<2, 20>(buf + F33_KSOFF + 2u * ug, buf + F33_VSOFF + 2u * ug, kk, hv, F2Geo<3>::COEF,
+                    g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
+  // ---- values: field words 2g, 2g + 1 and plane word g of states 2t, 2t + 1 (+ 8, + 9)
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    uint2 f[4];
+    u32 pw[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      f[k] = make_uint2(0u, 0u);
+      pw[k] = 0u;
+      if (u == 0 || (k < 2 && ut < 2)) {   // sub-tile 1: states 16..19 (2t + x < 4)
+        const u32 rec = buf + F33_VOFF + REC * (16u * u + 2u * ut + (k & 1) + 8u * (k >> 1));
+        f[k] = lds64(rec + 8u * ug);
+        pw[k] = lds32(rec + PLANE + 4u * ug);
+      }
+    }
+    u32 pp[2][2];   // [field word][states (2t, 2t + 1) | (2t + 8, 2t + 9)]
+#pragma unroll
+    for (int fw = 0; fw < 2; ++fw) {
+      pp[fw][0] = __byte_perm(pw[0], pw[1], fw ? 0x7632u : 0x5410u);
+      pp[fw][1] = __byte_perm(pw[2], pw[3], fw ? 0x7632u : 0x5410u);
+    }
+    if (u == 0) f2_values_w<3, false>(f, pp, pb[u][0], pb[u][1], acc);
+    else f2_values_w<3, true>(f, pp, pb[u][0], pb[u][1], acc);
+  }
+}
+
+// One full D = 256 8/8 page staged by f88_stage at `buf` (7 states: rows g; rows g + 8 are never
+// states, their operands are zero and the values take one m16n8k8 mma per block). qf8: this
+// lane's qfrag8[0][lane]; kk: K1/K2 of the 8/8 tier (k12c[0]); hv: its step. acc in the F44
+// domain.
+__device__ __forceinline__ void page88w(u32 buf, u32 qf8, u32 kk, float hv, int g, int t,
+                                        float (&acc)[16][4], float& m0, float& m1, float& l0,
+                                        float& l1, float& ps0, float& ps1) {
+  const u32 ug = static_cast<u32>(g), ut = static_cast<u32>(t);
+  // ---- logits: row g (state 7 masked: its bytes are value codes); chunks t + 4e of its record
+  const u32 krow = buf + 256u * ug, ksw = f88_swz(ug);
+  uint4 kw[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) kw[e] = lds128(krow + 16u * ((ut + 4u * e) ^ ksw));
+  float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int c = 0; c < 16; ++c) {
+    const uint2 b = lds64(qf8 + 256u * c);
+    const u32 x = word_of(kw[c >> 2], c & 3);
+    mma_16816((c & 1) ? s1 : s[0], x & 0x00ff00ffu, 0u, __byte_perm(x, 0u, 0x4341u), 0u, b.x, b.y);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) s[0][k] += s1[k];
+  // ---- softmax
+  u32 pb[1][2];
+  fp_softmax<1, 7>(buf + F88_KSOFF + 2u * ug, buf + F88_VSOFF + 2u * ug, kk, hv, -255.0f, g, s,
+                   acc, pb, m0, m1, l0, l1, ps0, ps1);
+  // ---- values: chunks 2g, 2g + 1 (coordinates 32g ..) of states 2t, 2t + 1; state 7 (P' = 0)
+  // reads state 0's row, whose swizzle completes the others' (row 14, unswizzled, would not)
+  uint4 v[2][2];   // [state 2t + x][chunk 2g + e]
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const u32 row = (x && ut == 3u) ? F88_VROW : F88_VROW + 2u * ut + static_cast<u32>(x);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) v[x][e] = lds128(buf + 16u * (16u * row + ((2u * ug + e) ^ f88_swz(row))));
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    u32 a[2][4];   // [operand: row g (word 2j) | g + 8 (word 2j + 1)][p]
+#pragma unroll
+    for (int o = 0; o < 2; ++o) {
+      const int w = 2 * j + o;   // word w of the lane's 8: coordinates 32g + 4w .. + 3
+      const u32 xa = word_of(v[0][w >> 2], w & 3), xb = word_of(v[1][w >> 2], w & 3);
+      const u32 e = __byte_perm(xa, xb, 0x6420u), od = __byte_perm(xa, xb, 0x7531u);
+      a[o][0] = e & 0x00ff00ffu;
+      a[o][1] = od & 0x00ff00ffu;
+      a[o][2] = __byte_perm(e, 0u, 0x4341u);
+      a[o][3] = __byte_perm(od, 0u, 0x4341u);
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      if (p & 1) { a[0][p] = f8_x16(a[0][p]); a[1][p] = f8_x16(a[1][p]); }   // F44 odd blocks
+      mma_1688(acc[4 * j + p], a[0][p], a[1][p], pb[0][0]);
+    }
+  }
+}
+
 // Moves the value accumulators between domains: 0 = generic scale, 1 = F44 (page44: acc[i]
 // carries 2^(4 (i & 1) - 24); 2 = F2 (page_f2: 2^(2 (i & 3) - 24)).
 // Exact power-of-two multiplies.
@@ -1357,7 +1686,7 @@ __host__ __device__ constexpr int f7_dom_exp(int dom, int i) {
 }
 template <int D, int FROM, int TO>
 __device__ __forceinline__ void domain_scale(float (&acc)[D / 16][4]) {
-  if constexpr (D == 128) {
+  if constexpr (D >= 128) {   // the fast pages' domains (D = 128, 256)
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
       const float f = __int_as_float((127 + f7_dom_exp(TO, i) - f7_dom_exp(FROM, i)) << 23);
@@ -1408,16 +1737,18 @@ __device__ __forceinline__ void decode_generic(const u32* __restrict__ pages, in
   }
 }
 
-// Page kind of a page header (affine_pages, decode_pages8): 0 = partial page; 1 = other full
-// page; 2 = full 4/4 page (f44ok: D = 128 and 4096-byte pages); with F2, 3 = full 3/3 page
-// and 4 = full 2/2 page (page_f2), 5 = full 8/8 page (page_f8), 6 = full 16/16 page (page_f16).
-template <bool F2>
+// Page kind of a page header (affine_pages): 0 = partial page; 1 = other full page; 2 = full
+// 4/4 page (f44ok: D = 128 or 256 and 4096-byte pages); with fast pages at FD (128 or 256; 0:
+// none), 3 = full 3/3 page, 4 = full 2/2 page, 5 = full 8/8 page, and at FD = 128 6 = full 16/16
+// page (D = 128: page_f2, page_f8, page_f16; D = 256: page33w, page22w, page88w).
+template <int FD>
 __device__ __forceinline__ int page_kind(int count, const int4& gq, bool f44ok) {
+  constexpr bool F2 = FD != 0;
   if (count != gq.z) return 0;
   if (!f44ok || gq.x != gq.y) return 1;
   return gq.x == 4 ? 2 : (F2 && gq.x == 3) ? 3 : (F2 && gq.x == 2) ? 4
        : (F2 && gq.x == 8) ? 5
-       : (F2 && gq.x == 16) ? 6 : 1;
+       : (FD == 128 && gq.x == 16) ? 6 : 1;
 }
 // The CTA's page range as header_refill reads it: beg() = start of the row's list in
 // `indices`, end() = end of the CTA's pages. In the page loop from shared memory (sm.prange: a
@@ -1435,12 +1766,12 @@ struct RangeRegs {
 };
 // A page's packed header entry (header_refill): hp = page id, hc = count | tier << 16 |
 // kind << 28 (gq: the tier's geometry row).
-template <bool F2>
+template <int FD>
 __device__ __forceinline__ void header_pack(int page, int tier, int count, int4 gq, bool f44ok,
                                             u32& hp, u32& hc) {
   hp = static_cast<u32>(page);
   hc = static_cast<u32>(count) | (static_cast<u32>(tier) << 16) |
-       (static_cast<u32>(page_kind<F2>(count, gq, f44ok)) << 28);
+       (static_cast<u32>(page_kind<FD>(count, gq, f44ok)) << 28);
 }
 // Loads the header block of the warp's pages first, first + stride, ..., first + 31 stride
 // (lane l: page first + l stride; stride 4, or 4 S on interleaved splits) into the warp's
@@ -1452,7 +1783,7 @@ __device__ __forceinline__ void header_pack(int page, int tier, int count, int4 
 // PRE (the first block at kernel entry): the geometry rows come from gpre, row
 // l in lane l (the launcher pads the table to SKV_GEOM_PRE_ROWS rows), by shuffles: one
 // dependent global load fewer in the chain before the first page copy.
-template <bool F2, class RG, bool PRE = false>
+template <int FD, class RG, bool PRE = false>
 __device__ __forceinline__ void header_refill(u32 hsh, int first, int lane, const RG& range,
                                               const int* __restrict__ indices,
                                               const int* __restrict__ page_tier,
@@ -1474,28 +1805,31 @@ __device__ __forceinline__ void header_refill(u32 hsh, int first, int lane, cons
                         __shfl_sync(0xffffffffu, gpre.z, src), 0);
     if (tier >= SKV_GEOM_PRE_ROWS)   // a ladder of more tiers than lanes hold: from the table
       gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
-    if (ok) header_pack<F2>(page, tier, count, gq, f44ok, hp, hc);
+    if (ok) header_pack<FD>(page, tier, count, gq, f44ok, hp, hc);
   } else if (idx < range.end()) {
     const int page = indices[range.beg() + idx];
     const int tier = page_tier[page], count = page_count[page];
     const int4 gq = __ldg(reinterpret_cast<const int4*>(geom + tier * SKV_GEOM_STRIDE));
-    header_pack<F2>(page, tier, count, gq, f44ok, hp, hc);
+    header_pack<FD>(page, tier, count, gq, f44ok, hp, hc);
   }
   asm volatile("st.shared.v2.u32 [%0], {%1, %2};" :: "r"(hsh + 8u * lane), "r"(hp), "r"(hc));
   __syncwarp();
 }
 // Starts the copy of a full page into the staging buffer at shared address dst, laid out as
-// its kind's decoder reads it (partial pages are not staged).
-template <bool F2>
+// its kind's decoder reads it (partial pages are not staged). At FD = 256 the 4/4 page has the
+// D = 128 8/8 layout and the 2/2 page the D = 128 4/4 one.
+template <int FD>
 __device__ __forceinline__ void stage_page(const u32* src, u32 c, u32 dst, int page_words, int lane) {
+  constexpr bool F2 = FD != 0;
   const u32 kind = c >> 28;
   if (kind == 2) {
-    f44_stage(dst, src, lane);
+    if (FD == 256) f8_stage(dst, src, lane); else f44_stage(dst, src, lane);
   } else if (F2 && kind == 4) {
-    fp_stage<F2Geo<2>::SW, 16>(dst, src, lane);   // rows 30, 31 (scales) in place
+    if (FD == 256) f44_stage(dst, src, lane);
+    else fp_stage<F2Geo<2>::SW, 16>(dst, src, lane);   // rows 30, 31 (scales) in place
   } else if (F2 && kind == 5) {
-    f8_stage(dst, src, lane);
-  } else if (F2 && kind == 6) {
+    if (FD == 256) f88_stage(dst, src, lane); else f8_stage(dst, src, lane);
+  } else if (FD == 128 && kind == 6) {
     f16_stage(dst, src, lane);
   } else if (kind == 1 || kind == 3) {
     for (int i = lane; i < page_words / 4; i += 32)
@@ -1505,18 +1839,18 @@ __device__ __forceinline__ void stage_page(const u32* src, u32 c, u32 dst, int p
 
 // Starts the copy of the jb-th page of the warp's header block (at shared address hsh) into the
 // staging buffer at dst; returns the page's packed header (count | tier << 16 | kind << 28).
-template <bool F2>
+template <int FD>
 __device__ __forceinline__ u32 stage_from_block(const u32* __restrict__ pages, int page_words,
                                                 u32 hsh, int jb, u32 dst, int lane) {
   const uint2 v = lds64(hsh + 8u * jb);
-  stage_page<F2>(pages + (size_t)v.x * page_words, v.y, dst, page_words, lane);
+  stage_page<FD>(pages + (size_t)v.x * page_words, v.y, dst, page_words, lane);
   return v.y;
 }
 // The start of a warp's affine page stream: the header block of pages pi0, pi0 + stride, ... and
 // the copy of the first page into buffer 0 (one cp.async group). decode_cta calls it at kernel
 // entry, with the range in registers, so the dependent header loads and the first copy overlap
 // the query prologue. cur_c: the packed header of page pi0 (0: none).
-template <bool F2, class RG, bool PRE = false>
+template <int FD, class RG, bool PRE = false>
 __device__ __forceinline__ void affine_pages_start(const u32* __restrict__ pages, int page_words,
                                              const int* __restrict__ page_tier,
                                              const int* __restrict__ page_count,
@@ -1527,9 +1861,9 @@ __device__ __forceinline__ void affine_pages_start(const u32* __restrict__ pages
                                              int4 gpre = {}) {
   cur_c = 0;
   if (pi0 < range.end()) {
-    header_refill<F2, RG, PRE>(hsh, pi0, lane, range, indices, page_tier, page_count, geom, f44ok,
+    header_refill<FD, RG, PRE>(hsh, pi0, lane, range, indices, page_tier, page_count, geom, f44ok,
                                stride, gpre);
-    cur_c = stage_from_block<F2>(pages, page_words, hsh, 0, bufs_sh, lane);
+    cur_c = stage_from_block<FD>(pages, page_words, hsh, 0, bufs_sh, lane);
   }
   cp_async_commit();
 }
@@ -1548,7 +1882,9 @@ __device__ __forceinline__ void affine_pages_start(const u32* __restrict__ pages
 // (decode_page on global memory, no byte past its states). The next page streams into the
 // other buffer while this one is decoded. The accumulators stay in one domain (generic: kinds
 // 0, 1, 6; F44: 2, 5; F2: 3, 4) while pages of that domain follow each other and change domain
-// (32 exact multiplies, domain_move) only between them. ILV: the warp's pages are pi0, pi0 + 4S, ...
+// (32 exact multiplies, domain_move) only between them. At D = 256 (FD = 256) kinds 2..5 go to
+// page44w, page33w, page22w and page88w, in the same domains, staged as stage_page says; there is
+// no kind 6. ILV: the warp's pages are pi0, pi0 + 4S, ...
 // (interleaved splits, decode_cta), else pi0, pi0 + 4, ... affine_pages_start has run at
 // kernel entry with the first page: cur_c is its header.
 template <int D, int PATH, int NSUB, bool F44, bool F2, bool ILV, class SM, class QF>
@@ -1559,6 +1895,7 @@ __device__ __forceinline__ void affine_pages(
     const Luts& lut, __half* pt, int lane, float (&acc)[D / 16][4], float& m0, float& m1,
     float& l0, float& l1, float& ps0, float& ps1, u32 cur_c) {
   const int g = lane >> 2, t = lane & 3;
+  constexpr int FD = F2 ? D : 0;   // the fast pages' head dim (page_kind)
   const bool f44ok = F44 && page_words == F44_WORDS;
   const u32 bufs_sh = static_cast<u32>(__cvta_generic_to_shared(bufs));
   const u32 hsh = static_cast<u32>(__cvta_generic_to_shared(pt));
@@ -1566,11 +1903,11 @@ __device__ __forceinline__ void affine_pages(
   // register held across the page loop would spill at 128 registers)
   auto stride = [&]() { return ILV ? lds_s32(pstride_at(sm)) : DEC_WARPS; };
   auto refill = [&](int first) {
-    header_refill<F2>(hsh, first, lane, RangeSmem{prange}, indices, page_tier, page_count, geom,
+    header_refill<FD>(hsh, first, lane, RangeSmem{prange}, indices, page_tier, page_count, geom,
                       f44ok, stride());
   };
   auto stage = [&](int jb, u32& c, int which) {   // the jb-th page of the block: header, copy
-    c = stage_from_block<F2>(pages, page_words, hsh, jb, bufs_sh + 4u * which * page_words, lane);
+    c = stage_from_block<FD>(pages, page_words, hsh, jb, bufs_sh + 4u * which * page_words, lane);
   };
   constexpr int NST = AFF_STAGES;   // page buffers; pages pi + 4, ..., pi + 4 (NST - 1) in flight
   static_assert(NST == 2, "AFF_STAGES: the page loop keeps one page in flight");
@@ -1591,8 +1928,27 @@ __device__ __forceinline__ void affine_pages(
     const u32 bsh = bufs_sh + 4u * buf * page_words;
     const int cur_kind = static_cast<int>(cur_c >> 28);
     domain_move<D>(acc, d44, d2, F44 && (cur_kind == 2 || cur_kind == 5), F2 && (cur_kind == 3 || cur_kind == 4));
-    if (F2 && cur_kind >= 5) {
-      if constexpr (F2) {
+    if (FD == 256 && cur_kind >= 2) {
+      if constexpr (FD == 256) {
+        const u32 qf2 = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag2[0][lane]));
+        if (cur_kind == 2) {
+          page44w(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag44[0][lane])),
+                  static_cast<u32>(__cvta_generic_to_shared(&sm.k12[2 * t][0])),
+                  lds_f32(sm.hstep + level_row(4), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
+        } else if (cur_kind == 3) {
+          page33w(bsh, qf2, static_cast<u32>(__cvta_generic_to_shared(&sm.k12b[1][2 * t][0])),
+                  lds_f32(sm.hstep + level_row(3), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
+        } else if (cur_kind == 4) {
+          page22w(bsh, qf2, static_cast<u32>(__cvta_generic_to_shared(&sm.k12b[0][2 * t][0])),
+                  lds_f32(sm.hstep + level_row(2), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
+        } else {
+          page88w(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag8[0][lane])),
+                  static_cast<u32>(__cvta_generic_to_shared(&sm.k12c[0][2 * t][0])),
+                  lds_f32(sm.hstep + level_row(8), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
+        }
+      }
+    } else if (F2 && cur_kind >= 5) {
+      if constexpr (FD == 128) {
         if (cur_kind == 5) {
           page_f8(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag8[0][lane])),
                   static_cast<u32>(__cvta_generic_to_shared(&sm.k12c[0][2 * t][0])),
@@ -1604,7 +1960,7 @@ __device__ __forceinline__ void affine_pages(
         }
       }
     } else if (F2 && cur_kind >= 3) {
-      if constexpr (F2) {
+      if constexpr (FD == 128) {
         const u32 qf2 = static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag2[0][lane]));
         if (cur_kind == 3) {
           page_f2<3>(bsh, qf2, static_cast<u32>(__cvta_generic_to_shared(&sm.k12b[1][2 * t][0])),
@@ -1615,7 +1971,7 @@ __device__ __forceinline__ void affine_pages(
         }
       }
     } else if (F44 && cur_kind == 2) {
-      if constexpr (F44) {
+      if constexpr (FD == 128) {
         page44(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag44[0][lane])),
                static_cast<u32>(__cvta_generic_to_shared(&sm.k12[2 * t][0])),
                lds_f32(sm.hstep + level_row(4), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
@@ -1681,6 +2037,13 @@ __device__ __forceinline__ CtaPages cta_pages(const int* __restrict__ indptr, in
 template <int D, bool PAD>
 __device__ __forceinline__ int qs_at(int h, int blk, int off) {
   return PAD ? h * (D + D / 32) + 33 * blk + off : h * D + 32 * blk + off;
+}
+// ... of coordinate (D / 4) t + off of head h (a fast page's query fragment: lane t's quarter of
+// the coordinates; off is a compile-time constant, and the elements read with it stay in its
+// 32-coordinate block).
+template <int D, bool PAD>
+__device__ __forceinline__ int qs_lane(int h, int t, int off) {
+  return D == 128 ? qs_at<D, PAD>(h, t, off) : qs_at<D, PAD>(h, (D / 128) * t + (off >> 5), off & 31);
 }
 
 // Rotated query of the warp's heads warp, warp + 4 (the affine path's early prologue): q' = H(sigma_K * q), lane l
@@ -1772,9 +2135,10 @@ template <int D, int PATH>
 __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   constexpr bool AFFINE = PATH == PATH_AFFINE;
   constexpr int NSUB = AFFINE ? AFF_SUB : 1;   // 16-state sub-tiles per softmax step
-  constexpr bool F44 = AFFINE && D == 128;   // the fast pages exist for D = 128
-  constexpr bool F2 = F44;                   // ... the 4/4 one and the 3/3, 2/2, 8/8, 16/16 ones
-  constexpr bool ILV = F2;                   // interleaved splits (cta_pages)
+  // the fast pages exist for D = 128 and (WIDE_FAST_PAGES) 256
+  constexpr bool F44 = AFFINE && (D == 128 || (D == 256 && WIDE_FAST_PAGES));
+  constexpr bool F2 = F44;   // ... the 4/4 one and the 3/3, 2/2, 8/8 (and at 128 16/16) ones
+  constexpr bool ILV = F2 && D == 128;       // interleaved splits (cta_pages)
   // EARLY (affine): the page stream starts at kernel entry, the query is staged past the page buffers
   constexpr bool EARLY = AFFINE;
   constexpr bool QPAD = EARLY;               // the rotated query's layout (qs_at)
@@ -1801,7 +2165,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
                           ? __ldg(reinterpret_cast<const int4*>(geom + lane * SKV_GEOM_STRIDE))
                           : make_int4(0, 0, 0, 0);
     const CtaPages cp = cta_pages<ILV>(indptr, row, split, num_splits);
-    affine_pages_start<F2, RangeRegs, true>(pages, page_words, page_tier, page_count,
+    affine_pages_start<F2 ? D : 0, RangeRegs, true>(pages, page_words, page_tier, page_count,
                      indices, geom, cp.pbeg + warp,
                      RangeRegs{cp.rbeg, cp.pend}, ILV ? DEC_WARPS * num_splits : DEC_WARPS,
                      static_cast<u32>(__cvta_generic_to_shared(bufs)),
@@ -1895,7 +2259,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   }
   if constexpr (F44) {
     // 4/4 fast path: chunk c = 2i + h of lane (g, t) holds head g's coordinates 8w + 2h, + 4
-    // (b0) and 8w + 2h + 1, + 5 (b1) of word w = 4t + i, the latter (fields at bit 4) scaled
+    // (b0) and 8w + 2h + 1, + 5 (b1) of word w = (D / 32) t + i, the latter (fields at bit 4) scaled
     // by 2^-4 (exact: a power of two; below 2^-10 the fp16 subnormal rounds
     // by at most 2^-25 absolute). K1/K2 fold the scales and the code offset (page44).
     if (warp == 0) {
@@ -1904,7 +2268,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
       float asum = 0.0f;   // sum of head g's q' as the mma sees them (times 2^POS)
 #pragma unroll
       for (int c = 0; c < D / 16; ++c) {
-        const float* src = qs + qs_at<D, QPAD>(g, t, 8 * (c >> 1) + 2 * (c & 1));
+        const float* src = qs + qs_lane<D, QPAD>(g, t, 8 * (c >> 1) + 2 * (c & 1));
         const __half2 b0 = __floats2half2_rn(src[0] * inv, src[4] * inv);
         const __half2 a1 = __floats2half2_rn(src[1] * inv, src[5] * inv);
         const float2 f1 = __half22float2(a1);
@@ -1923,8 +2287,8 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     }
   }
   if constexpr (F2) {
-    // 3/3 and 2/2 fast pages (page_f2): chunk c = 2k + h of lane (g, t) holds head g's
-    // coordinates m = 32t + 16(k >> 1) + 4(k & 1) + f and m + 8 for field f = 2h (b0) and
+    // 3/3 and 2/2 fast pages (page_f2, page33w, page22w): chunk c = 2k + h of lane (g, t) holds
+    // head g's coordinates m = (D / 4) t + 16(k >> 1) + 4(k & 1) + f and m + 8 for field f = 2h (b0) and
     // 2h + 1 (b1), scaled by 2^-2f (the field's POS; exact unless the fp16 is subnormal).
     if (warp == 1) {
       const float inv = sm.qfac[g] > 0.0f ? 1.0f / (sm.qfac[g] * (float)D) : 0.0f;
@@ -1932,7 +2296,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
 #pragma unroll
       for (int c = 0; c < D / 16; ++c) {
         const int k = c >> 1;
-        const float* src = qs + qs_at<D, QPAD>(g, t, 16 * (k >> 1) + 4 * (k & 1) + 2 * (c & 1));
+        const float* src = qs + qs_lane<D, QPAD>(g, t, 16 * (k >> 1) + 4 * (k & 1) + 2 * (c & 1));
         u32 b[2];
 #pragma unroll
         for (int f = 0; f < 2; ++f) {
@@ -1958,13 +2322,15 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
     }
     // 8/8 pages (page_f8): chunk c of lane (g, t) holds head g's q~ of coordinates 32t + 4c
     // + (0, 2) (b0) and + (1, 3) (b1), the bytes one lop3 or prmt pairs (no scaling: the
-    // codes sit at bit 0). 16/16 pages (page_f16) use qfrag and K1 = kfac, K2 = 0.
+    // codes sit at bit 0); at D = 256 (page88w) of 16t + 64(c >> 2) + 4(c & 3) + (0, 2), (1, 3).
+    // 16/16 pages (page_f16) use qfrag and K1 = kfac, K2 = 0.
     if (warp == 2) {
       const float inv = sm.qfac[g] > 0.0f ? 1.0f / (sm.qfac[g] * (float)D) : 0.0f;
       float asum = 0.0f;   // sum of head g's q~ as the mma sees them
 #pragma unroll
       for (int c = 0; c < D / 16; ++c) {
-        const float* src = qs + qs_at<D, QPAD>(g, t, 4 * c);
+        const float* src = qs + (D == 256 ? qs_at<D, QPAD>(g, 2 * (c >> 2) + (t >> 1), 16 * (t & 1) + 4 * (c & 3))
+                                         : qs_lane<D, QPAD>(g, t, 4 * c));
         const __half2 b0 = __floats2half2_rn(src[0] * inv, src[2] * inv);
         const __half2 b1 = __floats2half2_rn(src[1] * inv, src[3] * inv);
         const float2 f0 = __half22float2(b0), f1 = __half22float2(b1);
