@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -61,9 +62,17 @@ def instance_names() -> list:
     return [template_name(k, d) for k in KERNELS for d in DIMS]
 
 
+#: ``SPHERICAL_KV_WIDE_FAST_PAGES=1`` in the environment builds the decode with the head-dim-256
+#: fast pages on (csrc ada_decode.cuh, WIDE_FAST_PAGES; off by default until a GPU run has passed
+#: their tests; docs/PERF_NOTES.md "Head dim 256").
+WIDE_FAST_ENV = "SPHERICAL_KV_WIDE_FAST_PAGES"
+
+
 def build_options() -> tuple:
-    """The NVRTC options of the run-time module (the headers found through CSRC)."""
-    return OPTIONS + (f"-I{CSRC}",)
+    """The NVRTC options of the run-time module (the headers found through CSRC, and the
+    head-dim-256 fast pages where WIDE_FAST_ENV asks for them)."""
+    wide = ("-DSKV_WIDE_FAST_PAGES=1",) if os.environ.get(WIDE_FAST_ENV, "0") == "1" else ()
+    return OPTIONS + wide + (f"-I{CSRC}",)
 
 
 _DECL = re.compile(r"^constexpr\s+(?:int|u32|unsigned|float)\s+([^;]+);", re.M)

@@ -157,6 +157,18 @@ def mma(lanes_a, lanes_b, k8=False):
              C[(l >> 2) + 8, 2 * (l & 3) + 1]] for l in range(32)]
 
 
+def mma_into(dst, lanes_a, lanes_b, k8=False):
+    """dst[lane] (4 floats per lane) += the warp's mma of the lanes' fragments."""
+    d = mma(lanes_a, lanes_b, k8)
+    for lane in range(32):
+        for k in range(4):
+            dst[lane][k] += d[lane][k]
+
+
+def new_acc():
+    return [[[0.0] * 4 for _ in range(16)] for _ in range(32)]
+
+
 def coord_lane(t, off):   # qs_lane at D = 256: coordinate of (block, offset)
     blk = (D // 128) * t + (off >> 5)
     return 32 * blk + (off & 31)
@@ -221,11 +233,8 @@ def page44w(sm, qf, pb, lanes):
                 A.append([x0 & pair_mask(0, 4), x1 & pair_mask(0, 4), x0 & pair_mask(4, 4),
                           x1 & pair_mask(4, 4)])
                 Bq.append(qf[lane][2 * i + h])
-            d = mma(A, Bq)
-            for lane in range(32):
-                for k in range(4):
-                    s[lane][k] += d[lane][k]
-    acc = [[[0.0] * 4 for _ in range(16)] for _ in range(32)]
+            mma_into(s, A, Bq)
+    acc = new_acc()
     w = {}
     for lane in lanes:
         g, t = lane >> 2, lane & 3
@@ -251,10 +260,7 @@ def f44_values(w, pb, u, acc):
                 pos = 4 * (step & 1)
                 A.append([x & pair_mask(pos, 4) for x in (lo01, hi01, lo23, hi23)])
                 Bp.append(pb[lane][u])
-            d = mma(A, Bp)
-            for lane in range(32):
-                for k in range(4):
-                    acc[lane][4 * j + step][k] += d[lane][k]
+            mma_into([acc[lane][4 * j + step] for lane in range(32)], A, Bp)
 
 
 def f2_logits(B, kw_of, row1_of, qf, u):
@@ -281,10 +287,7 @@ def f2_logits(B, kw_of, row1_of, qf, u):
                     a[r][1] = f2_pair(B, 1, -1, x, pl) if k & 1 else f2_pair(B, 1, 3, x, pl)
             A.append([a[0][0], a[1][0], a[0][1], a[1][1]])
             Bq.append(qf[lane][c])
-        d = mma(A, Bq)
-        for lane in range(32):
-            for kk in range(4):
-                s[lane][kk] += d[lane][kk]
+        mma_into(s, A, Bq)
     return s
 
 
@@ -307,10 +310,7 @@ def f2_values(B, K8, f_of, pp_of, pb, u, acc):
                 a3 = f2_pair(B, P, P - 10, y23, pp23) if jj else f2_pair(B, P, P - 2, y23, pp23)
                 A.append([a0, a1] if K8 else [a0, a1, a2, a3])
                 Bp.append(pb[lane][u])
-            d = mma(A, Bp, k8=K8)
-            for lane in range(32):
-                for k in range(4):
-                    acc[lane][4 * j + P][k] += d[lane][k]
+            mma_into([acc[lane][4 * j + P] for lane in range(32)], A, Bp, k8=K8)
 
 
 def f44lane(g, t):
@@ -330,7 +330,7 @@ def page22w(sm, qf, pb, lanes):
             return ([sm.load(koff + 1024 * u, 16, "k:16"), sm.load(koff + 1024 * u + 512, 16, "k:16")],
                     [[0, 0], [0, 0]])
         ss.append(f2_logits(2, kw_of, True, qf, u))
-    acc = [[[0.0] * 4 for _ in range(16)] for _ in range(32)]
+    acc = new_acc()
     for u in range(2):
         f_of, pp_of = {}, {}
         for lane in range(32):
@@ -359,7 +359,7 @@ def page33w(sm, qf, pb, lanes):
                     kq[r] = sm.load(rec + PLANE + 8 * t, 8, "kq:8")
             return kw, kq
         ss.append(f2_logits(3, kw_of, u == 0, qf, u))
-    acc = [[[0.0] * 4 for _ in range(16)] for _ in range(32)]
+    acc = new_acc()
     for u in range(2):
         f_of, pp_of = {}, {}
         for lane in range(32):
@@ -392,11 +392,8 @@ def page88w(sm, qf, pb, lanes):
             x = kw[lane][c >> 2][c & 3]
             A.append([x & 0x00FF00FF, 0, byte_perm(x, 0, 0x4341), 0])
             Bq.append(qf[lane][c])
-        d = mma(A, Bq)
-        for lane in range(32):
-            for k in range(4):
-                s[lane][k] += d[lane][k]
-    acc = [[[0.0] * 4 for _ in range(16)] for _ in range(32)]
+        mma_into(s, A, Bq)
+    acc = new_acc()
     v = {}
     for lane in range(32):
         g, t = lane >> 2, lane & 3
@@ -429,10 +426,7 @@ def page88w(sm, qf, pb, lanes):
                     a1 = h2(h[0] * 16, h[1] * 16)
                 A.append([a0, a1])
                 Bp.append(pb[lane][0])
-            d = mma(A, Bp, k8=True)
-            for lane in range(32):
-                for k in range(4):
-                    acc[lane][4 * j + p][k] += d[lane][k]
+            mma_into([acc[lane][4 * j + p] for lane in range(32)], A, Bp, k8=True)
     return [s], acc
 
 

@@ -3,9 +3,12 @@ reports no register spills and no stack frame for any kernel instance (docs/desi
 module the library builds at run time (NVRTC, the same source string, options and name
 expressions as cupy_kernels._module) compiled for sm_90 by NVRTC 13.0 where its library is
 installed (the `nvrtc` extra; CI installs it), whose local memory can differ from nvcc's."""
+import os
 import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,13 +84,18 @@ NVRTC = nvrtc_library()
 
 @pytest.mark.skipif(NVRTC is None or cuda_include() is None,
                     reason="NVRTC 13 library (pip install nvidia-cuda-nvrtc==13.0.*) or CUDA headers missing")
-@pytest.mark.parametrize("which", ["ops", "rdr"])
-def test_runtime_build_without_spills(which):
+@pytest.mark.parametrize("which", ["ops", "rdr", "wide-fast"])
+def test_runtime_build_without_spills(which, monkeypatch):
     """Each module exactly as cupy_kernels._module builds it on the device (source string,
     options, every kernel instance by name): the ops' and RDR's, compiled for sm_90 by NVRTC
-    with ptxas -v: every instance within its NVRTC allowance."""
+    with ptxas -v: every instance within its NVRTC allowance; and the head-dim-256 affine
+    decode with its fast pages switched on (WIDE_FAST_ENV), which the default build leaves out."""
     from cupy_kernels import _module
-    if which == "ops":
+    if which == "wide-fast":
+        monkeypatch.setenv(_module.WIDE_FAST_ENV, "1")
+        assert "-DSKV_WIDE_FAST_PAGES=1" in _module.build_options()
+        source, names = _module.source(), [_module.template_name("ada_decode_affine_kernel", 256)]
+    elif which == "ops":
         source, names = _module.source(), _module.instance_names()
     else:
         source, names = _module.source(headers=_module.RDR_HEADERS), list(_module.RDR_KERNELS)
@@ -142,3 +150,17 @@ def test_launch_bounds_name_the_shared_constants():
     assert squash((CSRC / "encode.cuh").read_text()).count(
         "__launch_bounds__(ENC_THREADS, D >= WIDE_DIM ? ENC_CTAS_WIDE : ENC_CTAS)") == 2
     assert "__launch_bounds__(RETIER_THREADS)" in (CSRC / "retier.cuh").read_text()
+
+
+def test_wide_fast_page_lane_maps_on_the_cpu():
+    """lab/fast_pages_d256.py: the head_dim-256 fast pages' loads and operands, transcribed per
+    lane, give exact logits and value sums on reference-packed pages; a wrong query fragment
+    (--mutate) does not."""
+    root = Path(__file__).resolve().parents[1]
+    script = root / "lab" / "fast_pages_d256.py"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    ok = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=root)
+    assert ok.returncode == 0 and "all exact" in ok.stdout, ok.stdout + ok.stderr
+    bad = subprocess.run([sys.executable, str(script), "--mutate"], capture_output=True, text=True,
+                         env=env, cwd=root)
+    assert bad.returncode == 1 and "MISMATCH" in bad.stdout, bad.stdout + bad.stderr

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session of checks for the CuPy kernels, stage by stage; logs and tables go to $OUT.
-#   validation/gpu_suite.sh build tests device-cache fixed-cost e2e profile-compress sanitize ncu profile bench-quick bench-encode bench flashinfer asv
+#   validation/gpu_suite.sh build tests device-cache fixed-cost e2e profile-compress sanitize ncu profile bench-quick bench-encode bench bench-d256-ab flashinfer asv
 # (bench times FlashInfer too when its wheel is in .whl/; flashinfer alone times only the baselines;
-#  BENCH_GEOMETRY=d256 times the head_dim-256 layer of validation.decode_cases.BENCH_GEOMETRIES)
+#  BENCH_GEOMETRY=d256 times the head_dim-256 layer of validation.decode_cases.BENCH_GEOMETRIES;
+#  SPHERICAL_KV_WIDE_FAST_PAGES=1 builds the head_dim-256 fast pages on, for every stage; the stage
+#  bench-d256-ab times the d 256 layer with them off, then on, in one call)
 # Each stage has its own time limit so one stuck stage cannot take the others with it.
 set -u
 OUT=${OUT:-/tmp/skv_gpu_suite}
@@ -79,6 +81,26 @@ for stage in "$@"; do
         --codebooks ${BENCH_CODEBOOKS:-lloyd-max,uniform} --shapes ${BENCH_SHAPES:-all} \
         --tiers ${BENCH_TIERS:-4/4,3/3,2/2,rdr-mix} $fi_flag 2>&1 | tee "$OUT/bench.log" | tail -n 45
       rc=${PIPESTATUS[0]};;
+    bench-d256-ab)
+      # the head_dim-256 layer (4/4 and the RDR mix, uniform codebook; AB_SHAPES) with the fast
+      # pages off (decode_<card>_d256_off.json), then on (_on.json, beside FlashInfer when its
+      # wheel is carried), each in its own process
+      fi_flag=""
+      if ls .whl/flashinfer*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashinfer*.whl \
+          > "$OUT/flashinfer_install.log" 2>&1 && fi_flag=--flashinfer
+      fi
+      rc=0
+      for wide in 0 1; do
+        name=decode_${card}_d256_$([ $wide = 1 ] && echo on || echo off)
+        flag=""; [ $wide = 1 ] && flag=$fi_flag
+        SPHERICAL_KV_WIDE_FAST_PAGES=$wide PYTHONPATH=/tmp/site:$PYTHONPATH timeout ${AB_LIMIT:-240} \
+          python3 validation/decode_bench.py --out "$OUT/$name.json" --reps ${BENCH_REPS:-20} \
+          --geometry d256 --codebooks uniform --shapes ${AB_SHAPES:-8x32768,1x131072} \
+          --tiers 4/4,rdr-mix $flag > "$OUT/$name.log" 2>&1
+        r=$?; [ $r -ne 0 ] && rc=$r
+        note "$name rc=$r"; grep '"ada"' "$OUT/$name.log" | cut -c1-240
+      done;;
     flashinfer)
       rc=0
       if ls .whl/*.whl >/dev/null 2>&1; then

@@ -86,7 +86,7 @@ __device__ __forceinline__ u32 pstride_at(SM&) { return 0u; }
 template <int D, bool AFFINE> struct SmemOf { typedef DecodeSmem<D> type; };
 template <int D> struct SmemOf<D, true> { typedef DecodeSmemAffine<D> type; };
 template <> struct SmemOf<128, true> { typedef DecodeSmemFast<128> type; };
-template <> struct SmemOf<256, true> { typedef DecodeSmemFast<256> type; };
+
 
 // Dynamic shared memory: [LUT_BYTES tables][region], region = max(2 page buffers per warp,
 // the per-warp output tiles of the final merge, which reuse it). The affine path stages the
@@ -626,8 +626,15 @@ constexpr int AFF_CTAS_WIDE = 2;
 // The D = 256 fast pages (page44w, page22w, page33w, page88w) in the affine kernel. Off until a
 // GPU run has passed their tests (tests/test_ada_decode.py, the fast-page tests at D = 256):
 // their lane maps are checked on the CPU only (lab/fast_pages_d256.py). Off, every D = 256 page
-// decodes on decode_page.
-constexpr bool WIDE_FAST_PAGES = false;
+// decodes on decode_page. On: -DSKV_WIDE_FAST_PAGES=1 (the run-time build adds it where
+// SPHERICAL_KV_WIDE_FAST_PAGES=1 is in the environment: cupy_kernels._module.build_options).
+#ifndef SKV_WIDE_FAST_PAGES
+#  define SKV_WIDE_FAST_PAGES 0
+#endif
+constexpr bool WIDE_FAST_PAGES = SKV_WIDE_FAST_PAGES != 0;
+template <bool WIDE> struct WideSmemOf { typedef DecodeSmemAffine<256> type; };
+template <> struct WideSmemOf<true> { typedef DecodeSmemFast<256> type; };
+template <> struct SmemOf<256, true> { typedef WideSmemOf<WIDE_FAST_PAGES>::type type; };
 
 constexpr int F44_WORDS = 1024;   // page words of the fast path (4096-byte pages)
 constexpr u32 F44_VCHUNK = 124;   // 16-byte chunk where the value codes start (1984 / 16)
@@ -889,6 +896,28 @@ __device__ __forceinline__ void f44_softmax(u32 buf, const F44Lane& fl, u32 kk, 
                     -15.0f, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
 }
 
+// The F44 values of one 16-state sub-tile of 4-bit codes (page44, page44w): w[k][j] = value word
+// j of this lane's NJ (its coordinates 8j' .. 8j' + 7 of group j' = vgroup(g, j)) of state 2t,
+// 2t + 1, 2t + 8, 2t + 9 (k = 0..3); acc[4j + p] takes pair p (fields p, p + 4 at bit 4 (p & 1)).
+template <int NJ>
+__device__ __forceinline__ void f44_values_w(const u32 (&w)[4][NJ], u32 pb0, u32 pb1,
+                                             float (&acc)[4 * NJ][4]) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    u32 lo01 = __byte_perm(w[0][j], w[1][j], 0x5410u), hi01 = __byte_perm(w[0][j], w[1][j], 0x7632u);
+    u32 lo23 = __byte_perm(w[2][j], w[3][j], 0x5410u), hi23 = __byte_perm(w[2][j], w[3][j], 0x7632u);
+    mma_16816(acc[4 * j + 0], f44_pair<0>(lo01), f44_pair<0>(hi01), f44_pair<0>(lo23),
+              f44_pair<0>(hi23), pb0, pb1);
+    mma_16816(acc[4 * j + 1], f44_pair<4>(lo01), f44_pair<4>(hi01), f44_pair<4>(lo23),
+              f44_pair<4>(hi23), pb0, pb1);
+    lo01 >>= 8; hi01 >>= 8; lo23 >>= 8; hi23 >>= 8;
+    mma_16816(acc[4 * j + 2], f44_pair<0>(lo01), f44_pair<0>(hi01), f44_pair<0>(lo23),
+              f44_pair<0>(hi23), pb0, pb1);
+    mma_16816(acc[4 * j + 3], f44_pair<4>(lo01), f44_pair<4>(hi01), f44_pair<4>(lo23),
+              f44_pair<4>(hi23), pb0, pb1);
+  }
+}
+
 // One full 4/4 page staged at shared address `buf` (swizzled). qf7: shared address of this
 // lane's qfrag44[0][lane] (chunk c at + 256 c); kk: shared address of K1/K2 of heads 2t, 2t+1
 // (float4 {K1[2t], K2[2t], K1[2t+1], K2[2t+1]}); hv: the value scale factor (twice the 4-bit
@@ -922,22 +951,8 @@ __device__ __forceinline__ void page44(u32 buf, u32 qf7, u32 kk, float hv, int g
     const uint2 v1 = lds64(buf + fl.voff1 + 1024u * u);          // 16u + 2t + 1
     const uint2 v2 = lds64(buf + fl.voff0 + 1024u * u + 512u);   // 16u + 2t + 8
     const uint2 v3 = lds64(buf + fl.voff1 + 1024u * u + 512u);   // 16u + 2t + 9
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const u32 w0 = j ? v0.y : v0.x, w1 = j ? v1.y : v1.x;
-      const u32 w2 = j ? v2.y : v2.x, w3 = j ? v3.y : v3.x;
-      u32 lo01 = __byte_perm(w0, w1, 0x5410u), hi01 = __byte_perm(w0, w1, 0x7632u);
-      u32 lo23 = __byte_perm(w2, w3, 0x5410u), hi23 = __byte_perm(w2, w3, 0x7632u);
-      mma_16816(acc[4 * j + 0], f44_pair<0>(lo01), f44_pair<0>(hi01), f44_pair<0>(lo23),
-                f44_pair<0>(hi23), pb[u][0], pb[u][1]);
-      mma_16816(acc[4 * j + 1], f44_pair<4>(lo01), f44_pair<4>(hi01), f44_pair<4>(lo23),
-                f44_pair<4>(hi23), pb[u][0], pb[u][1]);
-      lo01 >>= 8; hi01 >>= 8; lo23 >>= 8; hi23 >>= 8;
-      mma_16816(acc[4 * j + 2], f44_pair<0>(lo01), f44_pair<0>(hi01), f44_pair<0>(lo23),
-                f44_pair<0>(hi23), pb[u][0], pb[u][1]);
-      mma_16816(acc[4 * j + 3], f44_pair<4>(lo01), f44_pair<4>(hi01), f44_pair<4>(lo23),
-                f44_pair<4>(hi23), pb[u][0], pb[u][1]);
-    }
+    const u32 w[4][2] = {{v0.x, v0.y}, {v1.x, v1.y}, {v2.x, v2.y}, {v3.x, v3.y}};
+    f44_values_w(w, pb[u][0], pb[u][1], acc);
   }
 }
 
@@ -1240,6 +1255,26 @@ __device__ __forceinline__ u32 f8_x16(u32 a) {
   return h2_as_u32(__hmul2(u32_as_h2(a), __floats2half2_rn(16.0f, 16.0f)));
 }
 
+// Lane (g, t)'s key chunks 2t, 2t + 1 of rows g and g + 8 of a page staged by f8_stage (page_f8,
+// page44w): kw[r][e] = chunk 2t + e of row g + 8 r.
+__device__ __forceinline__ void f8_key_chunks(u32 buf, u32 ug, u32 ut, uint4 (&kw)[2][2]) {
+  const u32 k0 = 16u * f8_slot(ug, 2u * ut);   // chunk 2t + 1: slot bit 0 flipped (k0 ^ 16)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    kw[r][0] = lds128(buf + k0 + 1024u * r);
+    kw[r][1] = lds128(buf + (k0 ^ 16u) + 1024u * r);
+  }
+}
+// ... and its value chunk g of states 2t, 2t + 1, 2t + 8, 2t + 9 (rows F8_VROW + state).
+__device__ __forceinline__ void f8_value_chunks(u32 buf, u32 ug, u32 ut, uint4 (&v)[4]) {
+  const u32 va = buf + 16u * f8_slot(F8_VROW + 2u * ut, ug);
+  const u32 vb = buf + 16u * f8_slot(F8_VROW + 1u + 2u * ut, ug);
+  v[0] = lds128(va);
+  v[1] = lds128(vb);
+  v[2] = lds128(va + 1024u);   // 8 rows on: the same swizzle
+  v[3] = lds128(vb + 1024u);
+}
+
 // One full 8/8 page staged (swizzled) at shared address `buf`. qf8: shared address of this
 // lane's qfrag8[0][lane] (chunk c at + 256 c); kk: K1/K2 of heads 2t, 2t + 1 for the tier (as
 // page44); hv: the tier's step (twice its half step). acc must be in the F44 domain.
@@ -1250,13 +1285,8 @@ __device__ __forceinline__ void page_f8(u32 buf, u32 qf8, u32 kk, float hv, int 
   // ---- logits: rows g, g + 8 (state g + 8 = 15 is masked: its bytes are value codes); lane
   // (g, t) reads chunks 2t, 2t + 1 (words 8t .. 8t + 7, chunk c of the mma takes word 8t + c);
   // even and odd chunks on two accumulators (two mma chains of 4)
-  const u32 k0 = 16u * f8_slot(ug, 2u * ut);   // chunk 2t + 1: slot bit 0 flipped (k0 ^ 16)
   uint4 kw[2][2];   // [row r][chunk 2t + e]
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    kw[r][0] = lds128(buf + k0 + 1024u * r);
-    kw[r][1] = lds128(buf + (k0 ^ 16u) + 1024u * r);
-  }
+  f8_key_chunks(buf, ug, ut, kw);
   float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
@@ -1273,13 +1303,8 @@ __device__ __forceinline__ void page_f8(u32 buf, u32 qf8, u32 kk, float hv, int 
                     acc, pb, m0, m1, l0, l1, ps0, ps1);
   // ---- values: acc[4j + p] += V^T(coordinates 16g + 8j + p, + 4) . P'^T; lane (g, t) reads
   // chunk g of states 2t, 2t + 1, 2t + 8, 2t + 9 (2t + 9 = 15 at t = 3: row 30, masked)
-  const u32 va = buf + 16u * f8_slot(F8_VROW + 2u * ut, ug);
-  const u32 vb = buf + 16u * f8_slot(F8_VROW + 1u + 2u * ut, ug);
   uint4 v[4];
-  v[0] = lds128(va);
-  v[1] = lds128(vb);
-  v[2] = lds128(va + 1024u);   // 8 rows on: the same swizzle
-  v[3] = lds128(vb + 1024u);
+  f8_value_chunks(buf, ug, ut, v);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     u32 a[4][4];   // [operand: row g | g + 8 of states (2t, 2t + 1) | (2t + 8, 2t + 9)][p]
@@ -1405,26 +1430,6 @@ __device__ __forceinline__ void f88_stage(u32 dst, const u32* src_page, int lane
   }
 }
 
-// The F44 values of one 16-state sub-tile of 4-bit codes: w[k][j] = value word 4g + j of state
-// 2t, 2t + 1, 2t + 8, 2t + 9 (k = 0..3); page44's operands, four word groups.
-__device__ __forceinline__ void f44_values_w(const u32 (&w)[4][4], u32 pb0, u32 pb1,
-                                             float (&acc)[16][4]) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    u32 lo01 = __byte_perm(w[0][j], w[1][j], 0x5410u), hi01 = __byte_perm(w[0][j], w[1][j], 0x7632u);
-    u32 lo23 = __byte_perm(w[2][j], w[3][j], 0x5410u), hi23 = __byte_perm(w[2][j], w[3][j], 0x7632u);
-    mma_16816(acc[4 * j + 0], f44_pair<0>(lo01), f44_pair<0>(hi01), f44_pair<0>(lo23),
-              f44_pair<0>(hi23), pb0, pb1);
-    mma_16816(acc[4 * j + 1], f44_pair<4>(lo01), f44_pair<4>(hi01), f44_pair<4>(lo23),
-              f44_pair<4>(hi23), pb0, pb1);
-    lo01 >>= 8; hi01 >>= 8; lo23 >>= 8; hi23 >>= 8;
-    mma_16816(acc[4 * j + 2], f44_pair<0>(lo01), f44_pair<0>(hi01), f44_pair<0>(lo23),
-              f44_pair<0>(hi23), pb0, pb1);
-    mma_16816(acc[4 * j + 3], f44_pair<4>(lo01), f44_pair<4>(hi01), f44_pair<4>(lo23),
-              f44_pair<4>(hi23), pb0, pb1);
-  }
-}
-
 // One full D = 256 4/4 page staged by f8_stage at `buf`. qf7: this lane's qfrag44[0][lane]; kk,
 // hv as page44. acc in the F44 domain.
 __device__ __forceinline__ void page44w(u32 buf, u32 qf7, u32 kk, float hv, int g, int t,
@@ -1432,13 +1437,8 @@ __device__ __forceinline__ void page44w(u32 buf, u32 qf7, u32 kk, float hv, int 
                                         float& l1, float& ps0, float& ps1) {
   const u32 ug = static_cast<u32>(g), ut = static_cast<u32>(t);
   // ---- logits: rows g, g + 8 (state 15 is masked: its bytes are value codes)
-  const u32 k0 = 16u * f8_slot(ug, 2u * ut);   // chunk 2t + 1: slot bit 0 flipped (k0 ^ 16)
   uint4 kw[2][2];   // [row r][chunk 2t + e]
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    kw[r][0] = lds128(buf + k0 + 1024u * r);
-    kw[r][1] = lds128(buf + (k0 ^ 16u) + 1024u * r);
-  }
+  f8_key_chunks(buf, ug, ut, kw);
   float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -1458,9 +1458,8 @@ __device__ __forceinline__ void page44w(u32 buf, u32 qf7, u32 kk, float hv, int 
   fp_softmax<1, 15>(buf + F8_KSOFF + 2u * ug, buf + F8_VSOFF + 2u * ug, kk, hv, -15.0f, g, s, acc,
                     pb, m0, m1, l0, l1, ps0, ps1);
   // ---- values: chunk g (value words 4g .. 4g + 3) of states 2t, 2t + 1, 2t + 8, 2t + 9
-  const u32 va = buf + 16u * f8_slot(F8_VROW + 2u * ut, ug);
-  const u32 vb = buf + 16u * f8_slot(F8_VROW + 1u + 2u * ut, ug);
-  const uint4 v[4] = {lds128(va), lds128(vb), lds128(va + 1024u), lds128(vb + 1024u)};
+  uint4 v[4];
+  f8_value_chunks(buf, ug, ut, v);
   u32 w[4][4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
