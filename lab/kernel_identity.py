@@ -12,10 +12,11 @@ so identical behaviour and timing on the device.
 
 ``--before``: a git revision (its cupy_kernels/csrc is read with ``git archive``) or a folder
 holding the .cuh files; the instances built there are the keys of RENAMED (old name -> name
-in this tree). For a git revision the launch side is compared too (``launch_settings``): the
-kernel, dynamic shared memory, geometry padding, merge kernel and default split count the
-revision's launcher (at its default version) picks for each codebook, head dim, page size and
-shape, against today's ``DecodePath``, on a modelled 132-SM device, and the encode
+in this tree) where the old name occurs in that tree's sources, else today's names (a revision
+after the renames). For a git revision the launch side is compared too (``launch_settings``):
+the kernel, dynamic shared memory, geometry padding, merge kernel and default split count the
+revision's launcher picks for each codebook, head dim, page size and shape (at the tag: its
+default version), against today's ``DecodePath``, on a modelled 132-SM device, and the encode
 launcher's cell tables (bit for bit) and block shape.
 """
 from __future__ import annotations
@@ -169,6 +170,13 @@ def old_to_new(symbol: str) -> str:
     return symbol
 
 
+def kept_pairs(csrc: Path) -> dict:
+    """{kernel name in the tree at csrc: its name today} of the kept kernels: RENAMED's old name
+    where the tree's sources still use it, else today's."""
+    text = "".join(p.read_text() for p in Path(csrc).glob("*.cuh"))
+    return {(old if f" {old}(" in text else new): new for old, new in RENAMED.items()}
+
+
 def launch_settings(rev: str, workdir: Path) -> int:
     """Compares the revision's decode launcher with today's on every (codebook, dim, page
     bytes, rows, pages per row) of a grid, and the encode launcher's cell tables and launch
@@ -185,7 +193,9 @@ def launch_settings(rev: str, workdir: Path) -> int:
     sys.path.insert(0, str(workdir / "py"))
     try:
         old = importlib.import_module("cupy_kernels.ada_decode")
-        old_pages = importlib.import_module("cupy_kernels.pages")      # the tag predates kernel_tables.py
+        # the tag predates kernel_tables.py (its tables come from cupy_kernels.pages)
+        old_pages = (importlib.import_module("cupy_kernels.pages")
+                     if (workdir / "py" / "cupy_kernels" / "pages.py").exists() else None)
         old_enc = importlib.import_module("cupy_kernels.encode")
     finally:
         sys.path.pop(0)
@@ -196,6 +206,8 @@ def launch_settings(rev: str, workdir: Path) -> int:
     new_enc = importlib.import_module("cupy_kernels.encode")
     from cupy_kernels.kernel_tables import kernel_tables
     old._sm_count = new._sm_count = lambda: 132
+    if hasattr(old, "decode_path"):
+        return same_api_settings(old, old_enc, new, new_enc, kernel_tables)
     ladder = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
     names = {"ada_decode_v4_kernel": "ada_decode_table_kernel",
              "ada_decode_uniform_v7_kernel": "ada_decode_affine_kernel"}
@@ -233,6 +245,30 @@ def launch_settings(rev: str, workdir: Path) -> int:
     return n
 
 
+def same_api_settings(old, old_enc, new, new_enc, kernel_tables) -> int:
+    """launch_settings for a revision whose launchers have today's interface (DecodePath,
+    cell_tables): the same comparisons, at every head dim of the module. The revision's
+    kernel_tables builds its tables when it has one of its own."""
+    import dataclasses
+    ladder = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
+    n = 0
+    for codebook in ("uniform", "lloyd-max"):
+        for dim in (64, 128, 256):
+            for page_bytes in (2048, 4096, 8192, 16384):
+                tn = kernel_tables(ladder, dim, page_bytes, codebook=codebook)
+                case = (codebook, dim, page_bytes)
+                po, pn = old.decode_path(tn), new.decode_path(tn)
+                assert dataclasses.asdict(po) == dataclasses.asdict(pn), case
+                assert old.decode_smem_bytes(dim, page_bytes, po) == new.decode_smem_bytes(dim, page_bytes, pn), case
+                assert old_enc.cell_tables(tn).tobytes() == new_enc.cell_tables(tn).tobytes(), case
+                for rows in (1, 2, 3, 8, 16, 33, 64, 100, 256, 1000):
+                    for pages in (1, 7, 100, 1058, 4229, 70000):
+                        assert old.splits_for(tn, rows, rows * pages) == \
+                            new.splits_for(tn, rows, rows * pages), case + (rows, pages)
+                        n += 1
+    return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--before", required=True, help="git revision or csrc folder")
@@ -241,14 +277,15 @@ def main(argv=None) -> int:
     from cupy_kernels import _module
     dims = _module.DIMS
     with tempfile.TemporaryDirectory() as tmp:
-        before = fingerprints(tree(args.before, Path(tmp)), RENAMED, dims, _module.OPTIONS,
-                              old_to_new)
+        csrc = tree(args.before, Path(tmp))
+        pairs = kept_pairs(csrc)
+        before = fingerprints(csrc, pairs, dims, _module.OPTIONS, old_to_new)
     after = fingerprints(_module.CSRC, RENAMED.values(), dims, _module.OPTIONS)
     missing = sorted(set(_module.KERNELS) - set(RENAMED.values()))
     if missing:
         print(f"kernels of the module with no counterpart in RENAMED: {missing}")
     same = True
-    for old, new in RENAMED.items():
+    for old, new in pairs.items():
         for d in dims:
             a, b = before[f"skv::{old}<{d}>"], after[f"skv::{new}<{d}>"]
             diff = [k for k in a if a[k] != b[k]]
