@@ -1,14 +1,16 @@
 """CPU check of the D = 256 fast pages' lane maps (cupy_kernels/csrc/ada_decode.cuh: page44w,
-page22w, page33w, page88w), without a GPU.
+page22w, page33w, page88w, page1616w), without a GPU.
 
 For each tier a page is packed by the reference packer (random codes, random padding), staged
-by a transcription of the kernel's staging code (f8_stage, f44_stage, plain, f88_stage), and
+by a transcription of the kernel's staging code (f8_stage, f44_stage, plain, f88_stage,
+f1616_stage), and
 every lane's shared loads, byte permutations, masks and shifts are transcribed; the warp's mma
 are formed from the PTX fragment layouts (m16n8k16 and m16n8k8, fp16 in, fp32 accumulate) over
 the 32 lanes. The query fragments are built by a transcription of decode_cta's builders. The
 check: every logit equals 2^-24 sum_j q_j c_j over the state's key codes (the queries are chosen
 so that every product is exact), and every value accumulator equals sum_s P'_s c_s,j times the
-tier's domain factor (F44: 2^(4 (p & 1) - 24), F2: 2^(2 p - 24)) over the valid states. It also
+tier's domain factor (F44: 2^(4 (p & 1) - 24), F2: 2^(2 p - 24), 16/16: 1) over the valid
+states (16/16: its fp16 words stand for themselves, logits sum_j q_j y_j). It also
 counts the shared-memory bank conflicts of each load instruction (phases of 8 lanes for 16-byte
 loads, 16 for 8-byte, 32 for 4-byte) and rejects any load past the 4096-byte page.
 
@@ -19,7 +21,7 @@ import sys
 
 import numpy as np
 
-from spherical_kv_ref.codec import pack_codes
+from spherical_kv_ref.codec import pack_codes, pack_fp16
 from spherical_kv_ref.paged import tier_layout
 
 D, PB = 256, 4096
@@ -113,6 +115,10 @@ def stage(page, kind):
                 if i == 7 and lane >= keep:
                     d = 16 * lane + 3584
                 cp(d, 16 * lane + 512 * i)
+        elif kind == "f1616":
+            for i in range(8):
+                f = [0, 4, 0, 4, 0, 0, 2, 2][i]
+                cp(16 * (lane ^ f) + 512 * i, 16 * lane + 512 * i)
         elif kind == "f88":
             for i in range(8):
                 row = (lane >> 4) + 2 * i
@@ -123,6 +129,10 @@ def stage(page, kind):
 
 def f88_swz(row):
     return 4 * (row & 1) if row < 7 else (((row >> 1) & 1) | (((row >> 1) & 2) << 1)) if row < 14 else 0
+
+
+def f1616_swz(row):
+    return 4 * ((row >> 2) & 1) if row < 16 else 2 * ((row >> 3) & 1)
 
 
 def f8_slot(row, x):
@@ -195,6 +205,10 @@ def qfrag(kind, q):
                     qq = halves(h2(q[g, s + f], q[g, s + f + 8]))
                     b.append(h2(qq[0] * sc, qq[1] * sc))
                 b0, b1 = b
+            elif kind == "16":   # decode_page's fragment: group t + 4 (c >> 1), pairs (p, p + 4)
+                s = 32 * (c >> 1) + 8 * t + 2 * (c & 1)
+                b0 = h2(q[g, s], q[g, s + 4])
+                b1 = h2(q[g, s + 1], q[g, s + 5])
             else:   # "8"
                 s = 32 * (2 * (c >> 2) + (t >> 1)) + 16 * (t & 1) + 4 * (c & 3)
                 b0 = h2(q[g, s], q[g, s + 2])
@@ -430,8 +444,56 @@ def page88w(sm, qf, pb, lanes):
     return [s], acc
 
 
+def page1616w(sm, qf, pb, lanes):
+    s = [[0.0] * 4 for _ in range(32)]
+    kw = {}
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        sm.cur = lane
+        kswz = 4 * (g & 1)
+        kw[lane] = []
+        for i in range(8):
+            x = t + 4 * i
+            kw[lane].append(sm.load(16 * (32 * g + (x & ~7) + ((x & 7) ^ kswz)), 16, "k:16"))
+    for i in range(8):
+        for h in range(2):
+            A, Bq = [], []
+            for lane in range(32):
+                w0, w2 = kw[lane][i][h], kw[lane][i][h + 2]
+                A.append([byte_perm(w0, w2, 0x5410), 0, byte_perm(w0, w2, 0x7632), 0])
+                Bq.append(qf[lane][2 * i + h])
+            mma_into(s, A, Bq)
+    acc = new_acc()
+    v = {}
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        sm.cur = lane
+        vv = [[[0] * 4 for _ in range(4)] for _ in range(2)]
+        for x in range(2):
+            st = 2 * t + x
+            row0 = 16 + 4 * st + (g >> 1)
+            for e in range(4):
+                if t < 2:
+                    vv[x][e] = sm.load(16 * (8 * row0 + ((4 * (g & 1) + e) ^ f1616_swz(row0))), 16, "v:16")
+        v[lane] = vv
+    for j in range(4):
+        for p in range(4):
+            A, Bp = [], []
+            for lane in range(32):
+                w = 4 * j + (p >> 1)
+                sel = 0x7632 if p & 1 else 0x5410
+                a0 = byte_perm(v[lane][0][w >> 2][w & 3], v[lane][1][w >> 2][w & 3], sel)
+                a1 = byte_perm(v[lane][0][(w + 2) >> 2][(w + 2) & 3],
+                               v[lane][1][(w + 2) >> 2][(w + 2) & 3], sel)
+                A.append([a0, a1])
+                Bp.append(pb[lane][0])
+            mma_into([acc[lane][4 * j + p] for lane in range(32)], A, Bp, k8=True)
+    return [s], acc
+
+
 TIERS = {4: (page44w, "f8", "44", "F44"), 2: (page22w, "f44", "2", "F2"),
-         3: (page33w, "plain", "2", "F2"), 8: (page88w, "f88", "8", "F44")}
+         3: (page33w, "plain", "2", "F2"), 8: (page88w, "f88", "8", "F44"),
+         16: (page1616w, "f1616", "16", "generic")}
 
 
 def check(bits, seed=0):
@@ -439,17 +501,21 @@ def check(bits, seed=0):
     lay = tier_layout(1, bits, bits, D, PB)
     P = lay.states_per_page
     rng = np.random.default_rng(seed)
-    ck = rng.integers(0, 1 << bits, (P, D))
-    cv = rng.integers(0, 1 << bits, (P, D))
     page = rng.integers(0, 256, PB).astype(np.uint8)   # random padding and scales
-    kwords, vwords = pack_codes(ck, bits), pack_codes(cv, bits)
+    if bits == 16:   # fp16 words of small multiples of 2^-6 (every product below is exact)
+        ck, cv = (rng.integers(-256, 257, (P, D)) / 64.0 for _ in "kv")
+        kwords, vwords = (pack_fp16(c.astype(np.float16)) for c in (ck, cv))
+    else:
+        ck = rng.integers(0, 1 << bits, (P, D))
+        cv = rng.integers(0, 1 << bits, (P, D))
+        kwords, vwords = pack_codes(ck, bits), pack_codes(cv, bits)
     page[:P * lay.key_code_bytes] = kwords.view(np.uint8).reshape(-1)
     page[lay.value_codes_offset: lay.value_codes_offset + P * lay.value_code_bytes] = \
         vwords.view(np.uint8).reshape(-1)
     sm = Smem(stage(page, stg))
     q = rng.integers(-64, 65, (8, D)) / 64.0
     qf = qfrag(qkind, q)
-    NS = 1 if bits in (4, 8) else 2
+    NS = 1 if bits in (4, 8, 16) else 2
     Pm = np.zeros((16 * NS + 16, 8))
     Pm[:P] = rng.integers(-32, 33, (P, 8)) / 32.0   # P' (exact in fp16)
     pb = []
@@ -461,31 +527,32 @@ def check(bits, seed=0):
         qf = [row[1:] + row[:1] for row in qf]
     ss, acc = fn(sm, qf, pb, range(32))
     worst = 0.0
-    logit_ref = (q @ ck.T).T * 2.0 ** -24   # [state][head]
+    unit = 1.0 if bits == 16 else 2.0 ** -24   # 16/16: fp16 words, no subnormal scaling
+    logit_ref = (q @ ck.T).T * unit   # [state][head]
     for u, s in enumerate(ss):
         for lane in range(32):
             g, t = lane >> 2, lane & 3
             for k in range(4):
                 st, hd = 16 * u + g + 8 * (k >> 1), 2 * t + (k & 1)
                 if st < P:
-                    worst = max(worst, abs(s[lane][k] - logit_ref[st, hd]) / 2.0 ** -24)
+                    worst = max(worst, abs(s[lane][k] - logit_ref[st, hd]) / unit)
     vref = Pm[:P].T @ cv   # [head][coordinate]
     vworst = 0.0
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         for j in range(4):
             for p in range(4):
-                e = (4 * (p & 1) - 24) if dom == "F44" else (2 * p - 24)
+                e = {"F44": 4 * (p & 1) - 24, "F2": 2 * p - 24, "generic": 0}[dom]
                 for k in range(4):
                     c, hd = 32 * g + 8 * j + p + 4 * (k >> 1), 2 * t + (k & 1)
                     vworst = max(vworst, abs(acc[lane][4 * j + p][k] * 2.0 ** -e - vref[hd, c]))
-    scale = float(np.abs(logit_ref).max() / 2.0 ** -24), float(np.abs(vref).max())
+    scale = float(np.abs(logit_ref).max() / unit), float(np.abs(vref).max())
     print(f"{bits}/{bits}: P = {P}, logit error {worst:.3g} (of {scale[0]:.3g}), value error "
           f"{vworst:.3g} (of {scale[1]:.3g}), bank ways {sm.worst_conflict()}")
     return worst == 0.0 and vworst == 0.0
 
 
 if __name__ == "__main__":
-    ok = all([check(b) for b in (4, 2, 3, 8)])
+    ok = all([check(b) for b in (4, 2, 3, 8, 16)])
     print("all exact" if ok else "MISMATCH")
     sys.exit(0 if ok else 1)

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.gpu
 LADDER = [(2, 2), (3, 2), (4, 2), (4, 3), (4, 4), (8, 8), (16, 16)]
 WIDE_LADDER = [(1, 1), (2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
 BOUND = 2.0 * 2.0 ** -10
-# head dims with fast pages in the affine kernel (D = 256: every full tier but 16/16)
+# head dims with fast pages in the affine kernel (D = 256: built with SPHERICAL_KV_WIDE_FAST_PAGES=1;
+# without it these cases run every D = 256 page on decode_page)
 FAST_DIMS = [128, 256]
 
 
@@ -140,9 +141,10 @@ def test_affine_fast_44_pages_and_domain_changes(softmax_scale, dim):
 @pytest.mark.parametrize("dim", FAST_DIMS)
 @pytest.mark.parametrize("softmax_scale", [None, 4.0])
 def test_affine_fast_33_and_22_pages(softmax_scale, dim):
-    """The affine kernel decodes full 3/3 and 2/2 pages (D = 128) on their own fast path (page_f2: 2-bit fields
-    as fp16 subnormals, the 3-bit plane bit merged into the field; accumulators in the "F2"
-    domain; 40 and 60 states per page, the last sub-tile partly empty): rows whose pages of
+    """The affine kernel decodes full 3/3 and 2/2 pages (D = 128: page_f2; 256: page33w,
+    page22w) on their own fast path (2-bit fields as fp16 subnormals, the 3-bit plane bit merged
+    into the field; accumulators in the "F2" domain; at D = 128 40 and 60 states per page, at 256
+    20 and 31, the last sub-tile partly empty): rows whose pages of
     every tier of the wide ladder (1/1, 8/8, 16/16 generic; 4/4 on its own fast path, another
     domain) and partial pages interleave, and pure 3/3 and 2/2 rows of many full pages and one
     partial page, at 1, 2, 7 and 40 splits. Against the reference and against the table path
@@ -162,9 +164,10 @@ def test_affine_fast_33_and_22_pages(softmax_scale, dim):
 @pytest.mark.parametrize("dim", FAST_DIMS)
 @pytest.mark.parametrize("softmax_scale", [None, 4.0])
 def test_affine_fast_88_and_1616_pages(softmax_scale, dim):
-    """The affine kernel decodes full 8/8 pages (page_f8: bytes as fp16 subnormals, accumulators in the 4/4
-    path's F44 domain, the odd blocks' operands times 16) and full 16/16 pages (page_f16: the
-    fp16 words straight into the mma, generic domain) on their own fast paths (D = 128): rows
+    """The affine kernel decodes full 8/8 pages (page_f8, page88w: bytes as fp16 subnormals,
+    accumulators in the 4/4 path's F44 domain, the odd blocks' operands times 16) and full 16/16
+    pages (page_f16, page1616w: the fp16 words straight into the mma, generic domain) on their
+    own fast paths (D = 128, 256): rows
     where pages of every tier of the wide ladder and partial pages interleave (shuffled page
     order: the accumulators change domain often), rows of 4/4, 8/8 and 16/16 pages only
     (4/4 and 8/8 share a domain), pure 8/8 and 16/16 rows of many full pages and one partial

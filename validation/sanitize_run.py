@@ -109,7 +109,7 @@ def main(argv=None):
                 assert bool(cp.all(cp.isfinite(out)))
         encode_part(dim, tables, ladder)
     if not encode_only:
-        # the D = 256 fast pages (full 2/2, 3/3, 4/4 and 8/8 pages; 16/16 generic) with partial
+        # the D = 256 fast pages (full 2/2, 3/3, 4/4, 8/8 and 16/16 pages) with partial
         # pages of every tier
         wide = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
         case = build_case(1, 2, 8, 256, [900, 700], wide, [1, 2, 3, 4, 5], seed=4,

@@ -32,8 +32,8 @@
 //   tier (page_f2), the 8/8 tier (page_f8) and the 16/16 tier (page_f16) on fast paths (one
 //   softmax step per page, staged and swizzled, codes as fp16 subnormals or fp16 words; their
 //   own lane maps, described there) and every other page on the generic tile code above; at
-//   D = 256 (WIDE_FAST_PAGES) the 4/4, 2/2, 3/3 and 8/8 pages on page44w, page22w, page33w and
-//   page88w (16/16 stays generic). It
+//   D = 256 (WIDE_FAST_PAGES) the 4/4, 2/2, 3/3, 8/8 and 16/16 pages on page44w, page22w,
+//   page33w, page88w and page1616w. It
 //   starts each warp's page stream at kernel entry, before the query prologue (the query is
 //   staged past the page buffers).
 #pragma once
@@ -623,7 +623,7 @@ constexpr int AFF_STAGES = 2;   // affine kernel: page buffers per warp (pages i
 // both decode kernels ask for 2 CTAs per SM there (up to 255 registers; WIDE_DIM).
 constexpr int TABLE_CTAS_WIDE = 2;
 constexpr int AFF_CTAS_WIDE = 2;
-// The D = 256 fast pages (page44w, page22w, page33w, page88w) in the affine kernel. Off until a
+// The D = 256 fast pages (page44w, page22w, page33w, page88w, page1616w) in the affine kernel. Off until a
 // GPU run has passed their tests (tests/test_ada_decode.py, the fast-page tests at D = 256):
 // their lane maps are checked on the CPU only (lab/fast_pages_d256.py). Off, every D = 256 page
 // decodes on decode_page. On: -DSKV_WIDE_FAST_PAGES=1 (the run-time build adds it where
@@ -1329,6 +1329,25 @@ __device__ __forceinline__ void page_f8(u32 buf, u32 qf8, u32 kk, float hv, int 
   }
 }
 
+// The values of the 8 states 2t, 2t + 1 (k of one m16n8k8 mma per block) of a 16/16 page (page_f16,
+// page1616w): v[x][e] = chunk e of this lane's NV (its coordinates 8 NV g ..) of state 2t + x;
+// acc[4j + p] takes coordinate 8 NV g + 8j + p (word 4j + (p >> 1), half p & 1) and + 4 (word + 2).
+template <int NV>
+__device__ __forceinline__ void f16_values_k8(const uint4 (&v)[2][NV], u32 pb0, float (&acc)[4 * NV][4]) {
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int w = 4 * j + (p >> 1);
+      const u32 sel = (p & 1) ? 0x7632u : 0x5410u;
+      const u32 a0 = __byte_perm(word_of(v[0][w >> 2], w & 3), word_of(v[1][w >> 2], w & 3), sel);
+      const u32 a1 = __byte_perm(word_of(v[0][(w + 2) >> 2], (w + 2) & 3),
+                                 word_of(v[1][(w + 2) >> 2], (w + 2) & 3), sel);
+      mma_1688(acc[4 * j + p], a0, a1, pb0);
+    }
+  }
+}
+
 // One full 16/16 page staged (swizzled) at shared address `buf`. qf: shared address of this
 // lane's qfrag[0][lane] (decode_page's fragment, chunk c at + 256 c); kk: {kfac[2t], 0, kfac[2t + 1], 0}.
 // acc in the generic domain.
@@ -1367,25 +1386,13 @@ __device__ __forceinline__ void page_f16(u32 buf, u32 qf, u32 kk, int g, int t,
   v[0][1] = lds128(buf + (va ^ 16u));
   v[1][0] = lds128(buf + vb);
   v[1][1] = lds128(buf + (vb ^ 16u));
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      // coordinate 16g + 8j + p: word 4j + (p >> 1) of the lane's 8, half p & 1; + 4: word + 2
-      const int w = 4 * j + (p >> 1);
-      const u32 sel = (p & 1) ? 0x7632u : 0x5410u;
-      const u32 a0 = __byte_perm(word_of(v[0][w >> 2], w & 3), word_of(v[1][w >> 2], w & 3), sel);
-      const u32 a1 = __byte_perm(word_of(v[0][(w + 2) >> 2], (w + 2) & 3),
-                                 word_of(v[1][(w + 2) >> 2], (w + 2) & 3), sel);
-      mma_1688(acc[4 * j + p], a0, a1, pb[0][0]);
-    }
-  }
+  f16_values_k8(v, pb[0][0], acc);
 }
 
 // ------------------------------------------------------ affine path, D = 256 pages ----
 // Fast paths for full pages at D = 256 (4096-byte pages): page44w (4/4), page22w (2/2),
-// page33w (3/3), page88w (8/8); 16/16 pages (4 states) stay on decode_page. They decode in the
-// accumulator domains of the D = 128 fast pages (F44: 4/4 and 8/8; F2: 3/3 and 2/2) and keep
+// page33w (3/3), page88w (8/8), page1616w (16/16). They decode in the accumulator domains of
+// the D = 128 fast pages (F44: 4/4 and 8/8; F2: 3/3 and 2/2; generic: 16/16) and keep
 // the generic value map of D = 256: lane g holds coordinates 32g .. 32g + 31 (vgroup: groups
 // 4g + j), acc[4j + p] the coordinates 32g + 8j + p (row g) and + 4 (row g + 8). Each page is
 // one softmax step (fp_softmax). Two of the layouts are D = 128 layouts byte for byte, so their
@@ -1393,7 +1400,8 @@ __device__ __forceinline__ void page_f16(u32 buf, u32 qf, u32 kk, int g, int t,
 // 3840 and 3870: f8_stage) and 2/2 at 256 the 4/4 page of 128 (31 states, 64-byte records, scales
 // at 3968 and 4030: f44_stage, F44Lane's offsets). 3/3 (20 states, 96-byte records: 64 bytes of
 // 2-bit fields, then 32 bytes of plane bits; scales at 3840 and 3880) is staged plainly; 8/8 (7
-// states, 256-byte records, scales at 3584 and 3598) with f88_swz.
+// states, 256-byte records, scales at 3584 and 3598) with f88_swz; 16/16 (4 states, 512-byte
+// records, no scales) with f1616_swz.
 //
 // Logit lane maps (lane = 4g + t; the k order of each tier is its own and its query fragment's,
 // built in decode_cta with the same coordinates):
@@ -1405,6 +1413,7 @@ __device__ __forceinline__ void page_f16(u32 buf, u32 qf, u32 kk, int g, int t,
 //     bits merged as page_f2<3> (qfrag2).
 //   8/8: chunks t, t + 4, t + 8, t + 12 (coordinates 16t + 64e + 0..15); chunk c = 4e + w takes
 //     word w of chunk t + 4e, bytes (0, 2) and (1, 3) as page_f8 (qfrag8).
+//   16/16: chunks t + 4i (coordinate groups t + 4i, decode_page's k order and fragment qfrag).
 // Error bounds: those of the D = 128 page of the same tier (the operands are the same fp16
 // values; a logit sums twice the terms, as decode_page's at D = 256).
 
@@ -1677,6 +1686,71 @@ __device__ __forceinline__ void page88w(u32 buf, u32 qf8, u32 kk, float hv, int 
   }
 }
 
+// 16-byte chunk swizzle of 128-byte row `row` of a staged D = 256 16/16 page (slot = chunk ^ it):
+// key rows 0..15 (state row >> 2) flip bit 2 for odd states (a key load phase, states g, g + 1 and
+// chunks t + 4i, then hits 8 bank groups), value rows 16..31 (state (row >> 2) - 4) bit 1 for
+// states 2, 3 (chunk 4g + e of states 2t + x: distinct over t). Row r's swizzle is a constant of
+// the staging round r / 4 (f1616_stage).
+__host__ __device__ constexpr u32 f1616_swz(u32 row) {
+  return row < 16u ? 4u * ((row >> 2) & 1u) : 2u * ((row >> 3) & 1u);
+}
+__device__ __forceinline__ void f1616_stage(u32 dst, const u32* src_page, int lane) {
+  const u32 l = static_cast<u32>(lane);
+  const char* src = reinterpret_cast<const char*>(src_page) + 16 * lane;
+  const u32 d0 = dst + 16u * l, d4 = dst + 16u * (l ^ 4u), d2 = dst + 16u * (l ^ 2u);
+  // round i: rows 4i .. 4i + 3 (chunk l + 32 i: row l / 8 + 4 i), swizzle f1616_swz(4 i)
+  cp_async16_off<0>(d0, src);
+  cp_async16_off<512>(d4, src);
+  cp_async16_off<1024>(d0, src);
+  cp_async16_off<1536>(d4, src);
+  cp_async16_off<2048>(d0, src);
+  cp_async16_off<2560>(d0, src);
+  cp_async16_off<3072>(d2, src);
+  cp_async16_off<3584>(d2, src);
+}
+
+// One full D = 256 16/16 page staged by f1616_stage at `buf` (4 states, no scales: s_K = s_V =
+// sqrt(D)). Logits: row g = state g (rows g >= 4 and g + 8 hold no state; the latter's operands
+// are zero), chunks t + 4i of its key record (coordinate group t + 4i), decode_page's fragment
+// (qf: this lane's qfrag[0][lane]) and k order, as page_f16; kk: {kfac[2t], 0, kfac[2t + 1], 0}.
+// Values: chunks 4g .. 4g + 3 (coordinates 32g ..) of states 2t, 2t + 1 (t < 2), one m16n8k8
+// mma per block. acc in the generic domain.
+__device__ __forceinline__ void page1616w(u32 buf, u32 qf, u32 kk, int g, int t,
+                                          float (&acc)[16][4], float& m0, float& m1, float& l0,
+                                          float& l1, float& ps0, float& ps1) {
+  const u32 ug = static_cast<u32>(g), ut = static_cast<u32>(t);
+  float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const u32 kswz = 4u * (ug & 1u);   // f1616_swz of state g's key rows
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const u32 x = ut + 4u * i;   // chunk of the 512-byte record: row 4g + x / 8, in-row chunk x % 8
+    const uint4 kw = lds128(buf + 16u * (32u * ug + (x & ~7u) + ((x & 7u) ^ kswz)));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint2 b = lds64(qf + 256u * (2 * i + h));
+      const u32 w0 = word_of(kw, h), w2 = word_of(kw, h + 2);
+      mma_16816(h ? s1 : s[0], __byte_perm(w0, w2, 0x5410u), 0u, __byte_perm(w0, w2, 0x7632u), 0u,
+                b.x, b.y);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) s[0][k] += s1[k];
+  u32 pb[1][2];
+  fp_softmax<1, 4, false>(0u, 0u, kk, 16.0f, 0.0f, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
+  // ---- values: v[x][e] = chunk 4g + e of state 2t + x (states 4.. do not exist: zero, P' = 0)
+  uint4 v[2][4];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const u32 st = 2u * ut + static_cast<u32>(x), row0 = F16_VROW + 4u * st + (ug >> 1);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      v[x][e] = make_uint4(0u, 0u, 0u, 0u);
+      if (ut < 2u) v[x][e] = lds128(buf + 16u * (8u * row0 + ((4u * (ug & 1u) + e) ^ f1616_swz(row0))));
+    }
+  }
+  f16_values_k8(v, pb[0][0], acc);
+}
+
 // Moves the value accumulators between domains: 0 = generic scale, 1 = F44 (page44: acc[i]
 // carries 2^(4 (i & 1) - 24); 2 = F2 (page_f2: 2^(2 (i & 3) - 24)).
 // Exact power-of-two multiplies.
@@ -1738,8 +1812,8 @@ __device__ __forceinline__ void decode_generic(const u32* __restrict__ pages, in
 
 // Page kind of a page header (affine_pages): 0 = partial page; 1 = other full page; 2 = full
 // 4/4 page (f44ok: D = 128 or 256 and 4096-byte pages); with fast pages at FD (128 or 256; 0:
-// none), 3 = full 3/3 page, 4 = full 2/2 page, 5 = full 8/8 page, and at FD = 128 6 = full 16/16
-// page (D = 128: page_f2, page_f8, page_f16; D = 256: page33w, page22w, page88w).
+// none), 3 = full 3/3 page, 4 = full 2/2 page, 5 = full 8/8 page, 6 = full 16/16 page
+// (D = 128: page_f2, page_f8, page_f16; D = 256: page33w, page22w, page88w, page1616w).
 template <int FD>
 __device__ __forceinline__ int page_kind(int count, const int4& gq, bool f44ok) {
   constexpr bool F2 = FD != 0;
@@ -1747,7 +1821,7 @@ __device__ __forceinline__ int page_kind(int count, const int4& gq, bool f44ok) 
   if (!f44ok || gq.x != gq.y) return 1;
   return gq.x == 4 ? 2 : (F2 && gq.x == 3) ? 3 : (F2 && gq.x == 2) ? 4
        : (F2 && gq.x == 8) ? 5
-       : (FD == 128 && gq.x == 16) ? 6 : 1;
+       : (F2 && gq.x == 16) ? 6 : 1;
 }
 // The CTA's page range as header_refill reads it: beg() = start of the row's list in
 // `indices`, end() = end of the CTA's pages. In the page loop from shared memory (sm.prange: a
@@ -1828,6 +1902,8 @@ __device__ __forceinline__ void stage_page(const u32* src, u32 c, u32 dst, int p
     else fp_stage<F2Geo<2>::SW, 16>(dst, src, lane);   // rows 30, 31 (scales) in place
   } else if (F2 && kind == 5) {
     if (FD == 256) f88_stage(dst, src, lane); else f8_stage(dst, src, lane);
+  } else if (FD == 256 && kind == 6) {
+    f1616_stage(dst, src, lane);
   } else if (FD == 128 && kind == 6) {
     f16_stage(dst, src, lane);
   } else if (kind == 1 || kind == 3) {
@@ -1881,9 +1957,9 @@ __device__ __forceinline__ void affine_pages_start(const u32* __restrict__ pages
 // (decode_page on global memory, no byte past its states). The next page streams into the
 // other buffer while this one is decoded. The accumulators stay in one domain (generic: kinds
 // 0, 1, 6; F44: 2, 5; F2: 3, 4) while pages of that domain follow each other and change domain
-// (32 exact multiplies, domain_move) only between them. At D = 256 (FD = 256) kinds 2..5 go to
-// page44w, page33w, page22w and page88w, in the same domains, staged as stage_page says; there is
-// no kind 6. ILV: the warp's pages are pi0, pi0 + 4S, ...
+// (32 exact multiplies, domain_move) only between them. At D = 256 (FD = 256) kinds 2..6 go to
+// page44w, page33w, page22w, page88w and page1616w, in the same domains, staged as stage_page
+// says. ILV: the warp's pages are pi0, pi0 + 4S, ...
 // (interleaved splits, decode_cta), else pi0, pi0 + 4, ... affine_pages_start has run at
 // kernel entry with the first page: cur_c is its header.
 template <int D, int PATH, int NSUB, bool F44, bool F2, bool ILV, class SM, class QF>
@@ -1940,6 +2016,10 @@ __device__ __forceinline__ void affine_pages(
         } else if (cur_kind == 4) {
           page22w(bsh, qf2, static_cast<u32>(__cvta_generic_to_shared(&sm.k12b[0][2 * t][0])),
                   lds_f32(sm.hstep + level_row(2), true), g, t, acc, m0, m1, l0, l1, ps0, ps1);
+        } else if (cur_kind == 6) {
+          page1616w(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag[0][lane])),
+                    static_cast<u32>(__cvta_generic_to_shared(&sm.k12c[1][2 * t][0])), g, t, acc,
+                    m0, m1, l0, l1, ps0, ps1);
         } else {
           page88w(bsh, static_cast<u32>(__cvta_generic_to_shared(&sm.qfrag8[0][lane])),
                   static_cast<u32>(__cvta_generic_to_shared(&sm.k12c[0][2 * t][0])),
