@@ -552,7 +552,40 @@ def check(bits, seed=0):
     return worst == 0.0 and vworst == 0.0
 
 
+def pair33_bank_ways():
+    """Bank ways of a 3/3 staging the kernel does not have (docs/PERF_NOTES.md "Head dim 256"):
+    each pair of states h = s / 2 holds its 8 field chunks side by side (state parity x: chunks
+    4x .. 4x + 3, XOR 2 where h / 2 is odd) and then its 4 plane chunks (parity x ^ (h / 2 & 1)),
+    in the key region and in the value region; page33w's loads moved to those slots."""
+    def fslot(s, w):
+        h, x = s >> 1, s & 1
+        return 12 * h + 4 * x + (w ^ (2 * ((h >> 1) & 1)))
+
+    def pslot(s, c):
+        h, x = s >> 1, s & 1
+        return 12 * h + 8 + 2 * (x ^ ((h >> 1) & 1)) + c
+    slots = sorted([fslot(s, w) for s in range(20) for w in range(4)] +
+                   [pslot(s, c) for s in range(20) for c in range(2)])
+    assert slots == list(range(120)), "not a bijection of the region's chunks"
+    sm = Smem(np.zeros(PB + 512, np.uint8))
+    for u in range(2):
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            sm.cur = lane
+            for r in range(2 if u == 0 else 1):
+                s = 16 * u + 8 * r + g
+                sm.load(16 * fslot(s, t), 16, "k:16")
+                sm.load(16 * pslot(s, t >> 1) + 8 * (t & 1), 8, "kq:8")
+            for k in range(4):
+                if u == 0 or (k < 2 and t < 2):
+                    s = 16 * u + 2 * t + (k & 1) + 8 * (k >> 1)
+                    sm.load(1920 + 16 * fslot(s, g >> 1) + 8 * (g & 1), 8, "v:8")
+                    sm.load(1920 + 16 * pslot(s, g >> 2) + 4 * (g & 3), 4, "vp:4")
+    return sm.worst_conflict()
+
+
 if __name__ == "__main__":
     ok = all([check(b) for b in (4, 2, 3, 8, 16)])
+    print(f"3/3 with pair-interleaved staging (not in the kernel): bank ways {pair33_bank_ways()}")
     print("all exact" if ok else "MISMATCH")
     sys.exit(0 if ok else 1)
