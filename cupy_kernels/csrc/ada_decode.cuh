@@ -68,7 +68,8 @@ struct DecodeSmemAffine : DecodeSmem<D> {
   __align__(16) float k12[DEC_HEADS][2];   // K1, K2 per head (page44)
 };
 // At D = 128 and 256 it adds the query fragments and logit constants of the 3/3, 2/2, 8/8 and
-// 16/16 fast pages (D = 128: page_f2, page_f8, page_f16; D = 256: page22w, page33w, page88w).
+// 16/16 fast pages (D = 128: page_f2, page_f8, page_f16; D = 256: page22w, page33w, page88w,
+// page1616w).
 template <int D>
 struct DecodeSmemFast : DecodeSmemAffine<D> {
   uint2 qfrag2[D / 16][32];                  // [chunk][lane], see decode_cta
@@ -623,10 +624,10 @@ constexpr int AFF_STAGES = 2;   // affine kernel: page buffers per warp (pages i
 // both decode kernels ask for 2 CTAs per SM there (up to 255 registers; WIDE_DIM).
 constexpr int TABLE_CTAS_WIDE = 2;
 constexpr int AFF_CTAS_WIDE = 2;
-// The D = 256 fast pages (page44w, page22w, page33w, page88w, page1616w) in the affine kernel. Off until a
-// GPU run has passed their tests (tests/test_ada_decode.py, the fast-page tests at D = 256):
-// their lane maps are checked on the CPU only (lab/fast_pages_d256.py). Off, every D = 256 page
-// decodes on decode_page. On: -DSKV_WIDE_FAST_PAGES=1 (the run-time build adds it where
+// The D = 256 fast pages (page44w, page22w, page33w, page88w, page1616w) in the affine kernel.
+// Off until a GPU run has passed their tests (tests/test_ada_decode.py, the fast-page tests at
+// D = 256): their lane maps are checked on the CPU only (lab/fast_pages_d256.py). Off, every
+// D = 256 page decodes on decode_page. On: -DSKV_WIDE_FAST_PAGES=1 (the run-time build adds it where
 // SPHERICAL_KV_WIDE_FAST_PAGES=1 is in the environment: cupy_kernels._module.build_options).
 #ifndef SKV_WIDE_FAST_PAGES
 #  define SKV_WIDE_FAST_PAGES 0
@@ -896,9 +897,10 @@ __device__ __forceinline__ void f44_softmax(u32 buf, const F44Lane& fl, u32 kk, 
                     -15.0f, g, s, acc, pb, m0, m1, l0, l1, ps0, ps1);
 }
 
-// The F44 values of one 16-state sub-tile of 4-bit codes (page44, page44w): w[k][j] = value word
-// j of this lane's NJ (its coordinates 8j' .. 8j' + 7 of group j' = vgroup(g, j)) of state 2t,
-// 2t + 1, 2t + 8, 2t + 9 (k = 0..3); acc[4j + p] takes pair p (fields p, p + 4 at bit 4 (p & 1)).
+// The F44 values of one 16-state sub-tile of 4-bit codes (page44, page44w): w[k][j] = the lane's
+// j-th value word (coordinates 8 vgroup(g, j) .. + 7) of state 2t, 2t + 1, 2t + 8, 2t + 9
+// (k = 0..3); acc[4j + p] takes pair p of it (coordinates p, p + 4: the nibbles at bit 4 (p & 1)
+// of byte p >> 1 of each half).
 template <int NJ>
 __device__ __forceinline__ void f44_values_w(const u32 (&w)[4][NJ], u32 pb0, u32 pb1,
                                              float (&acc)[4 * NJ][4]) {
