@@ -1049,6 +1049,30 @@ __device__ __forceinline__ u32 f2_pair(u32 x, u32 pl) {
   }
 }
 
+// The logit mma's A operands of one state row for k16 chunk c of the F2 pages (page_f2,
+// f2_logits_w): fields 2h, 2h + 1 (h = c & 1) of the word variant W[k] (x: the field word
+// shifted by 8 (k & 1)); B = 3 merges the plane bits of pl (bytes paired at 0 and 2).
+template <int B>
+__device__ __forceinline__ void f2_key_ops(u32 x, u32 pl, int c, int k, u32& a0, u32& a1) {
+  if (c & 1) {
+    a0 = (k & 1) ? f2_pair<B, 2, 0>(x, pl) : f2_pair<B, 2, 4>(x, pl);
+    a1 = (k & 1) ? f2_pair<B, 3, 1>(x, pl) : f2_pair<B, 3, 5>(x, pl);
+  } else {
+    a0 = (k & 1) ? f2_pair<B, 0, -2>(x, pl) : f2_pair<B, 0, 2>(x, pl);
+    a1 = (k & 1) ? f2_pair<B, 1, -1>(x, pl) : f2_pair<B, 1, 3>(x, pl);
+  }
+}
+// The value mma's A operands of field P for the pair word x and y = x >> 8 (rows g, g + 8) of the
+// F2 pages (page_f2, f2_values_w): jj = 0 low halves, 1 high halves of the two states; B = 3 merges the
+// plane bits of pp (the states' 16-bit plane halves side by side): the plane bit of coordinate
+// 8 jj + P (row g) sits at bit 8 jj + P of pp, shifted by P + 2 - 8 jj to POS + 2; that of
+// 8 jj + P + 4 (row g + 8) by P - 2 - 8 jj.
+template <int B, int P>
+__device__ __forceinline__ void f2_value_ops(int jj, u32 x, u32 y, u32 pp, u32& a0, u32& a1) {
+  a0 = jj ? f2_pair<B, P, P - 6>(x, pp) : f2_pair<B, P, P + 2>(x, pp);
+  a1 = jj ? f2_pair<B, P, P - 10>(y, pp) : f2_pair<B, P, P - 2>(y, pp);
+}
+
 // Per-lane byte offsets inside a staged 3/3 or 2/2 page (sub-tile u: + 2 STR u; state + 8:
 // + STR, STR = 8 states).
 template <int B>
@@ -1127,12 +1151,8 @@ __device__ __forceinline__ void page_f2(u32 buf, u32 qf2, u32 kk, float hv, int 
         const u32 pl = kq[u][r][k >> 1];
         if (16 * u + 8 * r >= G::P) {
           a[r][0] = a[r][1] = 0u;
-        } else if (c & 1) {
-          a[r][0] = (k & 1) ? f2_pair<B, 2, 0>(x, pl) : f2_pair<B, 2, 4>(x, pl);
-          a[r][1] = (k & 1) ? f2_pair<B, 3, 1>(x, pl) : f2_pair<B, 3, 5>(x, pl);
         } else {
-          a[r][0] = (k & 1) ? f2_pair<B, 0, -2>(x, pl) : f2_pair<B, 0, 2>(x, pl);
-          a[r][1] = (k & 1) ? f2_pair<B, 1, -1>(x, pl) : f2_pair<B, 1, 3>(x, pl);
+          f2_key_ops<B>(x, pl, c, k, a[r][0], a[r][1]);
         }
       }
       mma_16816(s[u], a[0][0], a[1][0], a[0][1], a[1][1], b.x, b.y);
@@ -1165,17 +1185,14 @@ __device__ __forceinline__ void page_f2(u32 buf, u32 qf2, u32 kk, float hv, int 
       const u32 sel = j ? 0x7632u : 0x5410u;
       const u32 x01 = __byte_perm(v[0], v[1], sel), y01 = x01 >> 8;
       const u32 x23 = __byte_perm(v[2], v[3], sel), y23 = x23 >> 8;
-      // plane bit of coordinate 8j + p (row g) at bit 8j + p of pp: shift p + 2 - 8j to POS + 2;
-      // of 8j + p + 4 (row g + 8): shift p - 2 - 8j
 #define SKV_F2V(P_)                                                                        \
   {                                                                                        \
-    const u32 a0 = j ? f2_pair<B, P_, P_ - 6>(x01, pp01) : f2_pair<B, P_, P_ + 2>(x01, pp01); \
-    const u32 a1 = j ? f2_pair<B, P_, P_ - 10>(y01, pp01) : f2_pair<B, P_, P_ - 2>(y01, pp01); \
+    u32 a0, a1, a2, a3;                                                                    \
+    f2_value_ops<B, P_>(j, x01, y01, pp01, a0, a1);                                        \
     if (k8) {                                                                              \
       mma_1688(acc[4 * j + P_], a0, a1, pb[u][0]);                                         \
     } else {                                                                               \
-      const u32 a2 = j ? f2_pair<B, P_, P_ - 6>(x23, pp23) : f2_pair<B, P_, P_ + 2>(x23, pp23); \
-      const u32 a3 = j ? f2_pair<B, P_, P_ - 10>(y23, pp23) : f2_pair<B, P_, P_ - 2>(y23, pp23); \
+      f2_value_ops<B, P_>(j, x23, y23, pp23, a2, a3);                                      \
       mma_16816(acc[4 * j + P_], a0, a1, a2, a3, pb[u][0], pb[u][1]);                      \
     }                                                                                      \
   }
@@ -1480,10 +1497,12 @@ __device__ __forceinline__ void page44w(u32 buf, u32 qf7, u32 kk, float hv, int 
   f44_values_w(w, pb[0][0], pb[0][1], acc);
 }
 
-// The F2 values of one sub-tile (16 states, or with K8 the 8 states 2t, 2t + 1 of the k8 mma) at
-// D = 256: f[k] = field words 2g, 2g + 1 of state 2t, 2t + 1, 2t + 8, 2t + 9 (k = 0..3); at
-// 3 bits pp[fw][0 | 1] = the plane bits of field word fw of states (2t, 2t + 1) | (2t + 8, 2t + 9),
-// the two states' 16-bit halves side by side (page_f2's pp01, pp23).
+// The F2 values of one D = 256 sub-tile (16 states, or with K8 the 8 states 2t, 2t + 1 of the k8
+// mma; page22w, page33w): f[k] = field words 2g, 2g + 1 of state 2t, 2t + 1, 2t + 8, 2t + 9
+// (k = 0..3); at 3 bits pp[fw][0 | 1] = the plane bits of field word fw of states (2t, 2t + 1) |
+// (2t + 8, 2t + 9), the two states' 16-bit halves side by side. acc[4j + p] takes field p of the
+// pair word of the low (j even) or high halves of field word j / 2; the operands as page_f2's
+// (f2_value_ops).
 template <int B, bool K8>
 __device__ __forceinline__ void f2_values_w(const uint2 (&f)[4], const u32 (&pp)[2][2], u32 pb0,
                                             u32 pb1, float (&acc)[16][4]) {
@@ -1493,16 +1512,14 @@ __device__ __forceinline__ void f2_values_w(const uint2 (&f)[4], const u32 (&pp)
     const u32 sel = jj ? 0x7632u : 0x5410u;
     const u32 x01 = __byte_perm(fw ? f[0].y : f[0].x, fw ? f[1].y : f[1].x, sel), y01 = x01 >> 8;
     const u32 x23 = __byte_perm(fw ? f[2].y : f[2].x, fw ? f[3].y : f[3].x, sel), y23 = x23 >> 8;
-    const u32 pp01 = pp[fw][0], pp23 = pp[fw][1];
 #define SKV_F2W(P_)                                                                          \
   {                                                                                          \
-    const u32 a0 = jj ? f2_pair<B, P_, P_ - 6>(x01, pp01) : f2_pair<B, P_, P_ + 2>(x01, pp01); \
-    const u32 a1 = jj ? f2_pair<B, P_, P_ - 10>(y01, pp01) : f2_pair<B, P_, P_ - 2>(y01, pp01); \
+    u32 a0, a1, a2, a3;                                                                      \
+    f2_value_ops<B, P_>(jj, x01, y01, pp[fw][0], a0, a1);                                    \
     if constexpr (K8) {                                                                      \
       mma_1688(acc[4 * j + P_], a0, a1, pb0);                                                \
     } else {                                                                                 \
-      const u32 a2 = jj ? f2_pair<B, P_, P_ - 6>(x23, pp23) : f2_pair<B, P_, P_ + 2>(x23, pp23); \
-      const u32 a3 = jj ? f2_pair<B, P_, P_ - 10>(y23, pp23) : f2_pair<B, P_, P_ - 2>(y23, pp23); \
+      f2_value_ops<B, P_>(jj, x23, y23, pp[fw][1], a2, a3);                                  \
       mma_16816(acc[4 * j + P_], a0, a1, a2, a3, pb0, pb1);                                  \
     }                                                                                        \
   }
@@ -1513,10 +1530,13 @@ __device__ __forceinline__ void f2_values_w(const uint2 (&f)[4], const u32 (&pp)
 
 // The logits of one 16-state sub-tile of 2- or 3-bit codes at D = 256: kw[r] = key field words
 // 4t .. 4t + 3 of row r's state, kq[r] = its plane words 2t, 2t + 1 (3 bits); row 1 (state
-// rows g + 8) has zero operands unless row1.
+// rows g + 8) has zero operands unless row1. s: the sub-tile's logits (even and odd chunks on
+// two mma chains, added at the end).
 template <int B>
 __device__ __forceinline__ void f2_logits_w(const uint4 (&kw)[2], const uint2 (&kq)[2], bool row1,
-                                            u32 qf2, float (&s)[4], float (&s1)[4]) {
+                                            u32 qf2, float (&s)[4]) {
+  float s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  s[0] = s[1] = s[2] = s[3] = 0.0f;
 #pragma unroll
   for (int c = 0; c < 16; ++c) {
     const uint2 b = lds64(qf2 + 256u * c);
@@ -1530,16 +1550,14 @@ __device__ __forceinline__ void f2_logits_w(const uint4 (&kw)[2], const uint2 (&
       const u32 pl = B == 3 ? __byte_perm(pw, 0u, (fw & 1) ? 0x3322u : 0x1100u) : 0u;
       if (r == 1 && !row1) {
         a[r][0] = a[r][1] = 0u;
-      } else if (c & 1) {
-        a[r][0] = (k & 1) ? f2_pair<B, 2, 0>(x, pl) : f2_pair<B, 2, 4>(x, pl);
-        a[r][1] = (k & 1) ? f2_pair<B, 3, 1>(x, pl) : f2_pair<B, 3, 5>(x, pl);
       } else {
-        a[r][0] = (k & 1) ? f2_pair<B, 0, -2>(x, pl) : f2_pair<B, 0, 2>(x, pl);
-        a[r][1] = (k & 1) ? f2_pair<B, 1, -1>(x, pl) : f2_pair<B, 1, 3>(x, pl);
+        f2_key_ops<B>(x, pl, c, k, a[r][0], a[r][1]);
       }
     }
     mma_16816((c & 1) ? s1 : s, a[0][0], a[1][0], a[0][1], a[1][1], b.x, b.y);
   }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) s[k] += s1[k];
 }
 
 // One full D = 256 2/2 page staged by f44_stage at `buf` (the D = 128 4/4 layout). qf2: this
@@ -1555,11 +1573,7 @@ __device__ __forceinline__ void page22w(u32 buf, u32 qf2, u32 kk, float hv, int 
 #pragma unroll
   for (int u = 0; u < 2; ++u) {   // states g, g + 8 (u = 0); 16 + g, 24 + g (u = 1)
     const uint4 kw[2] = {lds128(buf + fl.koff + 1024u * u), lds128(buf + fl.koff + 1024u * u + 512u)};
-    float s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
-    f2_logits_w<2>(kw, nq, true, qf2, s[u], s1);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) s[u][k] += s1[k];
+    f2_logits_w<2>(kw, nq, true, qf2, s[u]);
   }
   u32 pb[2][2];
   fp_softmax<2, 31>(buf + fl.soff, buf + fl.soff + (F44_VSOFF - F44_KSOFF), kk, hv,
@@ -1567,10 +1581,10 @@ __device__ __forceinline__ void page22w(u32 buf, u32 qf2, u32 kk, float hv, int 
   const u32 npp[2][2] = {{0u, 0u}, {0u, 0u}};
 #pragma unroll
   for (int u = 0; u < 2; ++u) {   // value words 2g, 2g + 1 of states 2t, 2t + 1, + 8, + 9
-    const uint2 f[4] = {lds64(buf + fl.voff0 + 1024u * u), lds64(buf + fl.voff1 + 1024u * u),
+    const uint2 v[4] = {lds64(buf + fl.voff0 + 1024u * u), lds64(buf + fl.voff1 + 1024u * u),
                         lds64(buf + fl.voff0 + 1024u * u + 512u),
                         lds64(buf + fl.voff1 + 1024u * u + 512u)};
-    f2_values_w<2, false>(f, npp, pb[u][0], pb[u][1], acc);
+    f2_values_w<2, false>(v, npp, pb[u][0], pb[u][1], acc);
   }
 }
 
@@ -1597,11 +1611,7 @@ __device__ __forceinline__ void page33w(u32 buf, u32 qf2, u32 kk, float hv, int 
         kq[r] = lds64(rec + PLANE + 8u * ut);
       }
     }
-    float s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
-    f2_logits_w<3>(kw, kq, u == 0, qf2, s[u], s1);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) s[u][k] += s1[k];
+    f2_logits_w<3>(kw, kq, u == 0, qf2, s[u]);
   }
   u32 pb[2][2];
   fp_softmax<2, 20>(buf + F33_KSOFF + 2u * ug, buf + F33_VSOFF + 2u * ug, kk, hv, F2Geo<3>::COEF,
@@ -2218,7 +2228,7 @@ __device__ __forceinline__ void decode_cta(SKV_DECODE_PARAMS) {
   constexpr int NSUB = AFFINE ? AFF_SUB : 1;   // 16-state sub-tiles per softmax step
   // the fast pages exist for D = 128 and (WIDE_FAST_PAGES) 256
   constexpr bool F44 = AFFINE && (D == 128 || (D == 256 && WIDE_FAST_PAGES));
-  constexpr bool F2 = F44;   // ... the 4/4 one and the 3/3, 2/2, 8/8 (and at 128 16/16) ones
+  constexpr bool F2 = F44;   // ... the 4/4 one and the 3/3, 2/2, 8/8, 16/16 ones
   constexpr bool ILV = F2 && D == 128;       // interleaved splits (cta_pages)
   // EARLY (affine): the page stream starts at kernel entry, the query is staged past the page buffers
   constexpr bool EARLY = AFFINE;
