@@ -43,6 +43,10 @@ RENAMED = {
 }
 
 
+# the tier ladder of the launch-setting comparisons
+LADDER = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
+
+
 def build(csrc: Path, names: list, options: tuple) -> tuple:
     """(cubin bytes, {name expression: lowered (mangled) name}) of one NVRTC build."""
     from validation.build_info import offline_build
@@ -208,15 +212,14 @@ def launch_settings(rev: str, workdir: Path) -> int:
     old._sm_count = new._sm_count = lambda: 132
     if hasattr(old, "decode_path"):
         return same_api_settings(old, old_enc, new, new_enc, kernel_tables)
-    ladder = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
     names = {"ada_decode_v4_kernel": "ada_decode_table_kernel",
              "ada_decode_uniform_v7_kernel": "ada_decode_affine_kernel"}
     n = 0
     for codebook in ("uniform", "lloyd-max"):
         for dim in (64, 128):
             for page_bytes in (2048, 4096, 8192, 16384):
-                to = old_pages.kernel_tables(ladder, dim, page_bytes, codebook=codebook)
-                tn = kernel_tables(ladder, dim, page_bytes, codebook=codebook)
+                to = old_pages.kernel_tables(LADDER, dim, page_bytes, codebook=codebook)
+                tn = kernel_tables(LADDER, dim, page_bytes, codebook=codebook)
                 path = new.decode_path(tn)
                 v = old.default_version(to)
                 uni = codebook == "uniform"
@@ -237,35 +240,39 @@ def launch_settings(rev: str, workdir: Path) -> int:
                 # the encode kernels' cell tables, bit for bit, and their launch shape
                 assert old_enc.v3_tables(to).tobytes() == new_enc.cell_tables(tn).tobytes(), case
                 assert (old_enc.THREADS, old_enc.V2_BLOCKS_PER_SM) == (new_enc.THREADS, new_enc.BLOCKS_PER_SM)
-                for rows in (1, 2, 3, 8, 16, 33, 64, 100, 256, 1000):
-                    for pages in (1, 7, 100, 1058, 4229, 70000):
-                        assert old.splits_for(to, None, rows, rows * pages) == \
-                            new.splits_for(tn, rows, rows * pages), case + (rows, pages)
-                        n += 1
+                n += same_splits(lambda r, p: old.splits_for(to, None, r, p),
+                                 lambda r, p: new.splits_for(tn, r, p), case)
+    return n
+
+
+def same_splits(old, new, case) -> int:
+    """Asserts old(rows, total pages) == new(rows, total pages), the default split counts, on
+    the grid of rows and pages per row; returns the number of points."""
+    n = 0
+    for rows in (1, 2, 3, 8, 16, 33, 64, 100, 256, 1000):
+        for pages in (1, 7, 100, 1058, 4229, 70000):
+            assert old(rows, rows * pages) == new(rows, rows * pages), case + (rows, pages)
+            n += 1
     return n
 
 
 def same_api_settings(old, old_enc, new, new_enc, kernel_tables) -> int:
     """launch_settings for a revision whose launchers have today's interface (DecodePath,
-    cell_tables): the same comparisons, at every head dim of the module. The revision's
-    kernel_tables builds its tables when it has one of its own."""
+    cell_tables): the same comparisons, at every head dim of the module, both sides on tables
+    built by today's kernel_tables."""
     import dataclasses
-    ladder = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
     n = 0
     for codebook in ("uniform", "lloyd-max"):
         for dim in (64, 128, 256):
             for page_bytes in (2048, 4096, 8192, 16384):
-                tn = kernel_tables(ladder, dim, page_bytes, codebook=codebook)
+                tn = kernel_tables(LADDER, dim, page_bytes, codebook=codebook)
                 case = (codebook, dim, page_bytes)
                 po, pn = old.decode_path(tn), new.decode_path(tn)
                 assert dataclasses.asdict(po) == dataclasses.asdict(pn), case
                 assert old.decode_smem_bytes(dim, page_bytes, po) == new.decode_smem_bytes(dim, page_bytes, pn), case
                 assert old_enc.cell_tables(tn).tobytes() == new_enc.cell_tables(tn).tobytes(), case
-                for rows in (1, 2, 3, 8, 16, 33, 64, 100, 256, 1000):
-                    for pages in (1, 7, 100, 1058, 4229, 70000):
-                        assert old.splits_for(tn, rows, rows * pages) == \
-                            new.splits_for(tn, rows, rows * pages), case + (rows, pages)
-                        n += 1
+                n += same_splits(lambda r, p: old.splits_for(tn, r, p),
+                                 lambda r, p: new.splits_for(tn, r, p), case)
     return n
 
 

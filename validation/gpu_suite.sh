@@ -12,6 +12,11 @@ mkdir -p "$OUT"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-fixed}
 SUMMARY="$OUT/summary.txt"
 note() { echo "$*" | tee -a "$SUMMARY"; }
+# installs the FlashInfer wheel carried in .whl/ into /tmp/site; fails where none is carried
+flashinfer_site() {
+  ls .whl/flashinfer*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
+    --no-compile --target /tmp/site .whl/flashinfer*.whl > "$OUT/flashinfer_install.log" 2>&1
+}
 # the card, as the result files and asv's machine are named: h200, h100 (else gpu)
 case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)" in
   *H200*) card=h200;; *H100*) card=h100;; *) card=gpu;;
@@ -86,10 +91,7 @@ for stage in "$@"; do
       # pages off (decode_<card>_d256_off.json), then on (_on.json, beside FlashInfer when its
       # wheel is carried), each in its own process
       fi_flag=""
-      if ls .whl/flashinfer*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashinfer*.whl \
-          > "$OUT/flashinfer_install.log" 2>&1 && fi_flag=--flashinfer
-      fi
+      flashinfer_site && fi_flag=--flashinfer
       rc=0
       for wide in 0 1; do
         name=decode_${card}_d256_$([ $wide = 1 ] && echo on || echo off)
@@ -141,8 +143,7 @@ for stage in "$@"; do
       # FlashInfer's rows join the default methods when its wheel is carried in .whl/
       # (installed whenever carried, so that E2E_METHODS may name them too)
       methods=${E2E_METHODS:-dense,ada44,rdr,rdr-host}
-      if ls .whl/flashinfer*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
-          --no-compile --target /tmp/site .whl/flashinfer*.whl > "$OUT/flashinfer_install.log" 2>&1; then
+      if flashinfer_site; then
         [ -z "${E2E_METHODS:-}" ] && methods=dense,flashinfer-bf16,flashinfer-fp8,ada44,rdr,rdr-host
       fi
       # E2E_NAME (default e2e_<card>) names the files

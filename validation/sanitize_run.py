@@ -64,6 +64,21 @@ def encode_part(dim, tables_by_codebook, ladder):
                              mean_v=mean, mean_index=z2)
 
 
+def wide_tiers_part(dim, group, lengths, seed, splits):
+    """Decode rows where full and partial pages of every tier of the ladder 2/2 .. 16/16
+    interleave (uniform codebook: the affine path's fast pages), random filler bytes in the
+    pages' unused tails, at each split count."""
+    import cupy as cp
+    from validation.decode_cases import build_case, run_case, to_device
+    wide = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
+    case = build_case(1, 2, group, dim, lengths, wide, [1, 2, 3, 4, 5], seed=seed,
+                      fill_random=True, reference_parts=False, codebook="uniform", chunks_per_row=8)
+    dev = to_device(case)
+    for s in splits:
+        out = run_case(case, dev, num_splits=s)
+        assert bool(cp.all(cp.isfinite(out)))
+
+
 def main(argv=None):
     import cupy as cp
     from cupy_kernels import kernel_tables
@@ -99,26 +114,11 @@ def main(argv=None):
                 assert bool(cp.all(cp.isfinite(out)))
             # the other fast pages (full 2/2, 3/3, 8/8 and 16/16 pages) with partial pages of
             # every tier, in rows of several pages per tier, split-K interleaved over them
-            wide = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
-            case = build_case(1, 2, group, dim, [1500, 1100], wide, [1, 2, 3, 4, 5], seed=3,
-                              fill_random=True, reference_parts=False, codebook="uniform",
-                              chunks_per_row=8)
-            dev = to_device(case)
-            for splits in (1, 2, 3):
-                out = run_case(case, dev, num_splits=splits)
-                assert bool(cp.all(cp.isfinite(out)))
+            wide_tiers_part(dim, group, [1500, 1100], seed=3, splits=(1, 2, 3))
         encode_part(dim, tables, ladder)
     if not encode_only:
-        # the D = 256 fast pages (full 2/2, 3/3, 4/4, 8/8 and 16/16 pages) with partial
-        # pages of every tier
-        wide = [(2, 2), (3, 3), (4, 4), (8, 8), (16, 16)]
-        case = build_case(1, 2, 8, 256, [900, 700], wide, [1, 2, 3, 4, 5], seed=4,
-                          fill_random=True, reference_parts=False, codebook="uniform",
-                          chunks_per_row=8)
-        dev = to_device(case)
-        for splits in (1, 3):
-            out = run_case(case, dev, num_splits=splits)
-            assert bool(cp.all(cp.isfinite(out)))
+        # the D = 256 fast pages (full 2/2, 3/3, 4/4, 8/8 and 16/16 pages) likewise
+        wide_tiers_part(256, 8, [900, 700], seed=4, splits=(1, 3))
     cp.cuda.Device().synchronize()
     print("sanitize run done")
 
